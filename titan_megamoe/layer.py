@@ -1,0 +1,162 @@
+"""MegaMoE: a TorchTitan 0.2.2 ``MoE`` layer whose routed-expert path is one fused operator.
+
+Same parameters, buffers and FQNs as TorchTitan's ``MoE`` (``router.gate.weight``,
+``experts.w1/w2/w3``, ``shared_experts.*``, ``expert_bias``, ``tokens_per_expert``), same router
+semantics and init, so checkpoints are interchangeable. Subclassing ``MoE`` keeps TorchTitan's
+``apply_compile`` / ``apply_fsdp`` / load-balancing code treating it as an MoE layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torchtitan.models.moe.moe import MoE, MoEArgs, TokenChoiceTopKRouter
+
+from titan_megamoe.config import MegaMoEConfig
+from titan_megamoe.experts import MegaMoEExperts
+from titan_megamoe.parallelize import strip_torchtitan_ep_hooks
+
+__all__ = ["MegaMoE", "MegaMoERouter", "moe_args_of"]
+
+
+class MegaMoERouter(TokenChoiceTopKRouter):
+    """TorchTitan's token-choice top-k router (softmax / sigmoid, expert_bias for selection only,
+    node-limited groups, route_norm, route_scale), with the per-expert counts taken by
+    ``torch.bincount`` (deterministic, and runs on CPU where ``histc`` of int64 does not)."""
+
+    def forward(self, x: Tensor, expert_bias: Tensor | None = None):
+        """x (T, D) -> top_scores (T, K) fp32, selected_experts_indices (T, K) int64,
+        num_tokens_per_expert (E,) fp32."""
+        scores = self.gate(x)
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(scores.to(torch.float32))
+        elif self.score_func == "softmax":
+            scores = F.softmax(scores.to(torch.float32), dim=1)
+        else:
+            raise NotImplementedError(f"Unknown score function {self.score_func}")
+        scores_for_choice = scores if expert_bias is None else scores + expert_bias
+        if self.num_expert_groups is not None:
+            scores_for_choice = self._get_node_limited_routing_scores(scores_for_choice)
+        _, selected = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)
+        top_scores = scores.gather(dim=1, index=selected)
+        if self._debug_force_load_balance:
+            selected, top_scores = self._debug_force_load_balance_routing(scores)
+        if self.route_norm:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        top_scores = top_scores * self.route_scale
+        counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).to(torch.float32)
+        return top_scores, selected, counts
+
+
+def moe_args_of(moe: MoE) -> tuple[MoEArgs, int, int]:
+    """Recover (MoEArgs, dim, hidden_dim) from a built TorchTitan ``MoE`` layer."""
+    r, ex = moe.router, moe.experts
+    num_experts, hidden_dim, dim = ex.w1.shape
+    shared = 0
+    if moe.shared_experts is not None:
+        shared = moe.shared_experts.w1.weight.shape[0] // hidden_dim
+    args = MoEArgs(
+        num_experts=num_experts,
+        num_shared_experts=shared,
+        score_func=r.score_func,
+        route_norm=r.route_norm,
+        route_scale=r.route_scale,
+        gate_bias=r.gate.bias is not None,
+        score_before_experts=moe.score_before_experts,
+        top_k=r.top_k,
+        num_expert_groups=r.num_expert_groups,
+        num_limited_groups=r.num_limited_groups,
+        use_grouped_mm=getattr(ex, "use_grouped_mm", True),
+        load_balance_coeff=moe.load_balance_coeff,
+        _debug_force_load_balance=r._debug_force_load_balance,
+    )
+    return args, dim, hidden_dim
+
+
+class MegaMoE(MoE):
+    """MoE layer: router -> fused expert-parallel experts (+ shared experts).
+
+    Args:
+        moe_args, dim, hidden_dim: as TorchTitan's ``MoE``.
+        config: the ``[megamoe]`` settings (backend, precision, capacity).
+        max_tokens_per_rank: tokens per call on one rank (0: unchecked).
+        layer_name: FQN used in error messages.
+
+    Input / output: (bs, slen, dim) in the model dtype.
+    """
+
+    def __init__(
+        self,
+        moe_args: MoEArgs,
+        dim: int,
+        hidden_dim: int,
+        *,
+        config: MegaMoEConfig | None = None,
+        max_tokens_per_rank: int = 0,
+        layer_name: str = "moe",
+    ):
+        super().__init__(moe_args, dim=dim, hidden_dim=hidden_dim)
+        self.router = MegaMoERouter(
+            dim=dim,
+            num_experts=moe_args.num_experts,
+            num_expert_groups=moe_args.num_expert_groups,
+            num_limited_groups=moe_args.num_limited_groups,
+            top_k=moe_args.top_k,
+            score_func=moe_args.score_func,
+            route_norm=moe_args.route_norm,
+            route_scale=moe_args.route_scale,
+            gate_bias=moe_args.gate_bias,
+            _debug_force_load_balance=moe_args._debug_force_load_balance,
+        )
+        self.experts = MegaMoEExperts(
+            dim=dim,
+            hidden_dim=hidden_dim,
+            num_experts=moe_args.num_experts,
+            config=config,
+            score_before_experts=moe_args.score_before_experts,
+            top_k=moe_args.top_k,
+            max_tokens_per_rank=max_tokens_per_rank,
+            layer_name=layer_name,
+        )
+        self.reorderer = None  # the fused operator orders tokens itself
+        self.layer_name = layer_name
+
+    @classmethod
+    def from_moe(
+        cls,
+        moe: MoE,
+        *,
+        config: MegaMoEConfig | None = None,
+        max_tokens_per_rank: int = 0,
+        layer_name: str = "moe",
+    ) -> "MegaMoE":
+        """Build a MegaMoE that takes over ``moe``'s parameters and buffers (same objects, so the
+        dtype, device, values and any sharding are kept)."""
+        args, dim, hidden_dim = moe_args_of(moe)
+        with torch.device("meta"):
+            new = cls(args, dim, hidden_dim, config=config,
+                      max_tokens_per_rank=max_tokens_per_rank, layer_name=layer_name)
+        new.router.gate = moe.router.gate
+        new.shared_experts = moe.shared_experts
+        for name in ("w1", "w2", "w3"):
+            setattr(new.experts, name, getattr(moe.experts, name))
+        new.expert_bias = moe.expert_bias
+        new.tokens_per_expert = moe.tokens_per_expert
+        new.train(moe.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (bs, slen, dim) -> (bs, slen, dim)."""
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected, counts = self.router(x, self.expert_bias)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts)
+        # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
+        strip_torchtitan_ep_hooks(self.experts)
+        out = self.experts(x, selected, top_scores)
+        if self.shared_experts is not None:
+            out = self.shared_experts(x) + out
+        return out.reshape(bs, slen, dim)

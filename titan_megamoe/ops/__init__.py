@@ -1,0 +1,65 @@
+"""The one functional entry point of the fused MoE operator.
+
+Shape legend: T tokens on this rank, D model dim, F expert hidden dim, K top_k, E routed experts,
+e = E // R local experts, R the expert-parallel group size.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from titan_megamoe.config import AVAILABLE
+from titan_megamoe.ops.reference import mega_moe_ref
+
+__all__ = ["mega_moe", "mega_moe_ref"]
+
+
+def mega_moe(
+    x_TD: Tensor,
+    topk_ids_TK: Tensor,
+    topk_scores_TK: Tensor,
+    w1_eFD: Tensor,
+    w2_eDF: Tensor,
+    w3_eFD: Tensor,
+    *,
+    num_experts: int,
+    ep_group: dist.ProcessGroup | None = None,
+    score_before_experts: bool = False,
+    backend: str = "reference",
+    precision: str = "bf16",
+    recv_capacity: int | None = None,
+    layer_name: str = "moe",
+) -> Tensor:
+    """Routed-expert path of an MoE layer: EP dispatch + SwiGLU experts + weighted combine.
+
+    Args:
+        x_TD: (T, D) bf16/fp32 tokens of this rank.
+        topk_ids_TK: (T, K) integer global expert ids.
+        topk_scores_TK: (T, K) fp32 routing scores.
+        w1_eFD, w3_eFD: (e, F, D) local gate / up weights; w2_eDF: (e, D, F) local down weights.
+        num_experts: E; rank r of ``ep_group`` owns experts [r*e, (r+1)*e).
+        ep_group: expert-parallel process group, None for no expert parallelism.
+        score_before_experts: scale the expert input (True) or output (False) by the score.
+        backend: "reference" (pure PyTorch) or "triton" (fused kernels).
+        precision: "bf16", "fp8" or "fp8_bwd".
+        recv_capacity: largest number of routed rows a rank accepts (CapacityError beyond).
+        layer_name: name used in error messages.
+
+    Returns:
+        (T, D) output in x's dtype; the fp32 weighted sum over top_k is done in a fixed order.
+
+    Raises:
+        NotImplementedError: the (backend, precision) pair is not built yet.
+        ValueError: inconsistent shapes or expert ids out of range.
+        CapacityError: routed rows beyond ``recv_capacity``.
+    """
+    if backend not in AVAILABLE or precision not in AVAILABLE[backend]:
+        raise NotImplementedError(
+            f"mega_moe: backend={backend!r}, precision={precision!r} is not available yet"
+        )
+    return mega_moe_ref(
+        x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD,
+        num_experts=num_experts, ep_group=ep_group, score_before_experts=score_before_experts,
+        recv_capacity=recv_capacity, layer_name=layer_name,
+    )

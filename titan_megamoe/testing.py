@@ -1,0 +1,172 @@
+"""Inputs, routings and tolerances shared by tests/ and compare/ (never retyped elsewhere).
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E routed experts, K top_k, R EP ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ROUTINGS",
+    "TOLERANCES",
+    "make_routing",
+    "rel_err",
+    "assert_close_rel",
+    "stock_histc_on_cpu",
+    "build_moe_pair",
+]
+
+#: Relative-error bounds ||a - b|| / ||b|| per dtype. fp32: same math, different summation order
+#: (the reference pre-sums per rank, stock sums all K at once) -> a few ulps of fp32 over sums of
+#: <= K*F terms; bf16: operands rounded to 8 mantissa bits (2^-8 = 3.9e-3 per rounding) with several
+#: roundings in a chain (x, h, y, output), as METHOD.md's 1e-3..1e-2 band for bf16 operands.
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.bfloat16: 2e-2,
+}
+
+#: Named routings: what each one stresses.
+ROUTINGS = {
+    "uniform": "random distinct experts per token (near-uniform load)",
+    "skewed": "Zipf-like expert popularity (hot experts, long tail)",
+    "zero_expert": "some experts get no token at all",
+    "one_expert": "every token picks expert 0 (plus K-1 others): one expert gets all T rows",
+    "one_rank": "every token's experts live on rank 0: other ranks compute nothing",
+    "empty_rank": "no token routes to the last rank",
+}
+
+
+def _distinct_topk(weights_TE: Tensor, K: int, gen: torch.Generator) -> Tensor:
+    # multinomial without replacement gives K distinct experts per token
+    return torch.multinomial(weights_TE, K, replacement=False, generator=gen)
+
+
+def make_routing(
+    kind: str,
+    T: int,
+    E: int,
+    K: int,
+    *,
+    ep: int = 1,
+    seed: int = 0,
+    zipf_s: float = 1.2,
+) -> Tensor:
+    """Top-k expert ids (T, K) int64, distinct per token, for a named routing (see ``ROUTINGS``).
+
+    Raises:
+        ValueError: unknown kind, or a kind that cannot hold K distinct experts (e.g. "one_rank"
+            with fewer than K experts per rank).
+    """
+    if kind not in ROUTINGS:
+        raise ValueError(f"unknown routing {kind!r}; choose one of {sorted(ROUTINGS)}")
+    if K > E:
+        raise ValueError(f"top_k={K} > num_experts={E}")
+    gen = torch.Generator().manual_seed(seed)
+    e = E // ep
+    w = torch.ones(T, E)
+    if kind == "skewed":
+        ranks = torch.randperm(E, generator=gen).to(torch.float32) + 1.0
+        w = (ranks ** (-zipf_s)).expand(T, E).clone()
+    elif kind == "zero_expert":
+        starved = torch.randperm(E, generator=gen)[: max(1, E // 4)]
+        if E - starved.numel() < K:
+            raise ValueError("zero_expert routing needs E - E//4 >= K")
+        w[:, starved] = 0.0
+    elif kind == "one_expert":
+        rest = _distinct_topk(torch.ones(T, E - 1), K - 1, gen) + 1 if K > 1 else torch.empty(T, 0, dtype=torch.int64)
+        return torch.cat([torch.zeros(T, 1, dtype=torch.int64), rest], 1)
+    elif kind == "one_rank":
+        if e < K:
+            raise ValueError(f"one_rank routing needs experts per rank ({e}) >= top_k ({K})")
+        w[:, e:] = 0.0
+    elif kind == "empty_rank":
+        if E - e < K:
+            raise ValueError(f"empty_rank routing needs E - e ({E - e}) >= top_k ({K})")
+        if ep > 1:
+            w[:, E - e:] = 0.0
+    return _distinct_topk(w, K, gen)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (inf if b is all zeros and a is not; NaN never passes)."""
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    num = torch.linalg.vector_norm(a64 - b64).item()
+    den = torch.linalg.vector_norm(b64).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def assert_close_rel(actual: Tensor, expected: Tensor, dtype: torch.dtype | None = None, name: str = "") -> None:
+    """Assert the relative error is within ``TOLERANCES[dtype]``; message carries the numbers."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    if not torch.isfinite(actual).all():
+        raise AssertionError(f"{name}: non-finite values in result")
+    tol = TOLERANCES[dtype or expected.dtype]
+    err = rel_err(actual, expected)
+    if not err <= tol:
+        diff = (actual.detach().double() - expected.detach().double()).abs()
+        idx = int(diff.argmax())
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} > {tol:.1e} (max abs diff {diff.max().item():.3e} at "
+            f"flat index {idx}; |expected| max {expected.detach().abs().max().item():.3e})"
+        )
+
+
+@contextlib.contextmanager
+def stock_histc_on_cpu():
+    """Let stock TorchTitan's MoE run on CPU: it calls ``torch.histc`` on int64 expert ids, which
+    only CUDA implements. Inside the context, int inputs are counted in float and the counts
+    returned in the input's integer dtype, as CUDA does."""
+    orig = torch.histc
+
+    def histc(input, bins=100, min=0, max=0, **kw):  # noqa: A002 - torch's own names
+        if not input.dtype.is_floating_point:
+            return orig(input.to(torch.float32), bins=bins, min=min, max=max, **kw).to(input.dtype)
+        return orig(input, bins=bins, min=min, max=max, **kw)
+
+    torch.histc = histc
+    try:
+        yield
+    finally:
+        torch.histc = orig
+
+
+@dataclass
+class MoEPair:
+    stock: torch.nn.Module
+    mega: torch.nn.Module
+
+
+def build_moe_pair(moe_args, dim: int, hidden_dim: int, *, dtype=torch.float32, seed: int = 0, config=None) -> MoEPair:
+    """A stock TorchTitan ``MoE`` and a ``MegaMoE`` holding equal (cloned) weights, on CPU.
+
+    The stock layer runs TorchTitan's own code; the MegaMoE is built by the converter path
+    (``MegaMoE.from_moe`` on a deep copy), so both start from TorchTitan's init.
+    """
+    import copy
+
+    from torchtitan.models.moe.moe import MoE
+
+    from titan_megamoe.layer import MegaMoE
+
+    torch.manual_seed(seed)
+    stock = MoE(moe_args, dim=dim, hidden_dim=hidden_dim)
+    with torch.no_grad():
+        stock.init_weights(0.02, torch.device("cpu"))
+        # Non-trivial expert_bias so selection differs from pure scores (still equal in both layers).
+        if stock.expert_bias is not None:
+            stock.expert_bias.copy_(torch.randn(moe_args.num_experts) * 1e-3)
+    stock = stock.to(dtype)
+    if stock.expert_bias is not None:
+        stock.expert_bias = stock.expert_bias.float()
+    stock.tokens_per_expert = stock.tokens_per_expert.float()
+    mega = MegaMoE.from_moe(copy.deepcopy(stock), config=config)
+    return MoEPair(stock, mega)
