@@ -21,13 +21,10 @@ if "megamoe" not in _registry_model_converter_cls:
 
 
 def _register() -> None:
+    from titan_megamoe.data import register_datasets
     from titan_megamoe.flavors import register_flavors
 
     register_flavors()
-    try:
-        from titan_megamoe.data import register_datasets
-    except ImportError:  # data module not present in a trimmed install
-        return
     register_datasets()
 
 

@@ -170,3 +170,48 @@ def build_moe_pair(moe_args, dim: int, hidden_dim: int, *, dtype=torch.float32, 
     stock.tokens_per_expert = stock.tokens_per_expert.float()
     mega = MegaMoE.from_moe(copy.deepcopy(stock), config=config)
     return MoEPair(stock, mega)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
+    import datetime
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world_size, *args)
+        failure = ""
+    except Exception:  # gathered and raised once by rank 0, so no rank hangs on a collective
+        failure = f"rank {rank}:\n{traceback.format_exc()}"
+    failures = [None] * world_size
+    dist.all_gather_object(failures, failure)
+    dist.destroy_process_group()
+    bad = [f for f in failures if f]
+    if bad and rank == 0:
+        raise AssertionError("\n".join(bad))
+
+
+def run_gloo(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` CPU processes joined by a gloo group.
+
+    ``fn`` must be importable (module level). Failures of all ranks are gathered and re-raised
+    here as one AssertionError; the process group has a timeout, so a missing rank cannot hang.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_worker, args=(world_size, _free_port(), fn, args, timeout_s), nprocs=world_size, join=True)

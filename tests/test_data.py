@@ -1,0 +1,327 @@
+"""The embedded default inputs: stdlib corpus, tokenizer, ``python_stdlib`` dataset, launcher.
+
+All CPU. Corpora here come from a tiny fake source tree or from one small stdlib package (``json``),
+except one subprocess test that builds the real default corpus offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from titan_megamoe.data import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_TOKENIZER_DIR,
+    register_datasets,
+)
+from titan_megamoe.data.corpus import (
+    COMPLETE_MARKER,
+    build_stdlib_corpus,
+    corpus_files,
+    iter_corpus_texts,
+    read_manifest,
+)
+from titan_megamoe.data.tokenizer import BOS_TOKEN, EOS_TOKEN, train_stdlib_tokenizer
+from titan_megamoe import launch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+JSON_PKG = Path(json.__file__).parent  # a small real stdlib package (~5 files, ~60 KB)
+
+# Fake stdlib tree: name -> bytes. Sorted relative-path order of the kept files is a, pkg/b, z.
+FAKE_FILES = {
+    "a.py": b"def a():\n    return 1\n",
+    "pkg/b.py": b"class B:\n    x = 'b'\n",
+    "z_unicode.py": "s = 'caf\u00e9 \u2028 \u03c0'\n".encode("utf-8"),  # U+2028 must survive JSONL
+    "latin1.py": b"# coding: latin-1\ns = '\xe9'\n",  # not UTF-8: skipped
+    "pkg/__pycache__/c.py": b"excluded = True\n",
+    "site-packages/d.py": b"excluded = True\n",
+    "lib/dist-packages/e.py": b"excluded = True\n",
+    "notes.txt": b"not python\n",
+}
+KEPT = ["a.py", "pkg/b.py", "z_unicode.py"]
+
+SNIPPET = textwrap.dedent(
+    """\
+    def f(xs: list[int]) -> dict[str, int]:
+    \t# tab, unicode not in the corpus: \u00e9 \u03c0 \u2603 \U0001f600
+        return {"n": len(xs), "s": sum(x * 2 for x in xs)}  \n
+    """
+)
+
+
+@pytest.fixture
+def fake_root(tmp_path: Path) -> Path:
+    root = tmp_path / "fake_stdlib"
+    for rel, data in FAKE_FILES.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    return build_stdlib_corpus(tmp_path_factory.mktemp("corpus") / "json_pkg", src_root=JSON_PKG)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(small_corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "tok300"
+    return train_stdlib_tokenizer(small_corpus, out, vocab_size=300)
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def test_corpus_keeps_utf8_py_files_in_sorted_order(fake_root, tmp_path):
+    out = build_stdlib_corpus(tmp_path / "c", src_root=fake_root)
+    expected = [FAKE_FILES[rel].decode("utf-8") for rel in KEPT]
+    assert list(iter_corpus_texts(out)) == expected
+    manifest = read_manifest(out)
+    assert manifest["num_docs"] == 3
+    assert manifest["num_bytes"] == sum(len(FAKE_FILES[rel]) for rel in KEPT)
+    assert manifest["num_skipped_non_utf8"] == 1
+    assert manifest["src_root"] == str(fake_root)
+    assert [p.name for p in corpus_files(out)] == manifest["files"] == ["python_stdlib-00000.jsonl"]
+    # No temp directory left next to the output.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "fake_stdlib"]
+
+
+def test_corpus_is_deterministic(fake_root, tmp_path):
+    one = build_stdlib_corpus(tmp_path / "one", src_root=fake_root)
+    two = build_stdlib_corpus(tmp_path / "two", src_root=fake_root)
+    for name in ["python_stdlib-00000.jsonl", COMPLETE_MARKER]:
+        assert (one / name).read_bytes() == (two / name).read_bytes()
+
+
+def test_corpus_cache_is_returned_without_rebuilding(fake_root, tmp_path):
+    out = build_stdlib_corpus(tmp_path / "c", src_root=fake_root)
+    shard = corpus_files(out)[0]
+    before = (shard.stat().st_mtime_ns, shard.read_bytes())
+    (fake_root / "new.py").write_text("added_later = 1\n")
+    assert build_stdlib_corpus(out, src_root=fake_root) == out
+    assert (shard.stat().st_mtime_ns, shard.read_bytes()) == before
+    assert read_manifest(out)["num_docs"] == 3
+
+
+def test_corpus_refuses_incomplete_existing_dir(fake_root, tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "mine.jsonl").write_text('{"text": "user data"}\n')
+    with pytest.raises(FileExistsError, match="_COMPLETE"):
+        build_stdlib_corpus(tmp_path / "c", src_root=fake_root)
+    assert (tmp_path / "c" / "mine.jsonl").read_text() == '{"text": "user data"}\n'
+
+
+def test_corpus_shards_and_byte_cap(fake_root, tmp_path):
+    sharded = build_stdlib_corpus(tmp_path / "s", src_root=fake_root, shard_bytes=1)  # 1 doc / shard
+    assert len(corpus_files(sharded)) == 3
+    assert list(iter_corpus_texts(sharded)) == [FAKE_FILES[rel].decode() for rel in KEPT]
+    cap = len(FAKE_FILES["a.py"]) + len(FAKE_FILES["pkg/b.py"])  # exactly the first two docs
+    capped = build_stdlib_corpus(tmp_path / "m", src_root=fake_root, max_bytes=cap)
+    assert read_manifest(capped)["num_docs"] == 2
+    assert read_manifest(capped)["num_bytes"] == cap
+    with pytest.raises(ValueError, match="max_bytes"):
+        build_stdlib_corpus(tmp_path / "tiny", src_root=fake_root, max_bytes=3)
+
+
+def test_corpus_errors_on_root_without_py_files(tmp_path):
+    empty = tmp_path / "empty"
+    (empty / "__pycache__").mkdir(parents=True)
+    (empty / "__pycache__" / "only_cached.py").write_text("x = 1\n")  # pruned, so still "no .py"
+    with pytest.raises(FileNotFoundError, match=r"no \*\.py file"):
+        build_stdlib_corpus(tmp_path / "c", src_root=empty)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        build_stdlib_corpus(tmp_path / "c", src_root=tmp_path / "missing")
+    assert not (tmp_path / "c").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # temp dir cleaned up
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_loads_in_torchtitan_and_round_trips(small_tokenizer):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(str(small_tokenizer))
+    assert (tok.bos_token, tok.bos_id) == (BOS_TOKEN, 0)
+    assert (tok.eos_token, tok.eos_id) == (EOS_TOKEN, 1)
+    assert tok.get_vocab_size() == 300  # specials included, nothing appended at load
+    ids = tok.encode(SNIPPET, add_bos=True, add_eos=True)
+    assert ids[0] == 0 and ids[-1] == 1
+    assert 0 not in ids[1:-1] and 1 not in ids[1:-1]
+    assert max(ids) < 300
+    assert len(ids) < len(SNIPPET.encode("utf-8"))  # the merges actually compress
+    assert tok.decode(ids) == SNIPPET
+    assert tok.encode(SNIPPET) == ids[1:-1]  # no implicit BOS/EOS
+
+
+def test_tokenizer_is_deterministic_and_cached(small_corpus, small_tokenizer, tmp_path):
+    again = train_stdlib_tokenizer(small_corpus, tmp_path / "again", vocab_size=300)
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        assert (again / name).read_bytes() == (small_tokenizer / name).read_bytes()
+    before = (again / "tokenizer.json").stat().st_mtime_ns
+    assert train_stdlib_tokenizer(small_corpus, again, vocab_size=999) == again
+    assert (again / "tokenizer.json").stat().st_mtime_ns == before
+    provenance = json.loads((again / "provenance.json").read_text())
+    assert provenance["vocab_size"] == 300
+    assert provenance["num_train_docs"] == read_manifest(small_corpus)["num_docs"]
+
+
+def test_tokenizer_rejects_vocab_without_room_for_bytes(small_corpus, tmp_path):
+    with pytest.raises(ValueError, match=">= 258"):
+        train_stdlib_tokenizer(small_corpus, tmp_path / "t", vocab_size=257)
+    assert not (tmp_path / "t").exists()
+
+
+# ---------------------------------------------------------------- dataset
+
+
+def test_python_stdlib_dataset_feeds_torchtitan_dataloader(
+    small_corpus, small_tokenizer, tmp_path, monkeypatch
+):
+    import datasets.config
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.config import JobConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_dataloader
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    register_datasets()
+    register_datasets()  # idempotent
+    entry = DATASETS["python_stdlib"]
+    assert entry.path == DEFAULT_DATA_DIR == "data/python_stdlib"
+    assert len(entry.loader(str(small_corpus))) == read_manifest(small_corpus)["num_docs"]
+
+    job = JobConfig()
+    job.training.dataset = "python_stdlib"
+    job.training.dataset_path = str(small_corpus)
+    job.training.local_batch_size = 2
+    job.training.seq_len = 64
+    tok = HuggingFaceTokenizer(str(small_tokenizer))
+    loader = build_text_dataloader(dp_world_size=1, dp_rank=0, tokenizer=tok, job_config=job)
+    inputs, labels = next(iter(loader))
+    x = inputs["input"]
+    assert x.shape == labels.shape == (2, 64)
+    assert x.dtype == labels.dtype == __import__("torch").int64
+    assert int(x.min()) >= 0 and int(max(x.max(), labels.max())) < tok.get_vocab_size()
+    assert int(x[0, 0]) == tok.bos_id  # the first document starts the stream
+    assert bool((labels[:, :-1] == x[:, 1:]).all())  # labels are inputs shifted by one
+    first_doc = next(iter_corpus_texts(small_corpus))
+    assert tok.decode(x[0].tolist()) == first_doc[: len(tok.decode(x[0].tolist()))]
+
+
+def test_loader_builds_default_corpus_offline(tmp_path):
+    """Fresh process, HF offline, empty working dir: the loader builds data/python_stdlib itself."""
+    script = textwrap.dedent(
+        """
+        from titan_megamoe.data import register_datasets
+        from titan_megamoe.data.corpus import iter_corpus_texts, read_manifest
+        from torchtitan.hf_datasets.text_datasets import DATASETS
+        register_datasets()
+        entry = DATASETS["python_stdlib"]
+        ds = entry.loader(entry.path)
+        same_text = entry.sample_processor(ds[0]) == next(iter_corpus_texts(entry.path))
+        print(len(ds), read_manifest(entry.path)["num_docs"], same_text)
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "hf")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n_rows, n_docs, text_ok = proc.stdout.split()[-3:]
+    assert n_rows == n_docs and int(n_docs) > 500  # CPython's stdlib has ~1,800 .py files
+    assert text_ok == "True"
+    assert (tmp_path / DEFAULT_DATA_DIR / COMPLETE_MARKER).is_file()
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def _write_toml(path: Path, dataset: str, assets: str) -> Path:
+    path.write_text(
+        f'[model]\nhf_assets_path = "{assets}"\n\n[training]\ndataset = "{dataset}"\nsteps = 10\n'
+    )
+    return path
+
+
+def _dry_run(capsys, argv) -> dict[str, str]:
+    assert launch.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(": ") if not line.startswith("env ") else ("env", "", line[4:])
+        lines.setdefault(key, "")
+        lines[key] += value + ("\n" if key == "env" else "")
+    return lines
+
+
+def test_launch_dry_run_prints_command_and_env(tmp_path, capsys):
+    cfg = _write_toml(tmp_path / "job.toml", "python_stdlib", "./assets/python_stdlib_tokenizer")
+    argv = ["--config", str(cfg), "--ngpu", "2", "--steps", "5", "--dry-run", "--", "--x.y", "1"]
+    got = _dry_run(capsys, argv)
+    assert shlex.split(got["command"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "torchtitan.train", "--job.config_file", str(cfg), "--training.steps", "5", "--x.y", "1",
+    ]  # fmt: skip
+    assert got["env"].split() == [
+        "HF_HUB_OFFLINE=1", "HF_DATASETS_OFFLINE=1", "NCCL_NVLS_ENABLE=0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
+    ]  # fmt: skip
+    assert got["prepare corpus"] == DEFAULT_DATA_DIR
+    assert got["prepare tokenizer"] == DEFAULT_TOKENIZER_DIR
+    assert not (tmp_path / "data").exists()  # dry run prepares nothing
+
+
+def test_launch_plan_follows_toml_and_cli_overrides(tmp_path, capsys):
+    import torch
+
+    other = _write_toml(tmp_path / "c4.toml", "c4_test", "./tests/assets/tokenizer")
+    got = _dry_run(capsys, ["--config", str(other), "--dry-run"])
+    assert (got["prepare corpus"], got["prepare tokenizer"]) == ("-", "-")
+    assert shlex.split(got["command"])[5] == str(torch.cuda.device_count() or 1)  # --ngpu default
+    assert "--training.steps" not in got["command"]
+    got = _dry_run(
+        capsys,
+        ["--config", str(other), "--ngpu", "1", "--dry-run", "--",
+         "--training.dataset", "python_stdlib", "--training.dataset_path=/my/corpus"],
+    )  # fmt: skip
+    assert got["prepare corpus"] == "/my/corpus"
+
+
+def test_launch_missing_config_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch.main(["--config", str(tmp_path / "nope.toml"), "--dry-run"])
+    assert exc.value.code == 2
+    assert f"config file not found: {tmp_path / 'nope.toml'}" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\n")
+    with pytest.raises(SystemExit) as exc:
+        launch.main(["--config", str(bad), "--ngpu", "1", "--dry-run"])
+    assert exc.value.code == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_launch_module_entry_point_exits_nonzero_on_missing_config(tmp_path):
+    """The real `python -m titan_megamoe.launch` CLI (one process: importing the package costs ~10 s)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "titan_megamoe.launch", "--ngpu", "1", "--dry-run"]
+    cmd += ["--config", "missing.toml"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "config file not found: missing.toml" in proc.stderr
+    assert "command:" not in proc.stdout

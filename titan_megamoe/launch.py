@@ -1,0 +1,173 @@
+"""Run ``torchtitan.train`` on one host with the embedded default inputs prepared first.
+
+    python -m titan_megamoe.launch --config train_configs/X.toml [--ngpu N] [--steps S]
+        [--dry-run] [-- extra torchtitan args]
+
+Steps: check the TOML exists; prepare the stdlib corpus if the job uses ``[training] dataset =
+"python_stdlib"`` and the stdlib tokenizer if ``[model] hf_assets_path`` is
+``assets/python_stdlib_tokenizer`` (both cached, paths relative to the working directory); then run
+
+    <python> -m torch.distributed.run --standalone --nproc_per_node N -m torchtitan.train
+        --job.config_file X.toml [--training.steps S] <extra>
+
+with :data:`LAUNCH_ENV` added to the environment, and return its exit code. ``--dry-run`` prints
+the preparation plan, the environment additions and the command, and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from titan_megamoe.data import DATASET_NAME, DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR
+
+__all__ = ["LAUNCH_ENV", "build_command", "main", "plan_prepare"]
+
+# Set for every launch, overriding the caller's values.
+LAUNCH_ENV = {
+    # Inputs are local files; never wait on (or silently use) the Hub.
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    # NVLink multicast (NVLS) is off on the lent machines and unreliable on shared hosts: never use it.
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+# TorchTitan 0.2.2 defaults for the keys the plan reads (torchtitan/config/job_config.py).
+_TT_DEFAULT_DATASET = "c4_test"
+_TT_DEFAULT_HF_ASSETS_PATH = "./tests/assets/tokenizer"
+
+
+def _read_toml(path: Path) -> dict:
+    """Parse ``path`` with tomllib (3.11+) or tomli."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _cli_override(extra: list[str], flag: str) -> str | None:
+    """Value of the last ``--flag V`` / ``--flag=V`` in ``extra`` (TorchTitan CLI overrides TOML)."""
+    value = None
+    for i, arg in enumerate(extra):
+        if arg == flag and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b)
+
+
+def plan_prepare(toml: dict, extra: list[str]) -> tuple[str | None, bool]:
+    """Decide what to prepare for a job: ``(corpus dir to build or None, train default tokenizer?)``.
+
+    The corpus is ``[training] dataset_path`` (default :data:`DEFAULT_DATA_DIR`) when the dataset is
+    ``python_stdlib``. The tokenizer is prepared when ``[model] hf_assets_path`` is
+    :data:`DEFAULT_TOKENIZER_DIR`; it is always trained from the corpus at :data:`DEFAULT_DATA_DIR`
+    so the cached tokenizer does not depend on which job ran first. CLI overrides in ``extra``
+    (``--training.dataset``, ``--training.dataset_path``, ``--model.hf_assets_path``) win over the TOML.
+    """
+    training, model = toml.get("training", {}), toml.get("model", {})
+    dataset = _cli_override(extra, "--training.dataset") or training.get("dataset", _TT_DEFAULT_DATASET)
+    dataset_path = _cli_override(extra, "--training.dataset_path") or training.get("dataset_path")
+    assets = _cli_override(extra, "--model.hf_assets_path") or model.get(
+        "hf_assets_path", _TT_DEFAULT_HF_ASSETS_PATH
+    )
+    corpus = (dataset_path or DEFAULT_DATA_DIR) if dataset.lower() == DATASET_NAME else None
+    return corpus, _same_path(assets, DEFAULT_TOKENIZER_DIR)
+
+
+def build_command(
+    config: str | os.PathLike, ngpu: int, steps: int | None, extra: list[str]
+) -> list[str]:
+    """The torchrun argv for one host: ``ngpu`` ranks of ``torchtitan.train`` on ``config``."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nproc_per_node", str(ngpu),
+        "-m", "torchtitan.train",
+        "--job.config_file", str(config),
+    ]  # fmt: skip
+    if steps is not None:
+        cmd += ["--training.steps", str(steps)]
+    return cmd + list(extra)
+
+
+def _default_ngpu() -> int:
+    import torch  # here, not at import: `--help` and `--dry-run --ngpu N` stay fast
+
+    return torch.cuda.device_count() or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; returns the training exit code (0 for ``--dry-run``).
+
+    Raises:
+        SystemExit(2): the config file is missing or not valid TOML, or bad launcher arguments.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_megamoe.launch",
+        description="Run torchtitan.train with prepared default inputs.",
+    )
+    parser.add_argument("--config", required=True, help="TorchTitan TOML job config")
+    parser.add_argument(
+        "--ngpu", type=int, default=None, help="ranks on this host (default: CUDA devices, or 1)"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="passed as --training.steps")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print plan, env and command; run nothing"
+    )
+    args = parser.parse_args(argv)
+
+    config = Path(args.config)
+    if not config.is_file():
+        parser.error(f"config file not found: {config} (working directory {Path.cwd()})")
+    try:
+        toml = _read_toml(config)
+    except Exception as e:  # tomllib.TOMLDecodeError or tomli's, whichever was imported
+        parser.error(f"config file {config} is not valid TOML: {e}")
+    if args.ngpu is not None and args.ngpu < 1:
+        parser.error(f"--ngpu must be >= 1, got {args.ngpu}")
+    ngpu = args.ngpu if args.ngpu is not None else _default_ngpu()
+    corpus_dir, want_tokenizer = plan_prepare(toml, extra)
+    cmd = build_command(config, ngpu, args.steps, extra)
+
+    if args.dry_run:
+        print(f"prepare corpus: {corpus_dir or '-'}")
+        print(f"prepare tokenizer: {DEFAULT_TOKENIZER_DIR if want_tokenizer else '-'}")
+        for key, value in LAUNCH_ENV.items():
+            print(f"env {key}={value}")
+        print("command: " + shlex.join(cmd))
+        return 0
+
+    os.environ.update(LAUNCH_ENV)  # also for the prepare step in this process
+    if corpus_dir is not None and not Path(corpus_dir).exists():
+        from titan_megamoe.data.corpus import build_stdlib_corpus
+
+        print(f"[launch] building corpus in {corpus_dir}", flush=True)
+        build_stdlib_corpus(corpus_dir)
+    if want_tokenizer:
+        from titan_megamoe.data.prepare import prepare
+
+        assets = prepare(DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR)
+        print(f"[launch] tokenizer {assets.tokenizer_dir} (vocab {assets.vocab_size})", flush=True)
+    print("[launch] " + shlex.join(cmd), flush=True)
+    return subprocess.run(cmd, env=os.environ.copy()).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
