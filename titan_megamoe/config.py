@@ -20,8 +20,8 @@ when the table is parsed (``MegaMoEConfig.__post_init__``), so a typo fails befo
 built, with the key and the allowed values in the message.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: TorchTitan merges this JobConfig with
+# dataclasses.make_dataclass and tyro needs real (not string) field types.
 import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
