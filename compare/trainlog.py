@@ -30,12 +30,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def parse_metrics(text: str) -> list[dict]:
-    """All metrics lines of a log, in order: dicts with step, loss, grad_norm, memory_gib, tps, tflops, mfu_pct."""
-    rows = []
+    """Metrics lines of a log, one per step (the first seen: rank 0 logs first when several ranks
+    print), in step order: dicts with step, loss, grad_norm, memory_gib, tps, tflops, mfu_pct."""
+    rows, seen = [], set()
     for line in _ANSI.sub("", text).splitlines():
         m = _LINE.search(line)
-        if not m:
+        if not m or int(m["step"]) in seen:
             continue
+        seen.add(int(m["step"]))
         rows.append(dict(
             step=int(m["step"]), loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
             memory_gib=float(m["mem"]), tps=int(m["tps"].replace(",", "")),

@@ -275,7 +275,7 @@ def test_launch_dry_run_prints_command_and_env(tmp_path, capsys):
     got = _dry_run(capsys, argv)
     assert shlex.split(got["command"]) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "torchtitan.train", "--job.config_file", str(cfg), "--training.steps", "5", "--x.y", "1",
+        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "torchtitan.train", "--job.config_file", str(cfg), "--training.steps", "5", "--x.y", "1",
     ]  # fmt: skip
     assert got["env"].split() == [
         "HF_HUB_OFFLINE=1", "HF_DATASETS_OFFLINE=1", "NCCL_NVLS_ENABLE=0",

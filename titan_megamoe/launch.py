@@ -94,6 +94,8 @@ def build_command(
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nproc_per_node", str(ngpu),
+        # rank 0's log only: every rank prints the metrics line, and parsers want one per step
+        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
         "-m", "torchtitan.train",
         "--job.config_file", str(config),
     ]  # fmt: skip
