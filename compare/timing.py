@@ -1,0 +1,217 @@
+"""Timing utilities: warm-up, L2 flush, CUDA events (CPU timer without CUDA), a barrier before each
+timed step, median / p20 / p80, max over ranks, and the dense GEMM rate of the same run.
+
+What one timed step measures (:func:`time_fwd_bwd`), per rank::
+
+    (untimed) zero grads, flush L2, device sync, barrier over all ranks, device sync
+    t0 | out = fwd() | t1 | bwd(out) | t2 | device sync
+    fwd = t1 - t0,  bwd = t2 - t1,  fwdbwd = t2 - t0
+
+So ``bwd`` is the backward of the forward graph saved in the same step, timed separately; fwd is
+the training forward (autograd recording on), not an inference forward. The barrier at the start
+of every step lines the ranks up, so step i on every rank is the same layer call; the reported
+sample of step i is the maximum over ranks (the layer is as slow as its slowest rank), then the
+median / p20 / p80 over steps. On CUDA the times come from CUDA events on the current stream; on
+CPU from ``time.perf_counter`` (CPU execution is synchronous).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "percentiles",
+    "max_over_ranks",
+    "time_fwd_bwd",
+    "time_fn",
+    "measure_gemm_tflops",
+    "sync",
+    "barrier",
+    "flush_l2",
+    "l2_flush_bytes",
+]
+
+_L2_FLUSH_BYTES = 256 * 2**20  # > H200's 50 MB L2 (and > B200's 126 MB)
+_l2_buffer: dict[torch.device, torch.Tensor] = {}
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    """{"median", "p20", "p80"} of ``samples`` (linear interpolation between order statistics)."""
+    if not samples:
+        raise ValueError("no samples")
+    xs = sorted(samples)
+
+    def q(p: float) -> float:
+        pos = p * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"median": statistics.median(xs), "p20": q(0.2), "p80": q(0.8)}
+
+
+def max_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    """Elementwise max over ranks of per-step samples (all ranks ran the same number of steps)."""
+    if len({len(s) for s in per_rank}) != 1:
+        raise ValueError(f"ranks have different sample counts: {[len(s) for s in per_rank]}")
+    return [max(vals) for vals in zip(*per_rank)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(device: torch.device) -> None:
+    """Device sync, then a barrier over the default group (if any), then device sync again."""
+    sync(device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        sync(device)
+
+
+def flush_l2(device: torch.device) -> None:
+    """Overwrite a 256 MiB scratch buffer (allocated on first use) so no operand stays in L2."""
+    if device.type != "cuda":
+        return
+    buf = _l2_buffer.get(device)
+    if buf is None:
+        buf = _l2_buffer[device] = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    buf.zero_()
+
+
+def l2_flush_bytes(device: torch.device) -> int:
+    """Bytes of the L2-flush scratch buffer held on ``device`` (subtract it from peak memory)."""
+    buf = _l2_buffer.get(device)
+    return 0 if buf is None else buf.numel()
+
+
+class _Stamp:
+    """A point in time on the device's stream (CUDA event) or on the host clock (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.event = torch.cuda.Event(enable_timing=True)
+        self.t = 0.0
+
+    def record(self) -> None:
+        if self.cuda:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_since(self, start: "_Stamp") -> float:
+        if self.cuda:
+            return start.event.elapsed_time(self.event)
+        return (self.t - start.t) * 1e3
+
+
+def timer_name(device: torch.device) -> str:
+    return "cuda-events" if device.type == "cuda" else "cpu-perf-counter"
+
+
+def time_fwd_bwd(
+    fwd: Callable[[], object],
+    bwd: Callable[[object], None],
+    *,
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    before_step: Callable[[], None] | None = None,
+    l2_flush: bool = True,
+) -> dict[str, list[float]]:
+    """Time ``iters`` training steps of one layer after ``warmup`` untimed ones (warm-up also
+    triggers torch.compile and any autotuning). See the module docstring for what is timed.
+
+    Returns:
+        this rank's per-step samples in ms: {"fwd": [...], "bwd": [...], "fwdbwd": [...]}.
+    """
+    for _ in range(warmup):
+        if before_step is not None:
+            before_step()
+        bwd(fwd())
+    out: dict[str, list[float]] = {"fwd": [], "bwd": [], "fwdbwd": []}
+    t0, t1, t2 = _Stamp(device), _Stamp(device), _Stamp(device)
+    for _ in range(iters):
+        if before_step is not None:
+            before_step()
+        if l2_flush:
+            flush_l2(device)
+        barrier(device)
+        t0.record()
+        y = fwd()
+        t1.record()
+        bwd(y)
+        t2.record()
+        sync(device)
+        del y
+        out["fwd"].append(t1.ms_since(t0))
+        out["bwd"].append(t2.ms_since(t1))
+        out["fwdbwd"].append(t2.ms_since(t0))
+    return out
+
+
+def time_fn(fn: Callable[[], object], *, device: torch.device, iters: int, warmup: int) -> list[float]:
+    """Per-call ms of ``fn`` (no barrier, no flush): for the local dense-GEMM rate."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    a, b = _Stamp(device), _Stamp(device)
+    samples = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        sync(device)
+        samples.append(b.ms_since(a))
+    return samples
+
+
+def measure_gemm_tflops(kind: str, device: torch.device, *, n: int | None = None,
+                        iters: int = 10, warmup: int = 3) -> tuple[float | None, str]:
+    """Dense GEMM rate (TFLOP/s, median) of this device for ``kind`` in {"bf16", "fp8", "fp32"}.
+
+    CUDA: an n^3 (default 8192) ``torch.matmul`` for bf16 / fp32, ``torch._scaled_mm`` with
+    rowwise scales (e4m3 operands, bf16 output) for fp8. CPU: a 256^3 matmul (so --tiny runs);
+    fp8 has no CPU rate (None).
+
+    Returns:
+        (tflops or None, description of what was measured).
+    """
+    on_cuda = device.type == "cuda"
+    n = n or (8192 if on_cuda else 256)
+    gen = torch.Generator(device=device).manual_seed(0)
+    if kind in ("bf16", "fp32"):
+        dt = torch.bfloat16 if kind == "bf16" else torch.float32
+        a = torch.randn(n, n, device=device, generator=gen).to(dt)
+        b = torch.randn(n, n, device=device, generator=gen).to(dt)
+
+        def fn():
+            return torch.matmul(a, b)
+
+        what = f"torch.matmul {n}x{n}x{n} {kind}"
+    elif kind == "fp8":
+        if not on_cuda:
+            return None, "fp8 GEMM rate not measured on CPU"
+        a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
+        sa = torch.ones(n, 1, device=device, dtype=torch.float32)  # rowwise scales
+        sb = torch.ones(1, n, device=device, dtype=torch.float32)
+
+        def fn():
+            return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+        what = f"torch._scaled_mm rowwise {n}x{n}x{n} e4m3 -> bf16"
+    else:
+        raise ValueError(f"unknown GEMM kind {kind!r}; allowed: bf16, fp8, fp32")
+    try:
+        ms = percentiles(time_fn(fn, device=device, iters=iters, warmup=warmup))["median"]
+    except RuntimeError as err:  # e.g. _scaled_mm unsupported on this GPU
+        return None, f"{what}: failed ({str(err).splitlines()[0][:200]})"
+    return 2 * n**3 / (ms * 1e-3) / 1e12, what

@@ -1,0 +1,303 @@
+"""compare/ harness on CPU: compare.layer --tiny (in process and as a 2-rank gloo EP run), option
+validation, compare.regress on crafted records, capture_topk on a tiny Qwen3 MoE model."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from compare import flops, timing
+from compare.records import SCHEMA, new_record
+from titan_megamoe.testing import run_gloo
+
+SHAPE = "custom:64,32,8,2"  # D=64, F=32, E=8, K=2: small enough for CPU bf16 in well under a second
+RECORD_FIELDS = {
+    "implementation", "precision", "shape", "routing", "ep", "tokens_per_rank", "fwd_ms", "bwd_ms",
+    "fwdbwd_ms", "fwd_p20_ms", "fwd_p80_ms", "fwdbwd_p20_ms", "fwdbwd_p80_ms", "peak_gib", "tflops",
+    "floor_ms", "floor_ratio", "speedup_vs", "status", "reason", "routing_note",
+}
+RUN_FIELDS = {"gpu", "torch", "triton", "torchtitan", "git_rev", "git_dirty", "date_utc", "command",
+              "hostnames", "gemm_rates_tflops"}
+
+
+def _replay_file(path, T=50, E=16, K=2, seed=0):
+    """A capture_routing-style file: distinct ids per token among E=16 experts (shape has 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int16)
+    torch.save({"layers.0.moe": ids, "num_experts": E, "top_k": K, "tokens": T, "source": "crafted"}, path)
+    return path
+
+
+def test_tiny_run_all_routings(tmp_path, capsys):
+    from compare.layer import main
+
+    replay = _replay_file(tmp_path / "ids.pt")
+    out = tmp_path / "layer.json"
+    rc = main(["--tiny", "--out", str(out), "--routings", f"random,skewed,replay:{replay}",
+               "--precisions", "bf16,fp8,fp8_bwd"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["schema"] == SCHEMA
+    run = data["run"]
+    assert RUN_FIELDS <= set(run), RUN_FIELDS - set(run)
+    assert run["torchtitan"] == "0.2.2" and run["world_size"] == 1 and run["device_type"] == "cpu"
+    assert run["command"].startswith("python -m compare.layer --tiny")
+    assert run["gemm_rates_tflops"]["bf16"] > 0
+
+    recs = data["records"]
+    # 3 routings x 3 impls (tt-eager, megamoe-reference, megamoe-triton) x 3 precisions
+    assert len(recs) == 27
+    for r in recs:
+        assert RECORD_FIELDS <= set(r), RECORD_FIELDS - set(r)
+        assert r["shape"] == {"name": SHAPE, "dim": 64, "hidden": 32, "experts": 8, "top_k": 2}
+        assert r["ep"] == 1 and r["tokens_per_rank"] == 64
+    by = {(r["routing"], r["implementation"], r["precision"]): r for r in recs}
+    for routing in ("random", "skewed", "replay"):
+        for impl in ("tt-eager", "megamoe-reference"):
+            r = by[(routing, impl, "bf16")]
+            assert r["status"] == "ok", r["reason"]
+            assert r["reason"] is None
+            for p in ("fwd", "bwd", "fwdbwd"):
+                assert r[f"{p}_ms"] > 0
+                assert r[f"{p}_p20_ms"] <= r[f"{p}_ms"] <= r[f"{p}_p80_ms"]
+            assert r["fwdbwd_ms"] >= r["fwd_ms"]
+            assert r["flops"]["fwd"] == 2 * 64 * 2 * 64 * 32 * 3
+            assert r["tflops"] > 0 and r["floor_ms"] > 0 and r["floor_ratio"] > 0
+            assert r["peak_gib"] is None  # CPU: no device memory counter
+            assert r["load_imbalance"] >= 1.0
+        ref = by[(routing, "megamoe-reference", "bf16")]
+        stock = by[(routing, "tt-eager", "bf16")]
+        sp = ref["speedup_vs"]["tt-eager/bf16"]["fwdbwd"]
+        assert sp == pytest.approx(stock["fwdbwd_ms"] / ref["fwdbwd_ms"])
+        # every combination that cannot run is recorded with its reason
+        assert by[(routing, "megamoe-triton", "bf16")]["status"] == "skipped"
+        assert "AVAILABLE" in by[(routing, "megamoe-triton", "bf16")]["reason"]
+        assert "CUDA" in by[(routing, "tt-eager", "fp8")]["reason"]
+        assert "megamoe" in by[(routing, "tt-eager", "fp8_bwd")]["reason"]
+        assert by[(routing, "megamoe-reference", "fp8")]["status"] == "skipped"
+    rep = by[("replay", "megamoe-reference", "bf16")]
+    assert "16 experts mapped to 8 by id % 8" in rep["routing_note"]
+    assert rep["routing_detail"]["captured_tokens"] == 50 and rep["routing_detail"]["tiled"] is True
+    assert by[("random", "tt-eager", "bf16")]["routing_note"] is None
+    # skewed (Zipf 1.2 over 8 experts) is visibly less balanced than its floor of 1.0
+    assert by[("skewed", "tt-eager", "bf16")]["load_imbalance"] > 1.3
+
+    assert "| shape | routing |" in stdout and "megamoe-reference" in stdout
+    assert "skipped: titan_megamoe.config.AVAILABLE" in stdout
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _bad_replay(tmp_path):
+    return _replay_file(tmp_path / "k3.pt", K=3)
+
+
+INVALID = [
+    # (argv, words the message must contain): the option and the allowed values
+    (["--shapes", "qwen3-7b"], ["--shapes", "qwen3-30b-a3b", "custom:DIM,HIDDEN,EXPERTS,TOPK"]),
+    (["--shapes", "custom:64,32"], ["--shapes", "custom:DIM,HIDDEN,EXPERTS,TOPK"]),
+    (["--shapes", "custom:64,32,4,8"], ["--shapes", "top_k=8 > experts=4"]),
+    (["--impls", "tt-fast"], ["--impls", "tt-eager", "megamoe-triton"]),
+    (["--precisions", "fp4"], ["--precisions", "bf16", "fp8_bwd"]),
+    (["--routings", "zipf"], ["--routings", "random, skewed, replay:PATH"]),
+    (["--tokens", "0"], ["--tokens", "> 0"]),
+    (["--routings", "replay:/nonexistent/ids.pt"], ["--routings", "does not exist"]),
+    (["--iters", "0"], ["--iters", ">= 1"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", INVALID, ids=[" ".join(a) for a, _ in INVALID])
+def test_invalid_options_exit_2(argv, words, capsys):
+    from compare.layer import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--tiny", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_replay_topk_mismatch_and_ep_divisibility_exit_2(tmp_path, capsys, monkeypatch):
+    from compare.layer import main
+
+    path = _bad_replay(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["--tiny", "--routings", f"replay:{path}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--routings" in err and "top_k=3" in err and "top_k=2" in err
+    monkeypatch.setenv("WORLD_SIZE", "3")  # 8 experts over 3 ranks
+    with pytest.raises(SystemExit) as exc:
+        main(["--tiny"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--shapes" in err and "not divisible by the EP size 3" in err
+
+
+# ---------------------------------------------------------------------------------------- regress
+
+def _rec(impl, fwd, fwdbwd, routing="random", speedup=None):
+    r = new_record(implementation=impl, family="stock" if impl.startswith("tt") else "megamoe",
+                   backend=None, compile=False, precision="bf16", dtype="bfloat16",
+                   shape={"name": "qwen3-30b-a3b", "dim": 2048, "hidden": 768, "experts": 128, "top_k": 8},
+                   routing=routing, routing_detail={}, ep=2, tokens_per_rank=16384, iters=20, warmup=5)
+    r.update(status="ok", fwd_ms=fwd, fwdbwd_ms=fwdbwd, bwd_ms=fwdbwd - fwd)
+    if speedup is not None:
+        r["speedup_vs"] = {"tt-eager/bf16": {"fwd": None, "bwd": None, "fwdbwd": speedup}}
+    return r
+
+
+def _write(path, records):
+    path.write_text(json.dumps({"schema": SCHEMA, "run": {"gpu": "NVIDIA H200"}, "records": records}))
+    return str(path)
+
+
+def test_regress_pass_fail_missing(tmp_path, capsys):
+    from compare.regress import main
+
+    base = [_rec("tt-eager", 10.0, 24.0), _rec("megamoe-reference", 8.0, 20.0, speedup=1.2),
+            _rec("tt-eager", 12.0, 30.0, routing="skewed")]
+    old = _write(tmp_path / "old.json", base)
+
+    within = copy.deepcopy(base)
+    within[0]["fwd_ms"] = 10.4  # +4 % < 5 %
+    within[1]["fwdbwd_ms"] = 19.0  # faster
+    within[1]["speedup_vs"]["tt-eager/bf16"]["fwdbwd"] = 1.25
+    assert main([_write(tmp_path / "a.json", within), "--baseline", old]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "+4.0%" in out and "faster" in out
+
+    slower = copy.deepcopy(base)
+    slower[1]["fwdbwd_ms"] = 22.0  # +10 % > 5 %
+    assert main([_write(tmp_path / "b.json", slower), "--baseline", old, "--tolerance", "0.05"]) == 1
+    out = capsys.readouterr().out
+    bad = [line for line in out.splitlines() if "REGRESSED" in line]
+    assert len(bad) == 1 and "megamoe-reference/bf16 qwen3-30b-a3b random ep=2 T=16384" in bad[0]
+    assert "fwdbwd_ms" in bad[0] and "+10.0%" in bad[0]
+    # the same slow-down passes with a looser tolerance
+    assert main([_write(tmp_path / "b2.json", slower), "--baseline", old, "--tolerance", "0.15"]) == 0
+    capsys.readouterr()
+
+    speed = copy.deepcopy(base)
+    speed[1]["speedup_vs"]["tt-eager/bf16"]["fwdbwd"] = 1.0  # 1.2x -> 1.0x: stock caught up
+    assert main([_write(tmp_path / "s.json", speed), "--baseline", old]) == 1
+    assert "speedup vs tt-eager/bf16" in capsys.readouterr().out
+
+    missing = copy.deepcopy(base[:2])
+    assert main([_write(tmp_path / "c.json", missing), "--baseline", old]) == 1
+    out = capsys.readouterr().out
+    miss = [line for line in out.splitlines() if "MISSING" in line]
+    assert len(miss) == 1 and "tt-eager/bf16 qwen3-30b-a3b skewed" in miss[0]
+    assert "1 missing" in out
+
+    notok = copy.deepcopy(base)
+    notok[2].update(status="error", reason="OutOfMemoryError")
+    assert main([_write(tmp_path / "d.json", notok), "--baseline", old]) == 1
+    assert "NOT OK" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "nope.json"), "--baseline", old])
+    assert exc.value.code == 2
+
+
+# ----------------------------------------------------------------------------- flops and timing
+
+def test_flop_model_and_percentiles():
+    f = flops.phase_flops(16384, 8, 2048, 768)
+    assert f["fwd"] == 2 * 16384 * 8 * 2048 * 768 * 3 and f["fwdbwd"] == 3 * f["fwd"]
+    # DESIGN.md section 5: the 30B layer's fwd+bwd floor at 760 TF/s is 4.9 ms
+    assert flops.floor_ms(f["fwd"], f["bwd"], 760.0, 760.0)["fwdbwd"] == pytest.approx(4.88, abs=0.01)
+    q = timing.percentiles([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert q == {"median": 3.0, "p20": pytest.approx(1.8), "p80": pytest.approx(4.2)}
+    assert timing.max_over_ranks([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
+
+
+# ---------------------------------------------------------------------------------- capture_topk
+
+def _tiny_qwen3(E=8, K=2, layers=2):
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+
+    args = Qwen3ModelArgs(vocab_size=64, max_seq_len=64, head_dim=16, dim=32, n_layers=layers,
+                          n_heads=2, n_kv_heads=1, qk_norm=True, hidden_dim=64, moe_enabled=True,
+                          moe_inter_dim=16,
+                          moe_args=MoEArgs(num_experts=E, num_shared_experts=0, top_k=K,
+                                           score_func="softmax", route_norm=True,
+                                           score_before_experts=False, use_grouped_mm=False))
+    torch.manual_seed(0)
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def test_capture_topk_tiny_model(tmp_path):
+    from compare.capture_routing import capture_topk
+    from compare.layer import _load_replay
+    from titan_megamoe.layer import MegaMoE
+    from titan_megamoe.testing import stock_histc_on_cpu
+
+    model = _tiny_qwen3(E=8, K=2, layers=2)
+    # layer 1 converted to MegaMoE: both kinds of MoE layer are captured
+    model.layers["1"].moe = MegaMoE.from_moe(model.layers["1"].moe)
+    for blk in ("0", "1"):
+        model.layers[blk].moe.tokens_per_expert.zero_()
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 12), generator=gen) for _ in range(3)]
+    with stock_histc_on_cpu():
+        got = capture_topk(model, batches, source="tiny test")
+    assert [k for k, v in got.items() if isinstance(v, torch.Tensor)] == ["layers.0.moe", "layers.1.moe"]
+    assert got["num_experts"] == 8 and got["top_k"] == 2 and got["tokens"] == 72
+    assert got["source"] == "tiny test"
+    for name in ("layers.0.moe", "layers.1.moe"):
+        ids = got[name]
+        assert ids.shape == (3 * 2 * 12, 2) and ids.dtype == torch.int16
+        assert int(ids.min()) >= 0 and int(ids.max()) < 8
+        assert (ids[:, 0] != ids[:, 1]).all()  # top-k picks distinct experts
+    # hooks are removed: a later forward does not grow anything
+    assert all(len(m.router._forward_hooks) == 0 for m in (model.layers["0"].moe, model.layers["1"].moe))
+    # the captured ids are what the layers routed: their own tokens_per_expert counters agree
+    for name, blk in (("layers.0.moe", "0"), ("layers.1.moe", "1")):
+        counts = torch.bincount(got[name].long().view(-1), minlength=8).float()
+        assert torch.equal(counts, model.layers[blk].moe.tokens_per_expert)
+
+    with stock_histc_on_cpu():
+        only = capture_topk(model, batches[:1], layers=["layers.1.moe"])
+    assert [k for k, v in only.items() if isinstance(v, torch.Tensor)] == ["layers.1.moe"]
+    # the file round-trips into compare.layer's replay loader
+    torch.save(got, tmp_path / "cap.pt")
+    rep = _load_replay(str(tmp_path / "cap.pt"), "layers.1.moe")
+    assert rep["top_k"] == 2 and rep["num_experts"] == 8 and rep["ids"].shape == (72, 2)
+    with pytest.raises(ValueError, match="unknown MoE layers"):
+        capture_topk(model, batches, layers=["layers.9.moe"])
+
+
+# ------------------------------------------------------------------------------------ EP = 2 run
+
+def _ep_worker(rank, world_size, out):
+    from compare.layer import main
+
+    rc = main(["--tiny", "--out", out, "--no-plot", "--routings", "random,skewed",
+               "--impls", "tt-eager,megamoe-reference", "--precisions", "bf16"])
+    assert rc == 0, f"rank {rank}: compare.layer returned {rc}"
+
+
+def test_ep2_gloo_tiny_run(tmp_path):
+    out = tmp_path / "ep2.json"
+    run_gloo(_ep_worker, 2, str(out))  # one launch: spawning costs ~10 s
+    data = json.loads(out.read_text())
+    assert data["run"]["world_size"] == 2 and data["run"]["dist_backend"] == "gloo"
+    assert data["run"]["command"].startswith("torchrun --nproc_per_node 2 -m compare.layer")
+    recs = data["records"]
+    assert len(recs) == 4
+    for r in recs:
+        assert r["ep"] == 2 and r["tokens_per_rank"] == 64
+        assert r["status"] == "ok", r["reason"]
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+    ref = next(r for r in recs if r["implementation"] == "megamoe-reference" and r["routing"] == "skewed")
+    assert set(ref["speedup_vs"]) == {"tt-eager/bf16"}
