@@ -58,6 +58,22 @@ def mega_moe(
         raise NotImplementedError(
             f"mega_moe: backend={backend!r}, precision={precision!r} is not available yet"
         )
+    if backend == "triton":
+        if ep_group is not None:
+            raise NotImplementedError(
+                f"{layer_name}: the triton backend runs without expert parallelism only (EP = 1) for now; "
+                "set parallelism.expert_parallel_degree = 1 or [megamoe] backend = 'reference'"
+            )
+        if score_before_experts:
+            raise NotImplementedError(
+                f"{layer_name}: the triton backend applies the routing score after the experts (Qwen3 style); "
+                "score_before_experts models (DeepSeek-V3, Llama4) need backend = 'reference' for now"
+            )
+        from titan_megamoe.ops.library import mega_moe_triton
+        from titan_megamoe.ops.triton_backend import check_triton_inputs
+
+        check_triton_inputs(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD, layer_name)
+        return mega_moe_triton(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD)
     return mega_moe_ref(
         x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD,
         num_experts=num_experts, ep_group=ep_group, score_before_experts=score_before_experts,

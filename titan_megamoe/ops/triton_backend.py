@@ -1,0 +1,99 @@
+"""Host glue of the Triton backend (EP = 1): checks, allocation and launch order. No autograd here.
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top_k, P = T*K pairs,
+N_cap padded expert-major rows (see kernels/routing.py).
+
+Forward: routing layout (device ops, no host sync) -> GEMM1 with the x-row gather in its prologue and
+SwiGLU in its epilogue (saves gate_up) -> GEMM2 with the routing weight in its epilogue, writing
+(token, slot) rows -> fp32 sum over the K slots in fixed order.
+
+Backward: GEMM2 dgrad with dout gathered by token, SwiGLU backward and d(score) = <dout W2, h> in its
+epilogue -> w2 / w1 / w3 wgrad as K-grouped GEMMs over each expert's rows -> GEMM1 dgrad -> fp32 sum of
+each token's K dx rows in fixed order. Every reduction has a fixed order: deterministic.
+
+Saved for the backward (per layer, Qwen3-30B-A3B shape, 16384 tokens, top-8, bf16): gate_up
+(N_cap x 2F = (131072 + 128*127) x 1536 x 2 B = 0.45 GiB) plus the routing layout (~1.2 MB); x and the
+weights are the layer's own inputs. h (0.22 GiB) and the expert outputs y (0.5 GiB) are recomputed or
+never needed: h from gate_up in the wgrad loader, and d(score) through the GEMM2-dgrad epilogue.
+Stock TorchTitan keeps the routed input copy (0.5 GiB), both GEMM1 outputs and h, the GEMM2 output
+and the unpermute buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
+
+__all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_bwd", "layout_from_tensors"]
+
+#: Row block of the grouped GEMMs (and of the routing layout).
+BLOCK_M = 128
+
+
+def _block_m() -> int:
+    import os
+
+    # the interpreter runs tiny shapes: a small block keeps the CPU tests fast
+    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else BLOCK_M
+
+
+def check_triton_inputs(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
+                        w3: Tensor, layer_name: str) -> None:
+    """Preconditions of the Triton backend; raises ValueError naming what is wrong and what to do."""
+    if x_TD.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in (w1, w2, w3)):
+        raise ValueError(
+            f"{layer_name}: the triton backend runs bf16 activations and weights (got x {x_TD.dtype}, "
+            f"w1 {w1.dtype}); use training.mixed_precision_param = 'bfloat16' or backend = 'reference'"
+        )
+    D = x_TD.shape[1]
+    F = w1.shape[1]
+    if D % 16 or F % 16:
+        raise ValueError(
+            f"{layer_name}: the triton backend needs dim and moe hidden dim multiples of 16 (got D={D}, F={F}); "
+            "use backend = 'reference' for this model"
+        )
+    if topk_scores_TK.dtype != torch.float32:
+        raise ValueError(f"{layer_name}: topk_scores must be fp32 (got {topk_scores_TK.dtype})")
+
+
+def layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, block_m: int, E: int, K: int) -> RoutingLayout:
+    return RoutingLayout(counts=counts, offsets=offsets, row_pair=row_pair, pair_row=pair_row,
+                         tile_expert=tile_expert, block_m=block_m, num_experts=E, top_k=K)
+
+
+def triton_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor):
+    """Forward: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout)."""
+    from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
+
+    T, K = topk_ids_TK.shape
+    E = w1.shape[0]
+    layout = build_routing_layout(topk_ids_TK, E, _block_m())
+    gate_up, h = gemm1_swiglu_fwd(x_TD.contiguous(), w1.contiguous(), w3.contiguous(), layout)
+    y_PD = gemm2_scatter_fwd(h, w2.contiguous(), topk_scores_TK.contiguous(), layout)
+    out = combine_topk(y_PD, T, K)
+    return out, gate_up, layout
+
+
+def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+               gate_up: Tensor, layout: RoutingLayout):
+    """Backward: returns (dx (T, D), dscores (T, K) fp32, dw1, dw2, dw3) in the weights' dtype."""
+    from titan_megamoe.kernels.grouped_gemm_bwd import (
+        gemm1_dgrad,
+        gemm2_dgrad_swiglu_bwd,
+        reduce_dscore,
+        scatter_dx,
+        wgrad_w2,
+        wgrad_w13,
+    )
+
+    T, K = topk_scores_TK.shape
+    dout_TD = dout_TD.contiguous()
+    dgate_up, dscore_part = gemm2_dgrad_swiglu_bwd(dout_TD, w2.contiguous(), gate_up, topk_scores_TK, layout)
+    dscores = reduce_dscore(dscore_part, layout, T, K)
+    dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout)
+    dw1, dw3 = wgrad_w13(dgate_up, x_TD.contiguous(), layout)
+    dx_rows = gemm1_dgrad(dgate_up, w1.contiguous(), w3.contiguous(), layout)
+    dx = scatter_dx(dx_rows, layout, T, K)
+    return dx, dscores, dw1, dw2, dw3
