@@ -1,7 +1,13 @@
-"""Markers: cuda / multigpu tests skip on machines without them, with the reason printed."""
+"""Markers and the Triton mode: cuda / multigpu tests skip on machines without them, with the reason
+printed; on a CPU machine Triton kernels run in the interpreter, on a GPU machine compiled."""
+
+import os
 
 import pytest
 import torch
+
+# Decided once, before any test module imports triton: kernel test files only setdefault it.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,121 @@
+"""Launch configurations of the grouped-GEMM kernels: frozen dataclasses and a per-arch heuristic.
+
+Shape legend: D model dim, F expert hidden dim, BM / BN / BK the GEMM tile (rows / columns / reduction).
+
+No user-facing knobs live here (STYLE rule 9): the op picks a config with ``config_for`` and builds the
+routing layout with ``config.block_m``, so the layout and both GEMMs always agree on BM.
+
+Why the Hopper defaults (H200, sm_90, 227 KiB shared memory per CTA, DESIGN.md sections 5-6):
+
+* GEMM1 (``"gemm1"``, fused gate + up + SwiGLU): one program owns a BM x BN tile of *both* gate and
+  up, so it holds two fp32 accumulators: 128 x 128 each = the register footprint of one 128 x 256 tile
+  (128 fp32 registers per thread at 8 warps; the sm_90a build uses 245-251 registers, no spills), the
+  shape DESIGN measured best for the pointer-gather GEMM1 (128x256x64, 8 warps). Shared memory per
+  stage: x tile 128x64 + w1 tile 128x64 + w3 tile 128x64, bf16 = 48 KiB; 4 stages = 192 KiB.
+  BN = 256 per operand would need 256 accumulator registers per thread: spills. BN = 64 with 4 warps
+  measured 368 / 400 TF/s (30B / 235B shapes) against 505-522 / 541-549 for 128 x 128 x 64; BK 32
+  (6 stages) and BK 128 (2 stages) were no better (502 / 379 at 30B).
+* GEMM2 (``"gemm2"``, down projection + score + scatter): one accumulator, so BN = 256 fits the same
+  registers (171 used): 128 x 256 x 64, 8 warps, 4 stages (48 KiB per stage = 192 KiB). Measured
+  460-471 / 534-535 TF/s against 401-414 / 434-447 for 128 x 128 x 64.
+* ``group_m`` = 1: all column blocks of one row tile run back to back (the tile's gathered x rows are
+  re-read from L2, and neighbouring row tiles mostly share an expert's weights). group_m 4 / 8 / 16
+  measured within +-3 % of it, in both directions between runs: noise at these shapes.
+* ``use_tma`` = False: weight tiles by pointer loads (cp.async, pipelined like the gathered x rows)
+  measured 2-5 % faster than TMA descriptors for GEMM1 (522 vs 501 and 541 vs 530 TF/s in the last
+  run); for GEMM2 the two are within 2 % (460 vs 450, 535 vs 546). The TMA path stays selectable and
+  tested (CPU interpreter, sm_90a build, and bitwise-equal results on the H200).
+
+Measured on one H200 (triton 3.6, torch 2.11) with ``python tests/test_kernels_fwd.py bench 30b|235b``:
+T = 16384, E = 128, K = 8, near-uniform routing, ``triton.testing.do_bench`` median; 30B-A3B shape
+D 2048 / F 768, 235B-A22B D 4096 / F 1536. GEMM1 ~522 / ~541 TF/s, GEMM2 ~460 / ~535 TF/s (FLOPs
+2*P*D*F per projection): above DESIGN's 477 / 490 for the plain pointer-gather GEMM1, below the
+>= 600 TF/s target of DESIGN.md section 5. Tile shapes, stages, group_m and TMA all moved the numbers
+by a few percent at most; closing the gap needs a persistent tile scheduler and / or warp
+specialization.
+
+Interpreter (CPU, ``TRITON_INTERPRET=1``): small 16 x 16 x 16 tiles, 1 warp, 1 stage, one fixed config
+(autotuning with several configs fails in the interpreter, DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GemmConfig", "HOPPER_GEMM1", "HOPPER_GEMM2", "interpreter_config", "config_for"]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile and launch parameters of one grouped GEMM.
+
+    Attributes:
+        block_m: BM, rows per tile; must equal the routing layout's ``block_m`` (power of two, >= 16).
+        block_n: BN, output columns per program (per operand for GEMM1: gate and up each get BN).
+        block_k: BK, reduction step (power of two, >= 16).
+        num_warps: warps per program (8 = two Hopper warpgroups).
+        num_stages: software-pipeline depth of the K loop.
+        group_m: row tiles per L2 group of the tile order: a group's row tiles sweep all column
+            blocks before the next group starts (1 = all column blocks of a row tile back to back).
+        use_tma: load weight tiles (and GEMM2's contiguous h tiles) through TMA tensor descriptors
+            (``tl.make_tensor_descriptor``) instead of pointer loads; GEMM1's gathered x rows always
+            use pointer loads. Default False: pointer loads measured faster (module docstring).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 4
+    group_m: int = 1
+    use_tma: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name}={v} must be a power of two >= 16 (tl.dot minimum)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemmConfig.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1 or self.group_m < 1:
+            raise ValueError("GemmConfig.num_stages and group_m must be >= 1")
+
+
+#: Hopper defaults (see the module docstring for the arithmetic).
+HOPPER_GEMM1 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1, use_tma=False)
+HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=1, use_tma=False)
+
+
+def interpreter_config() -> GemmConfig:
+    """The one fixed config for the Triton interpreter on CPU: small tiles keep tests fast."""
+    # group_m=2 (not the GPU's 1) so the CPU tests exercise the grouped tile remap; same default path
+    # (pointer loads) as the GPU configs.
+    return GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1, group_m=2, use_tma=False)
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    """Largest power of two <= min(n, cap), at least 16."""
+    p = 16
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+def config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
+    """Pick the launch config of ``kind`` ("gemm1" or "gemm2") for a layer with dims D and F.
+
+    BM is the same for both kinds (the two GEMMs share one routing layout). Column and reduction
+    blocks shrink to the problem for tiny dims (debug shapes) so no program computes mostly padding.
+    """
+    if kind not in ("gemm1", "gemm2"):
+        raise ValueError(f"config_for: unknown kind {kind!r}; choose 'gemm1' or 'gemm2'")
+    if interpret:
+        return interpreter_config()
+    base = HOPPER_GEMM1 if kind == "gemm1" else HOPPER_GEMM2
+    n_dim, k_dim = (F, D) if kind == "gemm1" else (D, F)
+    block_n = _pow2_at_most(n_dim, base.block_n)
+    block_k = _pow2_at_most(k_dim, base.block_k)
+    return GemmConfig(
+        block_m=base.block_m, block_n=block_n, block_k=block_k, num_warps=base.num_warps,
+        num_stages=base.num_stages, group_m=base.group_m, use_tma=base.use_tma,
+    )

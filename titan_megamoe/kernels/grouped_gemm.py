@@ -1,0 +1,566 @@
+"""Forward kernels of the fused MoE experts (EP = 1): gather + GEMM1 + SwiGLU, GEMM2 + weighted
+scatter, and the fixed-order top-k combine.
+
+Shape legend:
+    T   tokens                  D   model dim                F    expert hidden dim
+    E   experts                 K   top_k                    P    = T*K (token, slot) pairs, p = t*K + k
+    BM  row block (= layout.block_m)                         N_cap rows of the padded expert-major layout
+    n_tiles_cap = N_cap // BM row tiles                      BN / BK column / reduction block
+
+Data flow (rows in the padded expert-major layout of ``routing.py``; row r holds pair
+p = row_pair[r], token t = p // K, expert e = tile_expert[r // BM]):
+
+    gemm1_swiglu_fwd:  gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T]   (N_cap, 2F) bf16, saved for bwd
+                       h[r]       = silu(gate) * up                     (N_cap, F)  bf16
+    gemm2_scatter_fwd: y[p]       = score[p] * (h[r] @ w2[e].T)          (P, D) bf16, token-major
+    combine_topk:      out[t]     = sum_{k=0..K-1} y[t*K + k]  (fp32, fixed order) -> (T, D) bf16
+
+Which rows get written (tests poison outputs with NaN and check this):
+    * GEMM1 writes every row of every tile whose expert is >= 0, i.e. rows [0, offsets[E]); padding
+      rows inside those tiles (pair -1) get exact zeros (their gathered x rows are masked to 0, so both
+      accumulators are 0 and silu(0) * 0 = 0): later kernels may read them. Tiles whose expert is -1
+      (rows >= offsets[E]) are skipped and left as allocated; no kernel reads them.
+    * GEMM2 writes every pair row p in [0, P) exactly once (each pair has exactly one layout row), no
+      atomics. Padding rows store nothing.
+    * combine_topk writes every token row.
+
+Interpreter (``TRITON_INTERPRET=1``, CPU tests): read from the environment at *launch* time, not at
+import time (``_kernel_variant``), so importing this module early does not fix the mode. In that mode
+operands are upcast to fp32 before ``tl.dot`` (bf16 dot returns garbage in the interpreter, DESIGN 7);
+the fp32 -> bf16 output casts truncate there instead of rounding (still within bf16 tolerance).
+
+Dims are constexpr: D and F are kernel constants (one compile per layer shape, which a model has
+anyway). Besides letting the compiler fold strides and masks, this keeps ``range(0, D, BLOCK_K)``
+working in the interpreter: with numpy 2.4 (seen on the CPU machine) a runtime int argument there
+fails (the interpreter calls ``int()`` on a 1-element array).
+
+Weight tiles (and GEMM2's h tiles): plain pointer loads, pipelined through cp.async (the default:
+measured 2-5 % faster on H200, see configs.py), or TMA tensor descriptors (``tl.make_tensor_descriptor``,
+``GemmConfig.use_tma=True`` -> constexpr ``USE_TMA``; needs a Triton allocator on GPU, installed on
+first use if the caller set none). Gathered x rows always use pointer loads (TMA gather is
+Blackwell-only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from titan_megamoe.kernels.configs import GemmConfig, config_for
+from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
+
+__all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_mode"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm1_swiglu_fwd_kernel(
+    x_ptr,  # (T, D) bf16, token rows; gathered by row_pair // K
+    w1_ptr,  # (E, F, D) bf16, gate projection
+    w3_ptr,  # (E, F, D) bf16, up projection
+    row_pair_ptr,  # (N_cap,) int32, pair t*K + k of each padded row, -1 for padding
+    tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
+    gate_up_ptr,  # (N_cap, 2F) bf16 out, [gate | up] pre-activations
+    h_ptr,  # (N_cap, F) bf16 out, silu(gate) * up
+    E,  # i32, experts
+    F: tl.constexpr,  # expert hidden dim (constexpr: see "Dims are constexpr" in the module doc)
+    D: tl.constexpr,  # model dim
+    K: tl.constexpr,  # top_k
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # D % BLOCK_K == 0: no reduction-dim mask
+    USE_TMA: tl.constexpr,  # weight tiles through TMA descriptors (else pointer loads)
+    UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot
+):
+    """Gathered grouped GEMM1 with both projections and SwiGLU in the epilogue.
+
+    Grid: (n_tiles_cap, cdiv(F, BLOCK_N)). Launch ids are remapped to a grouped order (GROUP_M row
+    tiles sweep all column blocks before the next group) so that each program owns exactly one
+    (row tile m, column block n) pair: rows [m*BM, (m+1)*BM) x columns [n*BN, (n+1)*BN) of gate, of
+    up (gate_up columns F + ...) and of h. Tiles with expert -1 return at once.
+    Preconditions: N_cap a multiple of BM (layout_caps guarantees it), D and F multiples of 16,
+    all tensors contiguous; no host sync, no atomics.
+    """
+    # ---- tile order: grouped for L2 reuse of the gathered x rows and the expert's weight columns ----
+    num_pid_m = tl.num_programs(0)
+    num_pid_n = tl.num_programs(1)
+    pid = tl.program_id(0) + tl.program_id(1) * num_pid_m  # hardware launch order: axis 0 fastest
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % size_m
+    pid_n = (pid % num_in_group) // size_m
+
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:  # tile past the last expert's rows: nothing to compute, nothing written
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # padded rows of this tile (< N_cap)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate / up / h columns
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # ---- prologue: row gather. EP dispatch will read remote token rows here. ----------------------
+    pair_M = tl.load(row_pair_ptr + offs_m)
+    row_ok_M = pair_M >= 0
+    # int64: token * D overflows int32 once T*D > 2^31 (large receive buffers).
+    tok_M = tl.where(row_ok_M, pair_M // K, 0).to(tl.int64)
+    x_ptrs = x_ptr + tok_M[:, None] * D + offs_k[None, :]  # (BM, BK) gathered row pointers
+    # ---- end of row gather -----------------------------------------------------------------------
+
+    w_row0 = expert * F + pid_n * BLOCK_N  # first weight row of this column block in the (E*F, D) view
+    if USE_TMA:
+        # 2D view (E*F, D): a block past F reads the next expert's rows (in bounds) or TMA zero fill;
+        # those columns are never stored, so their values do not matter.
+        w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[E * F, D], strides=[D, 1], block_shape=[BLOCK_N, BLOCK_K])
+        w3_desc = tl.make_tensor_descriptor(w3_ptr, shape=[E * F, D], strides=[D, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        n_ok_N = offs_n < F
+        # int64: expert * F * D overflows int32 for large layers (128 x 1536 x 4096 = 0.8e9, close to 2^31).
+        w_off = w_row0.to(tl.int64) * D + tl.arange(0, BLOCK_N)[None, :] * D + offs_k[:, None]  # (BK, BN)
+        w1_ptrs = w1_ptr + w_off
+        w3_ptrs = w3_ptr + w_off
+
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
+        else:
+            a = tl.load(x_ptrs, mask=row_ok_M[:, None] & (k0 + offs_k[None, :] < D), other=0.0)
+        if USE_TMA:
+            b1 = w1_desc.load([w_row0, k0]).T  # (BK, BN)
+            b3 = w3_desc.load([w_row0, k0]).T
+        else:
+            if EVEN_K:
+                b_mask = n_ok_N[None, :]
+            else:
+                b_mask = n_ok_N[None, :] & (k0 + offs_k[:, None] < D)
+            b1 = tl.load(w1_ptrs, mask=b_mask, other=0.0)
+            b3 = tl.load(w3_ptrs, mask=b_mask, other=0.0)
+            w1_ptrs += BLOCK_K
+            w3_ptrs += BLOCK_K
+        if UPCAST_FP32:
+            a32 = a.to(tl.float32)
+            acc_gate = tl.dot(a32, b1.to(tl.float32), acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a32, b3.to(tl.float32), acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, b1, acc_gate)
+            acc_up = tl.dot(a, b3, acc_up)
+        x_ptrs += BLOCK_K
+
+    # ---- epilogue: SwiGLU in fp32, store gate | up (for the backward) and h --------------------------
+    # silu written out: tl.sigmoid is a jit library function, which under TRITON_INTERPRET=1 becomes
+    # an InterpretedFunction whose call leaves triton.language patched (breaks later compiles).
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # padding rows: 0 / 2 * 0 = 0
+    # int64: row * 2F overflows int32 for N_cap * 2F > 2^31.
+    rows64 = offs_m.to(tl.int64)
+    st_mask = (offs_n < F)[None, :]  # every row of a live tile is written (padding rows get zeros)
+    gu_ptrs = gate_up_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
+    tl.store(gu_ptrs, acc_gate.to(tl.bfloat16), mask=st_mask)
+    tl.store(gu_ptrs + F, acc_up.to(tl.bfloat16), mask=st_mask)
+    tl.store(h_ptr + rows64[:, None] * F + offs_n[None, :], h.to(tl.bfloat16), mask=st_mask)
+
+
+@triton.jit
+def _gemm2_scatter_fwd_kernel(
+    h_ptr,  # (N_cap, F) bf16, SwiGLU output rows in the padded layout
+    w2_ptr,  # (E, D, F) bf16, down projection
+    scores_ptr,  # (P,) fp32, routing score of pair p = t*K + k
+    row_pair_ptr,  # (N_cap,) int32, pair of each padded row, -1 for padding
+    tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
+    out_pairs_ptr,  # (P, D) bf16 out, token-major weighted expert outputs
+    N_cap,  # i32, rows of the padded layout
+    E,  # i32, experts
+    F: tl.constexpr,  # expert hidden dim (reduction)
+    D: tl.constexpr,  # model dim (output columns)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # F % BLOCK_K == 0
+    USE_TMA: tl.constexpr,  # h and weight tiles through TMA descriptors (else pointer loads)
+    UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot
+):
+    """Grouped GEMM2 with the routing score and the token-major scatter in the epilogue.
+
+    Grid: (n_tiles_cap, cdiv(D, BLOCK_N)), launch ids remapped to the same grouped order as GEMM1.
+    Each program owns one (row tile m, column block n): it computes h[rows] @ w2[e][cols].T and stores
+    columns [n*BN, (n+1)*BN) of out_pairs[p] for every row of the tile with pair p >= 0. Every pair
+    has exactly one layout row, so each output element is written exactly once (no atomics).
+    Tiles with expert -1 return at once. h's padding rows are never stored, whatever they hold.
+    Preconditions: N_cap a multiple of BM, D and F multiples of 16, contiguous tensors; no host sync.
+    """
+    num_pid_m = tl.num_programs(0)
+    num_pid_n = tl.num_programs(1)
+    pid = tl.program_id(0) + tl.program_id(1) * num_pid_m  # hardware launch order: axis 0 fastest
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % size_m
+    pid_n = (pid % num_in_group) // size_m
+
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:
+        return
+
+    row0 = pid_m * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_row0 = expert * D + pid_n * BLOCK_N  # first weight row in the (E*D, F) view
+
+    if USE_TMA:
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[N_cap, F], strides=[F, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[E * D, F], strides=[F, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        n_ok_N = offs_n < D
+        # int64: row * F and expert * D * F overflow int32 for large layers.
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * F + offs_k[None, :]
+        w_ptrs = w2_ptr + w_row0.to(tl.int64) * F + tl.arange(0, BLOCK_N)[None, :] * F + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        if USE_TMA:
+            a = h_desc.load([row0, k0])
+            b = w2_desc.load([w_row0, k0]).T  # (BK, BN)
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(w_ptrs, mask=n_ok_N[None, :], other=0.0)
+            else:
+                k_ok = k0 + offs_k < F
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=n_ok_N[None, :] & k_ok[:, None], other=0.0)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if UPCAST_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+
+    # ---- epilogue: routing score (fp32), then the scatter to token-major pair rows ------------------
+    pair_M = tl.load(row_pair_ptr + offs_m)
+    row_ok_M = pair_M >= 0
+    score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
+    y = (acc * score_M[:, None]).to(tl.bfloat16)
+    # ---- scatter store. EP combine will push these rows to the source GPU here. -------------------
+    # int64: pair * D overflows int32 once P*D > 2^31.
+    dst_ptrs = out_pairs_ptr + pair_M.to(tl.int64)[:, None] * D + offs_n[None, :]
+    tl.store(dst_ptrs, y, mask=row_ok_M[:, None] & (offs_n < D)[None, :])
+    # ---- end of scatter store --------------------------------------------------------------------
+
+
+@triton.jit
+def _combine_topk_fwd_kernel(
+    y_ptr,  # (P, D) bf16, weighted expert outputs, row p = t*K + k
+    out_ptr,  # (T, D) bf16 out
+    D: tl.constexpr,  # model dim
+    K: tl.constexpr,  # top_k
+    BLOCK_D: tl.constexpr,
+):
+    """out[t, cols] = bf16(sum_{k=0..K-1} fp32(y[t*K + k, cols])), k in fixed ascending order.
+
+    Grid: (T, cdiv(D, BLOCK_D)); program (t, j) owns columns [j*BD, (j+1)*BD) of token row t.
+    Deterministic: the order of the K additions is fixed, no atomics.
+    """
+    t = tl.program_id(0).to(tl.int64)  # int64: t * K * D overflows int32 once P*D > 2^31
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + k) * D + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, acc.to(tl.bfloat16), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch-time mode selection
+# --------------------------------------------------------------------------------------------------
+
+
+def interpret_mode() -> bool:
+    """True when kernels run in the Triton interpreter (``TRITON_INTERPRET=1``), read at call time."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_VARIANTS: dict[tuple[object, bool], object] = {}
+
+
+def _kernel_variant(kernel, interpret: bool):
+    """The launchable object of ``kernel`` for the requested mode.
+
+    ``@triton.jit`` picks interpreter or compiler when this module is imported; this rebuilds the
+    other flavour from the same Python function, so the mode follows ``TRITON_INTERPRET`` at launch
+    (pytest may import this module before a test file sets the variable). Also used by the sm_90a
+    compile test to get a ``JITFunction`` while the interpreter is on.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    want = InterpretedFunction if interpret else JITFunction
+    if isinstance(kernel, want):
+        return kernel
+    key = (kernel.fn, interpret)
+    if key not in _VARIANTS:
+        _VARIANTS[key] = want(kernel.fn)
+    return _VARIANTS[key]
+
+
+def _tma_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_tma_allocator() -> None:
+    """Device-side ``tl.make_tensor_descriptor`` needs a global scratch allocator (128 B per program).
+
+    Only installed when none is set (never overrides the caller's); a ContextVar in Triton, so the
+    setting is local to the current context.
+    """
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_alloc)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_bf16_2d_or_3d(name: str, t: Tensor, shape: tuple[int, ...], device) -> None:
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name} must be bf16, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _check_layout(layout: RoutingLayout, T: int, E: int, cfg: GemmConfig, device) -> None:
+    if layout.block_m != cfg.block_m:
+        raise ValueError(
+            f"config block_m={cfg.block_m} differs from the routing layout's block_m={layout.block_m}: "
+            "build the layout with config.block_m"
+        )
+    if layout.num_experts != E:
+        raise ValueError(f"layout built for {layout.num_experts} experts, weights have E={E}")
+    n_cap, n_tiles = layout_caps(T, layout.top_k, E, layout.block_m)
+    if layout.n_cap != n_cap or layout.n_tiles_cap != n_tiles or layout.pair_row.shape[0] != T * layout.top_k:
+        raise ValueError(
+            f"layout (N_cap={layout.n_cap}, n_tiles_cap={layout.n_tiles_cap}, P={layout.pair_row.shape[0]}) "
+            f"was not built for T={T}, K={layout.top_k}, E={E}, block_m={layout.block_m} "
+            f"(expected N_cap={n_cap}, n_tiles_cap={n_tiles}, P={T * layout.top_k})"
+        )
+    for name in ("row_pair", "tile_expert"):
+        t = getattr(layout, name)
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"layout.{name} must be a contiguous int32 tensor on {device}")
+
+
+def _tma_usable(cfg: GemmConfig, *tensors: Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned base addresses (row strides are, by ``_check_dims``)."""
+    return cfg.use_tma and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _check_dims(D: int, F: int) -> None:
+    # Multiples of 16: tl.dot / wgmma reduce in steps of 16, and TMA needs 16-byte row strides.
+    if D % 16 or F % 16:
+        raise ValueError(f"D={D} and F={F} must be multiples of 16")
+
+
+def _resolve_config(config: GemmConfig | None, kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
+    return config if config is not None else config_for(kind, D, F, interpret)
+
+
+def gemm1_swiglu_fwd(
+    x_TD: Tensor,
+    w1_EFD: Tensor,
+    w3_EFD: Tensor,
+    layout: RoutingLayout,
+    *,
+    gate_up_out: Tensor | None = None,
+    h_out: Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused row gather + GEMM1 (gate and up) + SwiGLU, in the padded expert-major layout.
+
+    Math, for each padded row r with pair p = row_pair[r] >= 0, t = p // K, e = tile_expert[r // BM]:
+    ``gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T]``, ``h[r] = silu(gate) * up`` (fp32, then bf16).
+
+    Grid: (n_tiles_cap, cdiv(F, BN)); each program owns a BM x BN tile of gate, up and h (see
+    ``_gemm1_swiglu_fwd_kernel``). Written rows: all rows of tiles with expert >= 0 (padding rows
+    inside them are exact zeros); rows of tiles with expert -1 (>= offsets[E]) are not written.
+
+    Args:
+        x_TD: (T, D) bf16 contiguous token rows.
+        w1_EFD, w3_EFD: (E, F, D) bf16 contiguous gate / up weights.
+        layout: routing layout built by ``build_routing_layout`` for these T, K, E with
+            ``block_m == config.block_m``.
+        gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 contiguous output buffers (``_out``
+            convention: written in place and returned); allocated with ``torch.empty`` when None.
+        config: launch config; default ``config_for("gemm1", D, F, interpret)``.
+
+    Returns:
+        (gate_up_N2F, h_NF).
+
+    Raises:
+        ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
+            layout built for other T, K, E or block_m.
+
+    Host syncs: none. Example (``test_worked_example_layout_rows``): T=2, K=2, E=3, BM=16, ids
+    [[2, 0], [0, 1]] -> tile_expert [0, 1, 2, -1], N_cap 64: rows 0 and 1 = x[0] and x[1] through
+    expert 0, row 16 = x[1] through expert 1, row 32 = x[0] through expert 2; rows 2-15, 17-31,
+    33-47 = zeros (padding); rows 48-63 (tile of expert -1) not written.
+    """
+    if x_TD.dim() != 2 or w1_EFD.dim() != 3:
+        raise ValueError(f"x must be (T, D) and w1 (E, F, D); got {tuple(x_TD.shape)}, {tuple(w1_EFD.shape)}")
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    dev = x_TD.device
+    interpret = interpret_mode()
+    cfg = _resolve_config(config, "gemm1", D, F, interpret)
+    _check_bf16_2d_or_3d("x", x_TD, (T, D), dev)
+    _check_bf16_2d_or_3d("w1", w1_EFD, (E, F, D), dev)
+    _check_bf16_2d_or_3d("w3", w3_EFD, (E, F, D), dev)
+    _check_dims(D, F)
+    _check_layout(layout, T, E, cfg, dev)
+    N = layout.n_cap
+    if gate_up_out is None:
+        gate_up_out = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev)
+    if h_out is None:
+        h_out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
+    _check_bf16_2d_or_3d("gate_up_out", gate_up_out, (N, 2 * F), dev)
+    _check_bf16_2d_or_3d("h_out", h_out, (N, F), dev)
+    if layout.n_tiles_cap == 0:
+        return gate_up_out, h_out
+    use_tma = _tma_usable(cfg, w1_EFD, w3_EFD)  # else the pointer path (same results)
+    if use_tma and not interpret:
+        _ensure_tma_allocator()
+
+    grid = (layout.n_tiles_cap, triton.cdiv(F, cfg.block_n))
+    _kernel_variant(_gemm1_swiglu_fwd_kernel, interpret)[grid](
+        x_TD, w1_EFD, w3_EFD, layout.row_pair, layout.tile_expert, gate_up_out, h_out,
+        E, F, D,
+        K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=D % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return gate_up_out, h_out
+
+
+def gemm2_scatter_fwd(
+    h_NF: Tensor,
+    w2_EDF: Tensor,
+    scores_TK: Tensor,
+    layout: RoutingLayout,
+    *,
+    out_pairs: Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> Tensor:
+    """Grouped GEMM2 + routing score + scatter to token-major (token, slot) rows.
+
+    Math, for each padded row r with pair p = row_pair[r] >= 0 and e = tile_expert[r // BM]:
+    ``y[p] = bf16(scores.view(-1)[p] * (h[r] @ w2[e].T))`` (fp32 accumulate, fp32 score).
+
+    Grid: (n_tiles_cap, cdiv(D, BN)); each program owns BM rows x BN columns of the output, and every
+    element of the (P, D) result is written exactly once (no atomics, deterministic).
+
+    Args:
+        h_NF: (N_cap, F) bf16 contiguous, the GEMM1 output (padding rows may hold anything).
+        w2_EDF: (E, D, F) bf16 contiguous down weights.
+        scores_TK: (T, K) fp32 contiguous routing scores.
+        layout: the same routing layout as GEMM1 (``block_m == config.block_m``).
+        out_pairs: optional (P, D) bf16 contiguous output buffer; ``torch.empty`` when None.
+        config: launch config; default ``config_for("gemm2", D, F, interpret)``.
+
+    Returns:
+        y_PD: (P, D) bf16, row p = t*K + k.
+
+    Raises:
+        ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
+            layout built for other T, K, E or block_m.
+
+    Host syncs: none.
+    """
+    if h_NF.dim() != 2 or w2_EDF.dim() != 3 or scores_TK.dim() != 2:
+        raise ValueError(
+            f"h must be (N_cap, F), w2 (E, D, F), scores (T, K); got {tuple(h_NF.shape)}, "
+            f"{tuple(w2_EDF.shape)}, {tuple(scores_TK.shape)}"
+        )
+    E, D, F = w2_EDF.shape
+    T, K = scores_TK.shape
+    dev = h_NF.device
+    interpret = interpret_mode()
+    cfg = _resolve_config(config, "gemm2", D, F, interpret)
+    if K != layout.top_k:
+        raise ValueError(f"scores have K={K} slots, layout was built for top_k={layout.top_k}")
+    if scores_TK.dtype != torch.float32 or not scores_TK.is_contiguous() or scores_TK.device != dev:
+        raise ValueError(f"scores must be a contiguous fp32 tensor on {dev}, got {scores_TK.dtype}")
+    _check_dims(D, F)
+    _check_layout(layout, T, E, cfg, dev)
+    N, P = layout.n_cap, T * K
+    _check_bf16_2d_or_3d("h", h_NF, (N, F), dev)
+    _check_bf16_2d_or_3d("w2", w2_EDF, (E, D, F), dev)
+    if out_pairs is None:
+        out_pairs = torch.empty((P, D), dtype=torch.bfloat16, device=dev)
+    _check_bf16_2d_or_3d("out_pairs", out_pairs, (P, D), dev)
+    if layout.n_tiles_cap == 0:
+        return out_pairs
+    use_tma = _tma_usable(cfg, h_NF, w2_EDF)  # else the pointer path (same results)
+    if use_tma and not interpret:
+        _ensure_tma_allocator()
+
+    grid = (layout.n_tiles_cap, triton.cdiv(D, cfg.block_n))
+    _kernel_variant(_gemm2_scatter_fwd_kernel, interpret)[grid](
+        h_NF, w2_EDF, scores_TK, layout.row_pair, layout.tile_expert, out_pairs,
+        N, E, F, D,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=F % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out_pairs
+
+
+def combine_topk(y_PD: Tensor, T: int, K: int) -> Tensor:
+    """Sum each token's K weighted expert rows in fp32, slots in order k = 0..K-1, cast to bf16.
+
+    Grid: (T, cdiv(D, BD)); program (t, j) owns a BD-column chunk of out[t]. Deterministic (fixed
+    order, no atomics), no host sync.
+
+    Args:
+        y_PD: (T*K, D) bf16 contiguous, row p = t*K + k (``gemm2_scatter_fwd``'s output).
+        T, K: tokens and top_k.
+
+    Returns:
+        out_TD: (T, D) bf16, newly allocated.
+
+    Example: K=2, y rows [1, 2] and [3, 4] for token 0 -> out[0] = [4, 6].
+    """
+    if y_PD.dim() != 2 or y_PD.shape[0] != T * K:
+        raise ValueError(f"y must be (T*K={T * K}, D), got {tuple(y_PD.shape)}")
+    if y_PD.dtype != torch.bfloat16 or not y_PD.is_contiguous():
+        raise ValueError(f"y must be a contiguous bf16 tensor, got {y_PD.dtype}, strides {y_PD.stride()}")
+    if K < 1:
+        raise ValueError(f"K={K} must be >= 1")
+    D = y_PD.shape[1]
+    out_TD = torch.empty((T, D), dtype=torch.bfloat16, device=y_PD.device)
+    if T == 0 or D == 0:
+        return out_TD
+    interpret = interpret_mode()
+    block_d = 64 if interpret else min(1024, triton.next_power_of_2(D))
+    grid = (T, triton.cdiv(D, block_d))
+    _kernel_variant(_combine_topk_fwd_kernel, interpret)[grid](
+        y_PD, out_TD, D, K=K, BLOCK_D=block_d, num_warps=1 if interpret else 4,
+    )
+    return out_TD

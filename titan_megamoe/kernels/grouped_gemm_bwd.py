@@ -1,0 +1,833 @@
+"""Backward of the fused SwiGLU MoE grouped GEMMs: dgrad (dout -> dh -> SwiGLU bwd -> dx, d score)
+and per-expert wgrad (K-grouped over each expert's rows). Deterministic: no atomics, fixed orders.
+
+Shape legend: T tokens, K top_k, P = T*K pairs (p = t*K + k), E experts, D model dim, F expert hidden
+dim, N_cap padded rows of the routing layout (``routing.py``), n_tiles = N_cap // BM row tiles,
+NB = cdiv(F, BN) column blocks of F. Row r of the layout holds pair p = row_pair[r] (-1: padding),
+token t = p // K, expert e = tile_expert[r // BM].
+
+Forward (``grouped_gemm.py``) saved ``gate_up[r] = [x[t] @ w1[e].T, x[t] @ w3[e].T]`` (N_cap, 2F) bf16;
+``h = silu(gate) * up`` and ``y[p] = s[p] * h[r] @ w2[e].T`` are not saved. With dout = d out (T, D):
+
+  1. ``gemm2_dgrad_swiglu_bwd``: g = dout[t] @ w2[e] (gathered dout rows), dh = s[p] g,
+     dgate = dh * up * silu'(gate), dup = dh * silu(gate) -> dgate_up (N_cap, 2F) bf16, and per-(row,
+     column block) partials of d s[p] = <g, h[r]> (SonicMoE: <dout, y / s> without caching y);
+     ``reduce_dscore`` adds the NB partials in a fixed order -> (T, K) fp32.
+  2. ``gemm1_dgrad``: dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e] (N_cap, D) bf16;
+     ``scatter_dx``: dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k order -> (T, D) bf16.
+  3. ``wgrad_w2``: dw2[e] = sum_r dout[t]^T (s[p] h[r]) (E, D, F); ``wgrad_w13``: dw1[e] = sum_r
+     dgate[r]^T x[t], dw3[e] = sum_r dup[r]^T x[t] (E, F, D). The reduction runs over the expert's rows
+     offsets[e]..offsets[e+1] inside one program (bounds read on device): no host sync, each output
+     element written once, zero for experts without rows. s * h is recomputed from gate_up in the
+     loader, or (faster: 1.12 vs 4.42 ms at the 30B-A3B shape on H200) stored once by step 1
+     (``hs_out``) and read by ``wgrad_w2(..., hs_NF=...)``: the op should pass it.
+
+Measured on one H200 (30B-A3B layer, 16384 tokens, top-8, 128 experts, near-uniform routing): the
+whole backward (steps 1-3 with stored s * h, pointer loads) 6.05 ms vs 8.24 ms for the autograd
+backward of a torch._grouped_mm expert path (stock TorchTitan's GEMMs, no all-to-all): 1.36x;
+235B-A22B shape 23.5 vs 24.3 ms (1.04x; wgrad_w13 is 40% of it at ~350 TF/s).
+
+Example (T=2, K=2, BM=2, the layout of ``routing.py``: pair_row = [4, 0, 1, 2]):
+dx[0] = dx_rows[4] + dx_rows[0], dx[1] = dx_rows[1] + dx_rows[2] (tested in
+``tests/test_kernels_bwd.py::test_worked_example``).
+
+Interpreter (``TRITON_INTERPRET=1``, read at *launch* time): kernels run as ``InterpretedFunction``
+whatever the flag was at import (they call no other jit function, tl.sigmoid included, so re-wrapping
+``kernel.fn`` is enough), and ``INTERPRET`` feeds fp32 operands to ``tl.dot`` (bf16 dot returns garbage
+there; DESIGN.md section 7) and routes the wgrad row-loop bounds through ``_interp_int``. D, F, K are
+constexpr (one compile per layer shape; keeps ``range(0, D, BK)`` working in the interpreter).
+
+Contiguous operands (weights, saved gate_up / dgate_up / hs rows) load through host-built TMA
+descriptors (no ``triton.set_allocator`` needed) when ``config.use_tma`` and 16-byte alignment allow,
+with a pointer fallback under the ``USE_TMA`` constexpr; scattered token rows (dout, x) always use
+pointer gathers (TMA gather is Blackwell-only). ``default_bwd_config`` picks TMA per kernel by
+measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from titan_megamoe.kernels.configs import GemmConfig, config_for
+from titan_megamoe.kernels.routing import RoutingLayout
+
+__all__ = [
+    "gemm2_dgrad_swiglu_bwd", "reduce_dscore", "gemm1_dgrad", "scatter_dx", "wgrad_w2", "wgrad_w13",
+    "default_bwd_config",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.constexpr_function
+def _interp_int(x):
+    """Interpreter only: the Python int of a scalar tensor, for range() bounds read from memory.
+
+    Called solely under ``INTERPRET`` (interpreter) ternaries, so the compiler never evaluates it. The
+    interpreter's ``__index__`` does ``int()`` of a 1-element numpy array, which numpy >= 2.3 refuses.
+    """
+    return int(x.handle.data.reshape(-1)[0])
+
+
+@triton.jit
+def _gemm2_dgrad_swiglu_bwd_kernel(
+    dout_TD,          # (T, D) bf16, gathered by token
+    w2_EDF,           # (E, D, F) bf16 pointer, or TMA descriptor with block [1, BK, BN]
+    gate_up_N2F,      # (N_cap, 2F) bf16 saved pre-activations
+    scores_P,         # (P,) fp32 routing scores
+    row_pair_N,       # (N_cap,) int32
+    tile_expert_M,    # (n_tiles,) int32
+    dgate_up_N2F,     # (N_cap, 2F) bf16 out
+    dscore_part_NB,   # (N_cap, NB) fp32 out
+    hs_NF,            # (N_cap, F) bf16 out, s[p] * h[r] for wgrad_w2 (only if STORE_HS)
+    n_tiles,          # i32 row tiles of the layout
+    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,  # NB = cdiv(F, BN)
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, STORE_HS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """g = dout[t] @ w2[e]; SwiGLU backward; d score partials; optionally hs = s * h for wgrad_w2.
+
+    Grid: (n_tiles * NB,), grouped order (GROUP_M row tiles sweep all column blocks). The program of
+    (row tile m, column block n) owns dgate_up[m*BM:(m+1)*BM, n*BN:(n+1)*BN] and the same columns + F,
+    dscore_part[m*BM:(m+1)*BM, n] and (STORE_HS) hs[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; tiles of expert -1
+    and padding rows get zeros.
+    """
+    pid = tl.program_id(0)
+    width = GROUP_M * NB
+    first_m = (pid // width) * GROUP_M
+    group = tl.minimum(n_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group
+    pid_n = (pid % width) // group
+
+    rows = pid_m * BM + tl.arange(0, BM)
+    rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31 at full shapes
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < F
+    gu_off = rows64[:, None] * (2 * F) + cols[None, :]
+    e = tl.load(tile_expert_M + pid_m)
+    if e < 0:  # tile past the last expert: zeros, no GEMM
+        zero = tl.zeros((BM, BN), dtype=dgate_up_N2F.dtype.element_ty)
+        tl.store(dgate_up_N2F + gu_off, zero, mask=col_ok[None, :])
+        tl.store(dgate_up_N2F + gu_off + F, zero, mask=col_ok[None, :])
+        tl.store(dscore_part_NB + rows64 * NB + pid_n, tl.zeros((BM,), dtype=tl.float32))
+        if STORE_HS:
+            tl.store(hs_NF + rows64[:, None] * F + cols[None, :], zero, mask=col_ok[None, :])
+        return
+
+    pair = tl.load(row_pair_N + rows)
+    valid = pair >= 0
+    tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
+    w_base = e.to(tl.int64) * D * F  # int64: E * D * F passes 2^31 at 235B shapes
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(dout_TD + tok64[:, None] * D + ks[None, :], mask=valid[:, None] & (ks[None, :] < D), other=0.0)
+        if USE_TMA:
+            b = w2_EDF.load([e, k0, pid_n * BN]).reshape(BK, BN)
+        else:
+            b = tl.load(w2_EDF + w_base + ks[:, None] * F + cols[None, :],
+                        mask=(ks[:, None] < D) & col_ok[None, :], other=0.0)
+        if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+
+    # Epilogue: SwiGLU backward in fp32 from the saved pre-activations, in two column halves of BN/2
+    # (halves the live fp32 tiles: g, gate, up, sigmoid at once spill at 128 x 128, 8 warps).
+    s = tl.load(scores_P + pair, mask=valid, other=0.0)
+    out_ty = dgate_up_N2F.dtype.element_ty
+    g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+    dscore = tl.zeros((BM,), dtype=tl.float32)
+    for half in tl.static_range(2):
+        g = g_lo if half == 0 else g_hi
+        hc = pid_n * BN + half * (BN // 2) + tl.arange(0, BN // 2)
+        hc_ok = hc < F
+        off = rows64[:, None] * (2 * F) + hc[None, :]
+        gate = tl.load(gate_up_N2F + off, mask=hc_ok[None, :], other=0.0).to(tl.float32)
+        up = tl.load(gate_up_N2F + off + F, mask=hc_ok[None, :], other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))  # not tl.sigmoid: a jit library function (interpreter pitfall)
+        silu = gate * sig
+        keep = valid[:, None] & hc_ok[None, :]
+        h = (silu * up).to(out_ty).to(tl.float32)  # the bf16 h GEMM2 consumed
+        dscore += tl.sum(tl.where(keep, g * h, 0.0), axis=1)  # fixed order: lower half first
+        dh = g * s[:, None]
+        dgate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))  # silu'(x) = sig (1 + x (1 - sig))
+        tl.store(dgate_up_N2F + off, tl.where(keep, dgate, 0.0).to(out_ty), mask=hc_ok[None, :])
+        tl.store(dgate_up_N2F + off + F, tl.where(keep, dh * silu, 0.0).to(out_ty), mask=hc_ok[None, :])
+        if STORE_HS:  # s * h rounded once: the B operand of wgrad_w2, so its loader does no math
+            tl.store(hs_NF + rows64[:, None] * F + hc[None, :], tl.where(keep, silu * up * s[:, None], 0.0).to(out_ty),
+                     mask=hc_ok[None, :])
+    tl.store(dscore_part_NB + rows64 * NB + pid_n, dscore)
+
+
+@triton.jit
+def _reduce_dscore_kernel(
+    dscore_part_NB,   # (N_cap, NB) fp32
+    pair_row_P,       # (P,) int32
+    dscore_P,         # (P,) fp32 out
+    P,                # i32 pairs
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """dscore[p] = sum_j part[pair_row[p], j], j ascending. Grid (cdiv(P, BLOCK),): BLOCK pairs each."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    r64 = tl.load(pair_row_P + p, mask=ok, other=0).to(tl.int64)  # int64: N_cap * NB offsets
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, NB):  # fixed order: deterministic
+        acc += tl.load(dscore_part_NB + r64 * NB + j, mask=ok, other=0.0)
+    tl.store(dscore_P + p, acc, mask=ok)
+
+
+@triton.jit
+def _gemm1_dgrad_kernel(
+    dgate_up_N2F,     # (N_cap, 2F) bf16 pointer, or TMA descriptor over (N_cap, 2, F), block [BM, 1, BK]
+    w1_EFD,           # (E, F, D) bf16 pointer, or TMA descriptor with block [1, BK, BN]
+    w3_EFD,           # (E, F, D) bf16 pointer, or TMA descriptor with block [1, BK, BN]
+    row_pair_N,       # (N_cap,) int32
+    tile_expert_M,    # (n_tiles,) int32
+    dx_rows_ND,       # (N_cap, D) bf16 out
+    n_tiles,          # i32 row tiles of the layout
+    D: tl.constexpr, F: tl.constexpr, NBD: tl.constexpr,  # NBD = cdiv(D, BN)
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e], one fp32 accumulator over 2F.
+
+    Grid: (n_tiles * NBD,), NBD = cdiv(D, BN), grouped order. The program of (row tile m, column
+    block n) owns dx_rows[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; expert -1 tiles and padding rows get zeros.
+    """
+    pid = tl.program_id(0)
+    width = GROUP_M * NBD
+    first_m = (pid // width) * GROUP_M
+    group = tl.minimum(n_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group
+    pid_n = (pid % width) // group
+
+    rows = pid_m * BM + tl.arange(0, BM)
+    rows64 = rows.to(tl.int64)  # int64: N_cap * 2F and N_cap * D can pass 2^31
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < D
+    out_off = rows64[:, None] * D + cols[None, :]
+    out_ty = dx_rows_ND.dtype.element_ty
+    e = tl.load(tile_expert_M + pid_m)
+    if e < 0:
+        tl.store(dx_rows_ND + out_off, tl.zeros((BM, BN), dtype=out_ty), mask=col_ok[None, :])
+        return
+
+    w_base = e.to(tl.int64) * F * D  # int64: E * F * D passes 2^31 at 235B shapes
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for half in tl.static_range(2):  # half 0: dgate x w1, half 1: dup x w3
+        for k0 in range(0, F, BK):
+            ks = k0 + tl.arange(0, BK)
+            if USE_TMA:
+                a = dgate_up_N2F.load([pid_m * BM, half, k0]).reshape(BM, BK)
+                if half == 0:
+                    b = w1_EFD.load([e, k0, pid_n * BN]).reshape(BK, BN)
+                else:
+                    b = w3_EFD.load([e, k0, pid_n * BN]).reshape(BK, BN)
+            else:
+                a = tl.load(dgate_up_N2F + rows64[:, None] * (2 * F) + half * F + ks[None, :],
+                            mask=ks[None, :] < F, other=0.0)
+                b_off = w_base + ks[:, None] * D + cols[None, :]
+                b_mask = (ks[:, None] < F) & col_ok[None, :]
+                if half == 0:
+                    b = tl.load(w1_EFD + b_off, mask=b_mask, other=0.0)
+                else:
+                    b = tl.load(w3_EFD + b_off, mask=b_mask, other=0.0)
+            if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    valid = tl.load(row_pair_N + rows) >= 0
+    tl.store(dx_rows_ND + out_off, tl.where(valid[:, None], acc, 0.0).to(out_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _scatter_dx_kernel(
+    dx_rows_ND,       # (N_cap, D) bf16
+    pair_row_P,       # (P,) int32
+    dx_TD,            # (T, D) bf16 out
+    T,                # i32 tokens
+    D: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
+):
+    """dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k ascending, then cast.
+
+    Grid: (cdiv(T, BT), cdiv(D, BD)); each program owns dx[BT tokens, BD columns].
+    """
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    t_ok = t < T
+    m = t_ok[:, None] & (d[None, :] < D)
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    for k in range(0, K):  # fixed order: deterministic
+        r64 = tl.load(pair_row_P + t * K + k, mask=t_ok, other=0).to(tl.int64)  # int64: N_cap * D
+        acc += tl.load(dx_rows_ND + r64[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(dx_TD + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(dx_TD.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _wgrad_w2_kernel(
+    dout_TD,          # (T, D) bf16, gathered by token
+    gate_up_N2F,      # (N_cap, 2F) bf16 pointer, or TMA descriptor over (N_cap, 2, F), block [BK, 1, BN]
+    hs_NF,            # (N_cap, F) bf16 s * h rows (HS_SAVED), pointer or TMA descriptor, block [BK, BN]
+    scores_P,         # (P,) fp32
+    row_pair_N,       # (N_cap,) int32
+    offsets_E1,       # (E + 1,) int32 first padded row of each expert
+    dw2_EDF,          # (E, D, F) bf16 or fp32 out
+    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NBM: tl.constexpr, NBN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, HS_SAVED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dw2[e][d, f] = sum_{r in expert e} dout[t, d] * (s[p] h[r, f]), h = silu(gate) * up.
+
+    The B operand s * h is recomputed from gate_up in the loader (HS_SAVED=False), or read from the
+    rows ``gemm2_dgrad_swiglu_bwd`` stored (HS_SAVED=True: no math in the main loop).
+    Grid: (NBM * NBN, E), NBM = cdiv(D, BM), NBN = cdiv(F, BN), grouped order within an expert. The
+    program of (m, n, e) owns dw2[e, m*BM:(m+1)*BM, n*BN:(n+1)*BN] and loops over the expert's rows in
+    BK chunks (bounds read from offsets on device); no rows -> zeros.
+    Precondition (HS_SAVED + TMA): hs rows are finite (they are all written by gemm2_dgrad): a chunk's
+    rows past the expert's end meet zero dout columns.
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    width = GROUP_M * NBN
+    first_m = (pid // width) * GROUP_M
+    group = tl.minimum(NBM - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group
+    pid_n = (pid % width) // group
+
+    dd = pid_m * BM + tl.arange(0, BM)
+    ff = pid_n * BN + tl.arange(0, BN)
+    d_ok = dd < D
+    f_ok = ff < F
+    start = tl.load(offsets_E1 + e)
+    end = tl.load(offsets_E1 + e + 1)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
+    # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
+    for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
+        rows = r0 + tl.arange(0, BK)
+        rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31
+        pair = tl.load(row_pair_N + rows, mask=rows < end, other=-1)
+        valid = pair >= 0
+        tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
+        # dout^T tile (BM, BK): token rows gathered, transposed by the pointer layout.
+        a = tl.load(dout_TD + tok64[None, :] * D + dd[:, None], mask=valid[None, :] & d_ok[:, None], other=0.0)
+        if HS_SAVED:
+            if USE_TMA:
+                b = hs_NF.load([r0, pid_n * BN])
+            else:
+                b = tl.load(hs_NF + rows64[:, None] * F + ff[None, :], mask=valid[:, None] & f_ok[None, :], other=0.0)
+        else:
+            s = tl.load(scores_P + pair, mask=valid, other=0.0)
+            if USE_TMA:
+                gate = gate_up_N2F.load([r0, 0, pid_n * BN]).reshape(BK, BN).to(tl.float32)
+                up = gate_up_N2F.load([r0, 1, pid_n * BN]).reshape(BK, BN).to(tl.float32)
+            else:
+                gu_off = rows64[:, None] * (2 * F) + ff[None, :]
+                gmask = valid[:, None] & f_ok[None, :]
+                gate = tl.load(gate_up_N2F + gu_off, mask=gmask, other=0.0).to(tl.float32)
+                up = tl.load(gate_up_N2F + gu_off + F, mask=gmask, other=0.0).to(tl.float32)
+            hs = gate / (1.0 + tl.exp(-gate)) * up * s[:, None]
+            b = tl.where(valid[:, None], hs, 0.0).to(dout_TD.dtype.element_ty)
+        if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    out = dw2_EDF + e.to(tl.int64) * D * F + dd.to(tl.int64)[:, None] * F + ff[None, :]  # int64: E*D*F
+    tl.store(out, acc.to(dw2_EDF.dtype.element_ty), mask=d_ok[:, None] & f_ok[None, :])
+
+
+@triton.jit
+def _wgrad_w13_kernel(
+    dgate_up_N2F,     # (N_cap, 2F) bf16 pointer, or TMA descriptor over (N_cap, 2, F), block [BK, 1, BM]
+    x_TD,             # (T, D) bf16, gathered by token
+    row_pair_N,       # (N_cap,) int32
+    offsets_E1,       # (E + 1,) int32
+    dw1_EFD,          # (E, F, D) bf16 or fp32 out
+    dw3_EFD,          # (E, F, D) bf16 or fp32 out
+    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr, NBN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dw1[e] = sum_r dgate[r]^T x[t], dw3[e] = sum_r dup[r]^T x[t]: one GEMM with M = 2F (gate | up).
+
+    Grid: (2 * NBF * NBN, E), NBF = cdiv(F, BM), NBN = cdiv(D, BN), grouped order within an expert.
+    Row block i < NBF owns dw1[e, i*BM:(i+1)*BM, n*BN:(n+1)*BN], i >= NBF the same block of dw3;
+    the loop runs over the expert's rows in BK chunks; no rows -> zeros.
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    width = GROUP_M * NBN
+    first_m = (pid // width) * GROUP_M
+    group = tl.minimum(2 * NBF - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group
+    pid_n = (pid % width) // group
+    half = pid_m // NBF  # 0: gate -> dw1, 1: up -> dw3
+    ff = (pid_m % NBF) * BM + tl.arange(0, BM)
+    dd = pid_n * BN + tl.arange(0, BN)
+    f_ok = ff < F
+    d_ok = dd < D
+    start = tl.load(offsets_E1 + e)
+    end = tl.load(offsets_E1 + e + 1)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
+    # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
+    for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
+        rows = r0 + tl.arange(0, BK)
+        pair = tl.load(row_pair_N + rows, mask=rows < end, other=-1)
+        valid = pair >= 0
+        tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
+        if USE_TMA:
+            a_t = dgate_up_N2F.load([r0, half, (pid_m % NBF) * BM]).reshape(BK, BM)
+            a = tl.trans(tl.where(valid[:, None], a_t, 0.0))
+        else:
+            a_off = rows.to(tl.int64)[None, :] * (2 * F) + half * F + ff[:, None]  # int64: N_cap * 2F
+            a = tl.load(dgate_up_N2F + a_off, mask=valid[None, :] & f_ok[:, None], other=0.0)
+        b = tl.load(x_TD + tok64[:, None] * D + dd[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+        if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    off = e.to(tl.int64) * F * D + ff.to(tl.int64)[:, None] * D + dd[None, :]  # int64: E * F * D
+    m = f_ok[:, None] & d_ok[None, :]
+    if half == 0:
+        tl.store(dw1_EFD + off, acc.to(dw1_EFD.dtype.element_ty), mask=m)
+    else:
+        tl.store(dw3_EFD + off, acc.to(dw3_EFD.dtype.element_ty), mask=m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------------------------
+
+_FLAVORS: dict = {}
+
+
+def _interpreting() -> bool:
+    # Read at launch time, not import time: a test file may set the flag after this module loaded.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _runnable(kernel):
+    """The kernel as an ``InterpretedFunction`` or a compiled ``JITFunction``, as the flag says now.
+
+    ``triton.jit`` picks the flavor when the decorator runs (import time); the kernels call no other
+    jit function, so re-wrapping ``kernel.fn`` is all it takes to switch.
+    """
+    interp = _interpreting()
+    key = (kernel.fn, interp)
+    if key not in _FLAVORS:
+        if interp:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _FLAVORS[key] = kernel if isinstance(kernel, InterpretedFunction) else InterpretedFunction(kernel.fn)
+        else:
+            _FLAVORS[key] = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    return _FLAVORS[key]
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    p = 16
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> GemmConfig:
+    """Frozen launch config of backward kernel ``kind`` ("gemm2_dgrad", "gemm1_dgrad", "wgrad_w2",
+    "wgrad_w13"), from ``configs.config_for`` (the dgrad kernels share the forward GEMMs' shapes).
+
+    gemm2_dgrad (N over F, K over D) has GEMM1's shape, gemm1_dgrad (N over D, K over F) GEMM2's; BM is
+    the layout's. wgrad: BM x BN output tile of the weight, BK = 64 rows per step, 8 warps, GEMM2's
+    stages. TMA (contiguous operands) vs pointer loads per kernel, as measured on one H200 (median ms,
+    16384 tokens, top-8, 128 experts, 30B-A3B / 235B-A22B shapes): gemm2_dgrad (+ s*h store) TMA
+    1.09 / 3.50 vs pointer 1.14 / 3.63; wgrad_w2 from stored s*h TMA 1.04 / 4.17 vs 1.12 / 4.69;
+    gemm1_dgrad pointer 1.34 / 5.39 vs TMA 1.70; wgrad_w13 pointer 2.23-2.56 / 9.44 vs TMA 3.19.
+    """
+    interp = _interpreting()
+    if kind == "gemm2_dgrad":
+        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=layout.block_m)
+    if kind == "gemm1_dgrad":
+        cfg = config_for("gemm2", D, F, interp)
+        return dataclasses.replace(cfg, block_m=layout.block_m, use_tma=cfg.use_tma and interp)
+    if kind in ("wgrad_w2", "wgrad_w13"):
+        base = config_for("gemm2", D, F, interp)
+        if interp:
+            return dataclasses.replace(base, block_m=16, block_n=16, block_k=16)
+        m_dim, n_dim = (D, F) if kind == "wgrad_w2" else (F, D)
+        return dataclasses.replace(base, block_m=_pow2_at_most(m_dim, 128), block_n=_pow2_at_most(n_dim, 128),
+                                   block_k=64, use_tma=base.use_tma and kind == "wgrad_w2")
+    raise ValueError(f"unknown backward kernel kind {kind!r}; choose gemm2_dgrad, gemm1_dgrad, "
+                     "wgrad_w2 or wgrad_w13")
+
+
+def _check(t: Tensor, name: str, shape: tuple, dtype, device) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if isinstance(dtype, tuple):
+        if t.dtype not in dtype:
+            raise ValueError(f"{name} must be one of {dtype}, got {t.dtype}")
+    elif t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _check_layout(layout: RoutingLayout, device) -> None:
+    for name in ("counts", "offsets", "row_pair", "pair_row", "tile_expert"):
+        t = getattr(layout, name)
+        if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
+            raise ValueError(f"layout.{name} must be a contiguous int32 tensor on {device}")
+    if layout.n_cap != layout.n_tiles_cap * layout.block_m:
+        raise ValueError("layout.row_pair length must be n_tiles_cap * block_m")
+
+
+def _check_row_config(cfg: GemmConfig, layout: RoutingLayout) -> None:
+    if cfg.block_m != layout.block_m:
+        raise ValueError(f"config.block_m={cfg.block_m} must equal layout.block_m={layout.block_m}: "
+                         "one program owns one row tile of the layout")
+
+
+def _tma_ok(cfg: GemmConfig, *tensors: Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and non-last strides (so D, F multiples of 8 in bf16)."""
+    if not cfg.use_tma:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _desc(t: Tensor, shape: list[int], block: list[int]) -> TensorDescriptor:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.insert(0, acc)
+        acc *= n
+    return TensorDescriptor(t, shape, strides, block)
+
+
+def _launch_opts(cfg: GemmConfig) -> dict:
+    # The interpreter drops these keywords; INTERPRET feeds fp32 to tl.dot there (bf16 dot is garbage).
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "INTERPRET": _interpreting()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers (no host sync: every size comes from shapes and the layout's static caps)
+# --------------------------------------------------------------------------------------------------
+
+_ACT = torch.bfloat16
+_WGRAD_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def gemm2_dgrad_swiglu_bwd(
+    dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
+    config: GemmConfig | None = None, *, out: tuple[Tensor, Tensor] | None = None, hs_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GEMM2 dgrad fused with the SwiGLU backward and the routing-score gradient partials.
+
+    Per padded row r (pair p >= 0, token t, expert e): g = dout[t] @ w2[e] (fp32), dh = s[p] g,
+    dgate = dh * up * silu'(gate), dup = dh * silu(gate); dscore_partial[r, j] = sum over columns
+    j*BN..(j+1)*BN of g * h, h = bf16(silu(gate) * up) (what the forward fed GEMM2).
+
+    Args:
+        dout_TD: (T, D) bf16 gradient of the layer output; rows are gathered by token in the
+            prologue (the EP dispatch of dy will read remote rows there).
+        w2_EDF: (E, D, F) bf16 down projection.
+        gate_up_N2F: (N_cap, 2F) bf16 pre-activations saved by the forward (layout rows).
+        scores_TK: (T, K) fp32 routing scores.
+        layout: routing layout built with ``block_m == config.block_m``.
+        config: launch config (default ``default_bwd_config("gemm2_dgrad", ...)``).
+        out: optional caller buffers (dgate_up (N_cap, 2F) bf16, dscore_partial (N_cap, NB) fp32).
+        hs_out: optional (N_cap, F) bf16 buffer; when given, also written with hs[r] = bf16(s[p] h[r])
+            (zeros on padding rows), which ``wgrad_w2(..., hs_NF=hs_out)`` consumes without recomputing
+            SwiGLU in its main loop (one extra N_cap x F bf16 write, read once).
+
+    Returns:
+        dgate_up_N2F (N_cap, 2F) bf16 (zeros on padding rows) and dscore_partial (N_cap, NB) fp32 with
+        NB = cdiv(F, config.block_n) (zeros on padding rows); reduce with ``reduce_dscore``.
+
+    Grid: n_tiles_cap * NB programs (grouped order); each owns a BM x BN tile of dgate and of dup and
+    one column of dscore_partial for its BM rows. No host sync, no atomics.
+
+    Raises:
+        ValueError: shape / dtype / device / contiguity mismatch, or config.block_m != layout.block_m.
+    """
+    dev = dout_TD.device
+    if dout_TD.dim() != 2 or w2_EDF.dim() != 3:
+        raise ValueError(f"dout must be (T, D) and w2 (E, D, F); got {tuple(dout_TD.shape)}, {tuple(w2_EDF.shape)}")
+    T, D = dout_TD.shape
+    E, _, F = w2_EDF.shape
+    K = layout.top_k
+    _check_layout(layout, dev)
+    _check(dout_TD, "dout", (T, D), _ACT, dev)
+    _check(w2_EDF, "w2", (layout.num_experts, D, F), _ACT, dev)
+    _check(gate_up_N2F, "gate_up", (layout.n_cap, 2 * F), _ACT, dev)
+    _check(scores_TK, "topk_scores", (T, K), torch.float32, dev)
+    if layout.pair_row.shape[0] != T * K:
+        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
+    cfg = config or default_bwd_config("gemm2_dgrad", layout, D, F)
+    _check_row_config(cfg, layout)
+    nb = triton.cdiv(F, cfg.block_n)
+    n_tiles = layout.n_tiles_cap
+    if out is None:
+        dgate_up = torch.empty((layout.n_cap, 2 * F), dtype=_ACT, device=dev)
+        dscore_part = torch.empty((layout.n_cap, nb), dtype=torch.float32, device=dev)
+    else:
+        dgate_up, dscore_part = out
+        _check(dgate_up, "out[0] (dgate_up)", (layout.n_cap, 2 * F), _ACT, dev)
+        _check(dscore_part, "out[1] (dscore_partial)", (layout.n_cap, nb), torch.float32, dev)
+    if hs_out is not None:
+        _check(hs_out, "hs_out", (layout.n_cap, F), _ACT, dev)
+    use_tma = _tma_ok(cfg, w2_EDF)
+    w2_arg = _desc(w2_EDF, [E, D, F], [1, cfg.block_k, cfg.block_n]) if use_tma else w2_EDF
+    if n_tiles * nb:
+        _runnable(_gemm2_dgrad_swiglu_bwd_kernel)[(n_tiles * nb,)](
+            dout_TD, w2_arg, gate_up_N2F, scores_TK, layout.row_pair, layout.tile_expert, dgate_up,
+            dscore_part, dgate_up if hs_out is None else hs_out, n_tiles, D, F, K, nb,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
+            STORE_HS=hs_out is not None, **_launch_opts(cfg),
+        )
+    return dgate_up, dscore_part
+
+
+def reduce_dscore(
+    dscore_partial: Tensor, layout: RoutingLayout, T: int, K: int, *, out: Tensor | None = None,
+) -> Tensor:
+    """dscore[t, k] = sum_j dscore_partial[pair_row[t*K + k], j], j ascending (fp32, deterministic).
+
+    Args:
+        dscore_partial: (N_cap, NB) fp32 from ``gemm2_dgrad_swiglu_bwd``.
+        layout: the routing layout; T, K: tokens and top_k (T*K pairs).
+        out: optional (T, K) fp32 caller buffer.
+
+    Returns:
+        (T, K) fp32 gradient of the routing scores. Grid: cdiv(T*K, 128) programs of 128 pairs.
+    """
+    dev = dscore_partial.device
+    _check_layout(layout, dev)
+    if layout.pair_row.shape[0] != T * K or layout.top_k != K:
+        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs and top_k={layout.top_k}, "
+                         f"got T={T}, K={K}")
+    if dscore_partial.dim() != 2:
+        raise ValueError(f"dscore_partial must be (N_cap, NB), got {tuple(dscore_partial.shape)}")
+    _check(dscore_partial, "dscore_partial", (layout.n_cap, dscore_partial.shape[1]), torch.float32, dev)
+    dscore = torch.empty((T, K), dtype=torch.float32, device=dev) if out is None else out
+    _check(dscore, "out (dscore)", (T, K), torch.float32, dev)
+    P, block = T * K, 128
+    if P:
+        _runnable(_reduce_dscore_kernel)[(triton.cdiv(P, block),)](
+            dscore_partial, layout.pair_row, dscore, P, dscore_partial.shape[1], BLOCK=block, num_warps=4,
+        )
+    return dscore
+
+
+def gemm1_dgrad(
+    dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout: RoutingLayout,
+    config: GemmConfig | None = None, *, out: Tensor | None = None,
+) -> Tensor:
+    """GEMM1 dgrad: dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e] (one fp32 accumulator over 2F).
+
+    Args:
+        dgate_up_N2F: (N_cap, 2F) bf16 from ``gemm2_dgrad_swiglu_bwd``.
+        w1_EFD, w3_EFD: (E, F, D) bf16 gate / up projections.
+        layout: routing layout with ``block_m == config.block_m``.
+        config: launch config (default ``default_bwd_config("gemm1_dgrad", ...)``).
+        out: optional (N_cap, D) bf16 caller buffer.
+
+    Returns:
+        dx_rows (N_cap, D) bf16 per layout row, zeros on padding rows; ``scatter_dx`` sums them per token.
+
+    Grid: n_tiles_cap * cdiv(D, BN) programs (grouped order); each owns a BM x BN tile of dx_rows.
+    """
+    dev = dgate_up_N2F.device
+    if w1_EFD.dim() != 3:
+        raise ValueError(f"w1 must be (E, F, D), got {tuple(w1_EFD.shape)}")
+    E, F, D = w1_EFD.shape
+    _check_layout(layout, dev)
+    _check(w1_EFD, "w1", (layout.num_experts, F, D), _ACT, dev)
+    _check(w3_EFD, "w3", (layout.num_experts, F, D), _ACT, dev)
+    _check(dgate_up_N2F, "dgate_up", (layout.n_cap, 2 * F), _ACT, dev)
+    cfg = config or default_bwd_config("gemm1_dgrad", layout, D, F)
+    _check_row_config(cfg, layout)
+    dx_rows = torch.empty((layout.n_cap, D), dtype=_ACT, device=dev) if out is None else out
+    _check(dx_rows, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
+    nbd = triton.cdiv(D, cfg.block_n)
+    n_tiles = layout.n_tiles_cap
+    use_tma = _tma_ok(cfg, dgate_up_N2F, w1_EFD, w3_EFD) and F % 8 == 0  # (N_cap, 2, F) view: F*2 B rows
+    if use_tma:
+        bk, bn = cfg.block_k, cfg.block_n
+        args = (_desc(dgate_up_N2F, [layout.n_cap, 2, F], [cfg.block_m, 1, bk]),
+                _desc(w1_EFD, [E, F, D], [1, bk, bn]), _desc(w3_EFD, [E, F, D], [1, bk, bn]))
+    else:
+        args = (dgate_up_N2F, w1_EFD, w3_EFD)
+    if n_tiles * nbd:
+        _runnable(_gemm1_dgrad_kernel)[(n_tiles * nbd,)](
+            *args, layout.row_pair, layout.tile_expert, dx_rows, n_tiles, D, F, nbd,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
+            **_launch_opts(cfg),
+        )
+    return dx_rows
+
+
+def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out: Tensor | None = None) -> Tensor:
+    """dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k ascending, cast to bf16.
+
+    This gather-sum is where the EP combine of dx will push rows to the source rank.
+
+    Args:
+        dx_rows_ND: (N_cap, D) bf16 from ``gemm1_dgrad``.
+        layout: the routing layout; T, K: tokens and top_k.
+        out: optional (T, D) bf16 caller buffer.
+
+    Returns:
+        (T, D) bf16. Grid: (cdiv(T, 32), cdiv(D, 128)); each program owns a 32 x 128 tile of dx.
+    """
+    dev = dx_rows_ND.device
+    _check_layout(layout, dev)
+    if layout.pair_row.shape[0] != T * K or layout.top_k != K:
+        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs and top_k={layout.top_k}, "
+                         f"got T={T}, K={K}")
+    if dx_rows_ND.dim() != 2:
+        raise ValueError(f"dx_rows must be (N_cap, D), got {tuple(dx_rows_ND.shape)}")
+    D = dx_rows_ND.shape[1]
+    _check(dx_rows_ND, "dx_rows", (layout.n_cap, D), _ACT, dev)
+    dx = torch.empty((T, D), dtype=_ACT, device=dev) if out is None else out
+    _check(dx, "out (dx)", (T, D), _ACT, dev)
+    bt, bd = 32, 128
+    if T * D:
+        _runnable(_scatter_dx_kernel)[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
+            dx_rows_ND, layout.pair_row, dx, T, D, K, BT=bt, BD=bd, num_warps=4,
+        )
+    return dx
+
+
+def _wgrad_out(out, shape, out_dtype, dev, name):
+    if out is None:
+        return torch.empty(shape, dtype=out_dtype, device=dev)
+    _check(out, name, shape, out_dtype, dev)
+    return out
+
+
+def wgrad_w2(
+    dout_TD: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
+    config: GemmConfig | None = None, *, hs_NF: Tensor | None = None, out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """dw2[e] = sum_{rows r of e} (s[p] dout[t])^T outer h[r] = sum_r dout[t]^T outer (s[p] h[r]).
+
+    Args:
+        dout_TD: (T, D) bf16 (gathered by token); gate_up_N2F: (N_cap, 2F) bf16 saved by the forward;
+        scores_TK: (T, K) fp32; layout: the routing layout (any block_m).
+        config: BM x BN tile of dw2[e] (over D x F), BK rows per reduction step.
+        hs_NF: optional (N_cap, F) bf16 s * h rows from ``gemm2_dgrad_swiglu_bwd(..., hs_out=...)``:
+            read instead of recomputing bf16(s * silu(gate) * up) from gate_up in the loader (the
+            recompute puts SwiGLU math between the loads and the MMA of every step).
+        out_dtype: bf16 (default: the weights' dtype of this bf16 operator) or fp32 (FSDP fp32 master
+            gradients); accumulation is fp32 either way.
+        out: optional (E, D, F) caller buffer of ``out_dtype``.
+
+    Returns:
+        (E, D, F) dw2; experts without rows get exact zeros.
+
+    Grid: (cdiv(D, BM) * cdiv(F, BN), E); each program owns one output tile of one expert and reduces
+    over that expert's rows offsets[e]..offsets[e+1] (read on device) in BK steps, in row order.
+    """
+    dev = dout_TD.device
+    if dout_TD.dim() != 2 or gate_up_N2F.dim() != 2:
+        raise ValueError("dout must be (T, D) and gate_up (N_cap, 2F)")
+    T, D = dout_TD.shape
+    F = gate_up_N2F.shape[1] // 2
+    E, K = layout.num_experts, layout.top_k
+    _check_layout(layout, dev)
+    _check(dout_TD, "dout", (T, D), _ACT, dev)
+    _check(gate_up_N2F, "gate_up", (layout.n_cap, 2 * F), _ACT, dev)
+    _check(scores_TK, "topk_scores", (T, K), torch.float32, dev)
+    if layout.pair_row.shape[0] != T * K:
+        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
+    out_dtype = out_dtype or _ACT
+    if out_dtype not in _WGRAD_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
+    cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
+    dw2 = _wgrad_out(out, (E, D, F), out_dtype, dev, "out (dw2)")
+    nbm, nbn = triton.cdiv(D, cfg.block_m), triton.cdiv(F, cfg.block_n)
+    if hs_NF is not None:
+        _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
+    use_tma = _tma_ok(cfg, gate_up_N2F) and F % 8 == 0  # (N_cap, 2, F) view needs F*2 B aligned rows
+    if use_tma:
+        gu_arg = _desc(gate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_n])
+        hs_arg = gu_arg if hs_NF is None else _desc(hs_NF, [layout.n_cap, F], [cfg.block_k, cfg.block_n])
+    else:
+        gu_arg, hs_arg = gate_up_N2F, gate_up_N2F if hs_NF is None else hs_NF
+    if E * nbm * nbn:
+        _runnable(_wgrad_w2_kernel)[(nbm * nbn, E)](
+            dout_TD, gu_arg, hs_arg, scores_TK, layout.row_pair, layout.offsets, dw2, D, F, K, nbm, nbn,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
+            HS_SAVED=hs_NF is not None, **_launch_opts(cfg),
+        )
+    return dw2
+
+
+def wgrad_w13(
+    dgate_up_N2F: Tensor, x_TD: Tensor, layout: RoutingLayout, config: GemmConfig | None = None, *,
+    out_dtype: torch.dtype | None = None, out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """dw1[e] = sum_{rows r of e} dgate[r]^T outer x[t], dw3[e] = sum_r dup[r]^T outer x[t].
+
+    One launch: the output rows of a program are either dgate's or dup's columns (M = 2F).
+
+    Args:
+        dgate_up_N2F: (N_cap, 2F) bf16 from ``gemm2_dgrad_swiglu_bwd``; x_TD: (T, D) bf16 layer input
+            (gathered by token); layout: the routing layout (any block_m).
+        config: BM x BN tile of dw1[e] / dw3[e] (over F x D), BK rows per reduction step.
+        out_dtype: bf16 (default) or fp32; out: optional (dw1, dw3) caller buffers.
+
+    Returns:
+        dw1, dw3 (E, F, D); experts without rows get exact zeros.
+
+    Grid: (2 * cdiv(F, BM) * cdiv(D, BN), E); each program owns one tile of dw1[e] or dw3[e] and
+    reduces over the expert's rows in row order.
+    """
+    dev = x_TD.device
+    if dgate_up_N2F.dim() != 2 or x_TD.dim() != 2:
+        raise ValueError("dgate_up must be (N_cap, 2F) and x (T, D)")
+    T, D = x_TD.shape
+    F = dgate_up_N2F.shape[1] // 2
+    E, K = layout.num_experts, layout.top_k
+    _check_layout(layout, dev)
+    _check(x_TD, "x", (T, D), _ACT, dev)
+    _check(dgate_up_N2F, "dgate_up", (layout.n_cap, 2 * F), _ACT, dev)
+    if layout.pair_row.shape[0] != T * K:
+        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, x gives T*K={T * K}")
+    out_dtype = out_dtype or _ACT
+    if out_dtype not in _WGRAD_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
+    cfg = config or default_bwd_config("wgrad_w13", layout, D, F)
+    dw1 = _wgrad_out(None if out is None else out[0], (E, F, D), out_dtype, dev, "out[0] (dw1)")
+    dw3 = _wgrad_out(None if out is None else out[1], (E, F, D), out_dtype, dev, "out[1] (dw3)")
+    nbf, nbn = triton.cdiv(F, cfg.block_m), triton.cdiv(D, cfg.block_n)
+    use_tma = _tma_ok(cfg, dgate_up_N2F) and F % 8 == 0
+    dgu_arg = (_desc(dgate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_m])
+               if use_tma else dgate_up_N2F)
+    if E * nbf * nbn:
+        _runnable(_wgrad_w13_kernel)[(2 * nbf * nbn, E)](
+            dgu_arg, x_TD, layout.row_pair, layout.offsets, dw1, dw3, D, F, K, nbf, nbn,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
+            **_launch_opts(cfg),
+        )
+    return dw1, dw3
