@@ -52,6 +52,15 @@ SMEM_LIMIT_SM90 = 232448  # bytes of shared memory per block on H100 / H200 (227
 TOL = torch.bfloat16  # tolerance key: bf16 operands (TOLERANCES[torch.bfloat16])
 
 
+def _device() -> str:
+    """Where the kernel tests run: CPU under the interpreter, else the GPU (compiled), else skip."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("TRITON_INTERPRET is not 1 and no CUDA GPU is visible: nowhere to run the kernels")
+
+
 def _bwd_module():
     # Lazy: imported inside tests so TRITON_INTERPRET is already set whatever pytest collected first.
     from titan_megamoe.kernels import grouped_gemm_bwd
@@ -85,10 +94,11 @@ CASES = [
 ]
 
 
-def _inputs(c: Case, block_m: int, dev: str = "cpu") -> dict:
+def _inputs(c: Case, block_m: int, dev: str | None = None) -> dict:
     """bf16 kernel inputs (fp32 copies of the same values for the oracle) and the forward's gate_up."""
     from titan_megamoe.kernels.routing import build_routing_layout
 
+    dev = dev or _device()
     g = torch.Generator().manual_seed(c.seed)
     T, E, K, D, F = c.T, c.E, c.K, c.D, c.F
     ids = make_routing(c.routing, T, E, K, seed=c.seed)
@@ -200,7 +210,7 @@ def _poisoned_outs(c: Case, t: dict, cfg: dict) -> dict:
     nb = -(-c.F // cfg["gemm2_dgrad"].block_n)
 
     def full(*shape, dtype=torch.bfloat16):
-        return torch.full(shape, nan, dtype=dtype)
+        return torch.full(shape, nan, dtype=dtype, device=t["x"].device)
 
     return {
         "g2": (full(lay.n_cap, 2 * c.F), full(lay.n_cap, nb, dtype=torch.float32)),
@@ -232,12 +242,13 @@ def test_worked_example():
     from titan_megamoe.kernels.routing import build_routing_layout
 
     B = _bwd_module()
-    lay = build_routing_layout(torch.tensor([[2, 0], [0, 1]]), 3, 2)
+    dev = _device()
+    lay = build_routing_layout(torch.tensor([[2, 0], [0, 1]], device=dev), 3, 2)
     assert lay.pair_row.tolist() == [4, 0, 1, 2]
-    rows = torch.arange(lay.n_cap, dtype=torch.float32)[:, None].expand(lay.n_cap, 4).contiguous()
+    rows = torch.arange(lay.n_cap, dtype=torch.float32, device=dev)[:, None].expand(lay.n_cap, 4).contiguous()
     dx = B.scatter_dx(rows.bfloat16(), lay, 2, 2)
     assert dx.tolist() == [[4.0] * 4, [3.0] * 4]  # rows 4 + 0 and 1 + 2
-    part = (rows[:, :3] * torch.tensor([1.0, 10.0, 100.0])).contiguous()  # NB = 3 partials per row
+    part = (rows[:, :3] * torch.tensor([1.0, 10.0, 100.0], device=dev)).contiguous()  # NB = 3 partials per row
     ds = B.reduce_dscore(part, lay, 2, 2)
     assert ds.tolist() == [[444.0, 0.0], [111.0, 222.0]]
 
@@ -264,7 +275,7 @@ def test_preconditions_raise():
     with pytest.raises(ValueError, match="out\\[0\\]"):
         B.wgrad_w13(t["gate_up"], t["x"], lay, out=(torch.empty(1), torch.empty(1)))
     with pytest.raises(ValueError, match="pairs"):
-        B.scatter_dx(torch.zeros(lay.n_cap, c.D, dtype=torch.bfloat16), lay, c.T + 1, c.K)
+        B.scatter_dx(torch.zeros(lay.n_cap, c.D, dtype=torch.bfloat16, device=t["x"].device), lay, c.T + 1, c.K)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,7 +298,7 @@ COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D
 ]
 
 
-def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8) -> list[dict]:
+def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 128) -> list[dict]:
     """Compile every COMPILE_CASES kernel for sm_90a (run with TRITON_INTERPRET=0, no GPU needed)."""
     import tempfile
 
@@ -297,8 +308,7 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8) -> list[dict]:
 
     from titan_megamoe.kernels import grouped_gemm_bwd as B
 
-    class _Lay:  # default_bwd_config reads block_m only
-        block_m = 128
+    _Lay = _FakeLayout(block_m)
 
     def desc(block):
         return f"tensordesc<bf16[{', '.join(map(str, block))}]>"
@@ -515,8 +525,8 @@ def _gpu(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["compile-sm90"]:
-        print(json.dumps(_compile_sm90_all()))
+    if sys.argv[1:2] == ["compile-sm90"]:  # optional: D F K block_m
+        print(json.dumps(_compile_sm90_all(*map(int, sys.argv[2:6]))))
     elif sys.argv[1:2] == ["gpu"]:
         _gpu(sys.argv[2:])
     else:
