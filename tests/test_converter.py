@@ -148,8 +148,11 @@ def test_refuses_grouped_mm_quantization_and_unbuilt_backend():
     jc.model.converters = ["quantize.grouped_mm.float8", "megamoe"]
     with pytest.raises(UnsupportedModelError, match="grouped_mm"):
         MegaMoEConverter(jc, dims())
-    with pytest.raises(NotImplementedError, match="not available yet.*reference/bf16"):
-        MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims())
+    with pytest.raises(NotImplementedError, match="not available yet.*reference/bf16, triton/bf16"):
+        MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8_bwd"), dims())
+    with pytest.raises(NotImplementedError, match="triton backend runs without expert parallelism"):
+        MegaMoEConverter(job_config("--megamoe.backend", "triton"), SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
+    MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims())  # EP = 1: accepted
     with pytest.raises(NotImplementedError, match="precision='fp8'"):
         MegaMoEConverter(job_config("--megamoe.precision", "fp8"), dims())
 
@@ -225,3 +228,16 @@ def test_converts_deepep_layers(monkeypatch):
     loss_s, _ = loss_and_grads(stock, args.vocab_size)
     loss_m, _ = loss_and_grads(model, args.vocab_size)
     assert abs(loss_m.item() - loss_s.item()) < 1e-5 * loss_s.item()
+
+
+def test_triton_backend_registers_its_op_for_selective_ac():
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+
+    spec = get_train_spec("qwen3")
+    args = copy.deepcopy(spec.model_args["debugmodel_moe"])
+    args.n_layers = 1
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims()).convert(model)
+    assert torch.ops.megamoe.bf16_mega_moe_fwd.default in _op_sac_save_list
+    assert model.layers["0"].moe.experts.config.backend == "triton"

@@ -16,6 +16,7 @@ from torchtitan.tools.logging import logger
 from titan_megamoe.config import MegaMoEConfig
 from titan_megamoe.errors import UnsupportedModelError
 from titan_megamoe.layer import MegaMoE
+from titan_megamoe.parallelize import register_sac_save_ops
 
 __all__ = ["MegaMoEConverter", "convert_moe_layers", "check_parallelism"]
 
@@ -97,6 +98,11 @@ class MegaMoEConverter:
         config.validate()
         config.check_available()
         check_parallelism(parallel_dims)
+        if config.backend == "triton" and getattr(parallel_dims, "ep", 1) > 1:
+            raise NotImplementedError(
+                f"megamoe: the triton backend runs without expert parallelism only (EP = 1) for now, got "
+                f"expert_parallel_degree={parallel_dims.ep}; set it to 1 or use [megamoe] backend = 'reference'"
+            )
         others = [c for c in job_config.model.converters if c != "megamoe"]
         grouped = [c for c in others if "grouped_mm" in c]
         if grouped:
@@ -113,6 +119,8 @@ class MegaMoEConverter:
     def convert(self, model: nn.Module) -> None:
         """Swap every MoE layer of the (meta-device) model in place."""
         converted = convert_moe_layers(model, self.config, max_tokens_per_rank=self.max_tokens_per_rank)
+        if self.config.backend == "triton":
+            register_sac_save_ops()
         logger.info(
             f"megamoe: converted {len(converted)} MoE layers (backend={self.config.backend}, "
             f"precision={self.config.precision}, EP={self.ep}, max_tokens_per_rank={self.max_tokens_per_rank})"

@@ -89,3 +89,24 @@ def local_expert_weights(experts: nn.Module, layer_name: str):
     if dist.get_world_size(group) == 1:
         group = None
     return w1.to_local(), w2.to_local(), w3.to_local(), group
+
+
+def register_sac_save_ops() -> None:
+    """Add the fused forward op to TorchTitan's selective-AC save lists (qwen3, llama4, deepseek_v3).
+
+    Its outputs (the layer output, gate_up and the routing layout) cost one grouped GEMM pass to
+    recompute and ~0.45 GiB per layer to keep at the Qwen3-30B-A3B shape: keeping them is cheaper,
+    as TorchTitan does for mm and attention. Idempotent; imports the op lazily.
+    """
+    import importlib
+
+    import torch
+
+    import titan_megamoe.ops.library  # noqa: F401  registers torch.ops.megamoe
+
+    op = torch.ops.megamoe.bf16_mega_moe_fwd.default
+    for mod in ("torchtitan.models.qwen3.infra.parallelize", "torchtitan.models.llama4.infra.parallelize",
+                "torchtitan.models.deepseek_v3.infra.parallelize"):
+        save_list = getattr(importlib.import_module(mod), "_op_sac_save_list", None)
+        if save_list is not None:
+            save_list.add(op)
