@@ -41,14 +41,19 @@ if __name__ == "__main__":
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from titan_megamoe.kernels.sm90_check import (  # noqa: E402
+    HOPPER_SMEM_BYTES,
+    compile_in_subprocess,
+    compile_sm90,
+    nvidia_backend_reason,
+)
 from titan_megamoe.testing import TOLERANCES, assert_close_rel, make_routing  # noqa: E402
 
-SMEM_LIMIT_SM90 = 232448  # bytes of shared memory per block on H100 / H200 (227 KiB opt-in)
+SMEM_LIMIT_SM90 = HOPPER_SMEM_BYTES
 TOL = torch.bfloat16  # tolerance key: bf16 operands (TOLERANCES[torch.bfloat16])
 
 
@@ -300,10 +305,6 @@ COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D
 
 def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 128) -> list[dict]:
     """Compile every COMPILE_CASES kernel for sm_90a (run with TRITON_INTERPRET=0, no GPU needed)."""
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
     from titan_megamoe.kernels import grouped_gemm_bwd as B
@@ -313,7 +314,6 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
     def desc(block):
         return f"tensordesc<bf16[{', '.join(map(str, block))}]>"
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     results = []
     for label, kind, tma in COMPILE_CASES:
         if kind in ("reduce_dscore", "scatter_dx"):
@@ -354,55 +354,19 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                 sig = {"dgate_up_N2F": desc([bk, 1, bm]) if tma else "*bf16", "x_TD": "*bf16", "row_pair_N": "*i32",
                        "offsets_E1": "*i32", "dw1_EFD": "*bf16", "dw3_EFD": "*bf16"}
                 cx = dict(D=D, F=F, K=K, NBF=-(-F // bm), NBN=-(-D // bn), **tile)
-        fn = JITFunction(kern.fn)
-        sig.update({k: "constexpr" for k in cx})
-        # 16-byte aligned pointers, as the JIT specializes at launch for torch allocations
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-        ptx = ck.asm["ptx"]
-        usage = ""
-        if cuobjdump.exists():
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(ck.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                       text=True).stdout
-        regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
-        results.append(dict(label=label, target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
-                            tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
-                            shared=ck.metadata.shared, usage=regs[0] if regs else ""))
+        r = compile_sm90(JITFunction(kern.fn), sig, cx, num_warps=opts["num_warps"], num_stages=opts["num_stages"])
+        results.append(dict(label=label, **r))
     return results
 
 
 @functools.lru_cache(maxsize=1)
 def _compile_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "compile-sm90"], capture_output=True, text=True, env=env,
-                          timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"sm_90a compile subprocess failed:\n{proc.stderr[-4000:]}")
-    return {r["label"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
-def _nvidia_backend_reason() -> str | None:
-    try:
-        import triton
-        from triton.backends import backends
-    except Exception as e:  # pragma: no cover - triton missing entirely
-        return f"triton not importable: {e}"
-    if "nvidia" not in backends:
-        return "triton has no nvidia backend installed"
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        return "triton's bundled ptxas is missing (needed to build the cubin)"
-    return None
+    return compile_in_subprocess(__file__)
 
 
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = _nvidia_backend_reason()
+    reason = nvidia_backend_reason()
     if reason:
         pytest.skip(reason)
     r = _compile_results()[label]

@@ -39,14 +39,19 @@ if __name__ == "__main__":
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from titan_megamoe.kernels.sm90_check import (  # noqa: E402
+    HOPPER_SMEM_BYTES,
+    compile_in_subprocess,
+    compile_sm90,
+    nvidia_backend_reason,
+)
 from titan_megamoe.testing import assert_close_rel, make_routing  # noqa: E402
 
-SMEM_LIMIT_SM90 = 232448  # bytes of shared memory per block on H100 / H200 (227 KiB opt-in)
+SMEM_LIMIT_SM90 = HOPPER_SMEM_BYTES
 
 
 def _kernels():
@@ -370,15 +375,9 @@ COMPILE_CASES = [
 
 def _compile_sm90_all() -> list[dict]:
     """Compile every COMPILE_CASES kernel for sm_90a (run with TRITON_INTERPRET=0, no GPU needed)."""
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from titan_megamoe.kernels import grouped_gemm as gg
     from titan_megamoe.kernels.configs import config_for
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     results = []
     for label, kind, D, F, use_tma in COMPILE_CASES:
         if kind == "combine":
@@ -401,55 +400,20 @@ def _compile_sm90_all() -> list[dict]:
                        "tile_expert_ptr": "*i32", "out_pairs_ptr": "*bf16", "N_cap": "i32", "E": "i32"}
                 cx = dict(F=F, D=D, EVEN_K=F % cfg.block_k == 0, **tile)
             opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        sig.update({k: "constexpr" for k in cx})
-        # 16-byte alignment of pointers (and N_cap, a multiple of BM), as the JIT specializes at launch
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-                 if t.startswith("*") or n == "N_cap"}
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-        ptx = ck.asm["ptx"]
-        usage = ""
-        if cuobjdump.exists():
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(ck.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                       text=True).stdout
-        regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
-        results.append(dict(label=label, target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
-                            tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
-                            shared=ck.metadata.shared, usage=regs[0] if regs else ""))
+        r = compile_sm90(fn, sig, cx, num_warps=opts["num_warps"], num_stages=opts["num_stages"],
+                         divisible=("N_cap",))
+        results.append(dict(label=label, **r))
     return results
 
 
 @functools.lru_cache(maxsize=1)
 def _compile_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "compile-sm90"], capture_output=True, text=True, env=env,
-                          timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"sm_90a compile subprocess failed:\n{proc.stderr[-4000:]}")
-    return {r["label"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
-def _nvidia_backend_reason() -> str | None:
-    try:
-        import triton
-        from triton.backends import backends
-    except Exception as e:  # pragma: no cover - triton missing entirely
-        return f"triton not importable: {e}"
-    if "nvidia" not in backends:
-        return "triton has no nvidia backend installed"
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        return "triton's bundled ptxas is missing (needed to build the cubin)"
-    return None
+    return compile_in_subprocess(__file__)
 
 
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = _nvidia_backend_reason()
+    reason = nvidia_backend_reason()
     if reason:
         pytest.skip(reason)
     r = _compile_results()[label]

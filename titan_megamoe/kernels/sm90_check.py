@@ -1,0 +1,92 @@
+"""Compile Triton kernels for Hopper (sm_90a) on a machine without a GPU, and read what came out.
+
+Used by the kernel tests as a cheap CI check that kernels still build, use wgmma and fit shared
+memory (DESIGN.md section 7). ``triton.compile`` must run with TRITON_INTERPRET=0: with the
+interpreter on, triton's own jit library functions are interpreted, so the tests compile in a
+subprocess (:func:`compile_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["HOPPER_SMEM_BYTES", "compile_sm90", "compile_in_subprocess", "nvidia_backend_reason"]
+
+#: Shared memory a block can opt into on H100/H200 (227 KiB).
+HOPPER_SMEM_BYTES = 232448
+
+
+def nvidia_backend_reason() -> str | None:
+    """None if Triton can build sm_90a cubins here, else why not (for a pytest skip reason)."""
+    try:
+        import triton
+        from triton.backends import backends
+    except Exception as e:  # pragma: no cover - triton missing entirely
+        return f"triton not importable: {e}"
+    if "nvidia" not in backends:
+        return "triton has no nvidia backend installed"
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        return "triton's bundled ptxas is missing (needed to build the cubin)"
+    return None
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
+                 divisible: tuple[str, ...] = ()) -> dict:
+    """Compile one @triton.jit kernel for sm_90a; return what the PTX and cubin show.
+
+    Args:
+        fn: the JITFunction (compiled-mode variant).
+        signature: {arg name: type string} for the runtime arguments ("*bf16", "i32", tensordesc...).
+        constexprs: {arg name: value}; added to the signature as "constexpr".
+        divisible: int arguments known to be multiples of 16 (pointers always are: torch allocations
+            are 16-byte aligned and the JIT specializes on that at launch).
+
+    Returns:
+        dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
+        cp_async, shared (bytes), usage (cuobjdump register line or "")).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in divisible}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = ck.asm["ptx"]
+    usage = ""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(ck.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+    regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
+    return dict(target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
+                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
+                shared=ck.metadata.shared, usage=regs[0] if regs else "")
+
+
+def compile_in_subprocess(script: str | os.PathLike, *args: str, timeout_s: float = 300) -> dict[str, dict]:
+    """Run ``python script compile-sm90 *args`` with TRITON_INTERPRET=0; the script prints a JSON list
+    of result dicts (each with a "label") as its last line. Returns {label: result}.
+
+    Raises:
+        AssertionError: the subprocess failed (its stderr tail is in the message).
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), "compile-sm90", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise AssertionError(f"sm_90a compile subprocess failed:\n{proc.stderr[-4000:]}")
+    return {r["label"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
