@@ -232,7 +232,8 @@ def _slug(name: str) -> str:
 
 def default_out_path(gpu: str, device_type: str, world_size: int, note: str | None = None,
                      date: datetime.date | None = None) -> Path:
-    """``benchmarks/results/layer_<hardware>_<yyyymmdd>[_<note>].json`` under the repo root;
+    """``benchmarks/results/layer_<hardware>_<yyyymmdd>[_<note>].json`` under the repo root
+    (``outputs/`` for CPU runs);
     hardware is e.g. ``h200`` or ``2xh200`` or ``cpu``. An existing file is never overwritten: a
     ``_2``, ``_3``, ... suffix is added."""
     date = date or datetime.datetime.now(datetime.timezone.utc).date()
@@ -240,7 +241,9 @@ def default_out_path(gpu: str, device_type: str, world_size: int, note: str | No
     if world_size > 1:
         hw = f"{world_size}x{hw}"
     stem = f"layer_{hw}_{date:%Y%m%d}" + (f"_{note}" if note else "")
-    base = REPO_ROOT / "benchmarks" / "results"
+    # CPU smoke runs are not results to commit: they go to the git-ignored outputs/ folder
+    base = REPO_ROOT / ("outputs" if device_type == "cpu" else "benchmarks/results")
+    base.mkdir(parents=True, exist_ok=True)
     path = base / f"{stem}.json"
     i = 2
     while path.exists():

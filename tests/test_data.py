@@ -325,3 +325,16 @@ def test_launch_module_entry_point_exits_nonzero_on_missing_config(tmp_path):
     assert proc.returncode == 2
     assert "config file not found: missing.toml" in proc.stderr
     assert "command:" not in proc.stdout
+
+
+def test_launch_refuses_more_ranks_than_gpus_before_any_work(tmp_path, capsys, monkeypatch):
+    from titan_megamoe.launch import main
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _write_toml(tmp_path / "job.toml", "python_stdlib", "./assets/python_stdlib_tokenizer")
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(cfg), "--ngpu", "99"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ngpu 99" in err and "CUDA GPU" in err
+    assert not (tmp_path / "data").exists()  # refused before building the corpus

@@ -104,6 +104,12 @@ def build_command(
     return cmd + list(extra)
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _default_ngpu() -> int:
     import torch  # here, not at import: `--help` and `--dry-run --ngpu N` stay fast
 
@@ -148,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     corpus_dir, want_tokenizer = plan_prepare(toml, extra)
     cmd = build_command(config, ngpu, args.steps, extra)
 
+    visible = _visible_gpus()
+    if ngpu > visible:
+        msg = (f"--ngpu {ngpu} but this machine has {visible} CUDA GPU(s) visible: TorchTitan's trainer runs "
+               "on CUDA GPUs only, one rank per GPU (use --ngpu <= the GPU count; the debug configs use EP=2, "
+               "so they need 2 GPUs)")
+        if not args.dry_run:
+            parser.error(msg)
+        print(f"warning: {msg}")
     if args.dry_run:
         print(f"prepare corpus: {corpus_dir or '-'}")
         print(f"prepare tokenizer: {DEFAULT_TOKENIZER_DIR if want_tokenizer else '-'}")
