@@ -80,11 +80,24 @@ def test_custom_ops_opcheck():
 
 def test_triton_refuses_what_it_cannot_do():
     x, ids, s, w1, w2, w3, _ = _inputs("uniform", 8, 32, 32, 4, 2)
-    with pytest.raises(ValueError, match="bf16"):
-        mega_moe(x.float(), ids, s, w1, w2, w3, num_experts=4, backend="triton")
+    with pytest.raises(ValueError, match="floating point"):
+        mega_moe(x.to(torch.int32), ids, s, w1, w2, w3, num_experts=4, backend="triton")
     with pytest.raises(NotImplementedError, match="score_before_experts"):
         mega_moe(x, ids, s, w1, w2, w3, num_experts=4, backend="triton", score_before_experts=True)
     odd = torch.zeros(4, 24, 20, dtype=torch.bfloat16, device=x.device)
     with pytest.raises(ValueError, match="multiples of 16"):
         mega_moe(torch.zeros(8, 20, dtype=torch.bfloat16, device=x.device), ids, s, odd, odd.transpose(1, 2), odd,
                  num_experts=4, backend="triton")
+
+
+def test_fp32_params_compute_in_bf16_like_stock():
+    """Without FSDP mixed precision, params are fp32: the op computes in bf16 (as stock TorchTitan's
+    grouped-mm experts do) and returns x's dtype, with fp32 gradients for fp32 leaves."""
+    x, ids, s, w1, w2, w3, dout = _inputs("uniform", 21, 32, 32, 4, 2, seed=5)
+    leaves = [t.float().requires_grad_() for t in (x, w1, w2, w3)]
+    out = mega_moe(leaves[0], ids, s, *leaves[1:], num_experts=4, backend="triton")
+    assert out.dtype == torch.float32
+    out.backward(dout.float())
+    assert all(t.grad.dtype == torch.float32 for t in leaves)
+    ref = mega_moe_ref(x.float(), ids, s, w1.float(), w2.float(), w3.float(), num_experts=4)
+    assert_close_rel(out.detach(), ref, torch.bfloat16, "out")

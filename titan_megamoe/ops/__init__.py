@@ -6,6 +6,7 @@ e = E // R local experts, R the expert-parallel group size.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -73,7 +74,12 @@ def mega_moe(
         from titan_megamoe.ops.triton_backend import check_triton_inputs
 
         check_triton_inputs(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD, layer_name)
-        return mega_moe_triton(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD)
+        # bf16 compute whatever the parameter dtype, as stock TorchTitan's grouped-mm experts do
+        # (fp32 params without FSDP mixed precision): the casts are no-ops for bf16 tensors.
+        bf = torch.bfloat16
+        out = mega_moe_triton(x_TD.to(bf), topk_ids_TK, topk_scores_TK.to(torch.float32),
+                              w1_eFD.to(bf), w2_eDF.to(bf), w3_eFD.to(bf))
+        return out.to(x_TD.dtype)
     return mega_moe_ref(
         x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD,
         num_experts=num_experts, ep_group=ep_group, score_before_experts=score_before_experts,
