@@ -195,13 +195,7 @@ def provenance(*, device, world_size: int, dist_backend: str | None, hostnames: 
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    rev = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain") if rev else None
-    if rev is None and os.environ.get("TITAN_MEGAMOE_GIT_REV"):
-        # a copy of the tree without .git (e.g. a remote GPU machine): the launcher names the revision
-        rev = os.environ["TITAN_MEGAMOE_GIT_REV"]
-        dirty_env = os.environ.get("TITAN_MEGAMOE_GIT_DIRTY")
-        status = None if dirty_env is None else ("dirty" if dirty_env not in ("0", "false", "") else "")
+    rev, dirty = git_revision()
     return {
         "gpu": gpu,
         "device_type": device.type,
@@ -215,13 +209,25 @@ def provenance(*, device, world_size: int, dist_backend: str | None, hostnames: 
         "titan_megamoe": _version("titan_megamoe") or _version("titan-megamoe") or _pkg_version(),
         "python": platform.python_version(),
         "git_rev": rev,
-        "git_dirty": None if status is None else bool(status),
+        "git_dirty": dirty,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(argv, world_size),
         "argv": [sys.argv[0], *argv],
         "options": options,
         "flop_model": "compare/flops.py: routed GEMMs 2*T*K*D*F*3 fwd, x2 bwd, x3 fwd+bwd",
     }
+
+
+def git_revision() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of this checkout; in a copy without .git (e.g. a remote GPU machine) the
+    caller names them with TITAN_MEGAMOE_GIT_REV / TITAN_MEGAMOE_GIT_DIRTY."""
+    rev = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain") if rev else None
+    if rev is None and os.environ.get("TITAN_MEGAMOE_GIT_REV"):
+        rev = os.environ["TITAN_MEGAMOE_GIT_REV"]
+        dirty_env = os.environ.get("TITAN_MEGAMOE_GIT_DIRTY")
+        status = None if dirty_env is None else ("dirty" if dirty_env not in ("0", "false", "") else "")
+    return rev, None if status is None else bool(status)
 
 
 def _slug(name: str) -> str:

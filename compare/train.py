@@ -45,7 +45,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from compare.records import REPO_ROOT, _git, _pkg_version, _version
+from compare.records import REPO_ROOT, _pkg_version, _version, git_revision
 from compare.trainlog import _plot, parse_metrics, summarize
 
 __all__ = ["SCHEMA", "DEFAULT_LAUNCHER", "launcher_argv", "run_command", "markdown_table", "main"]
@@ -89,13 +89,7 @@ def _provenance(argv: list[str], options: dict, launcher: str) -> dict:
         gpu, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
     else:
         gpu, count = f"cpu ({platform.machine() or 'unknown'})", 0
-    rev = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain") if rev else None
-    if rev is None and os.environ.get("TITAN_MEGAMOE_GIT_REV"):
-        # a copy of the tree without .git (e.g. a remote GPU machine): the caller names the revision
-        rev = os.environ["TITAN_MEGAMOE_GIT_REV"]
-        dirty_env = os.environ.get("TITAN_MEGAMOE_GIT_DIRTY")
-        status = None if dirty_env is None else ("dirty" if dirty_env not in ("0", "false", "") else "")
+    rev, dirty = git_revision()
     return {
         "gpu": gpu,
         "gpu_count": count,
@@ -106,7 +100,7 @@ def _provenance(argv: list[str], options: dict, launcher: str) -> dict:
         "titan_megamoe": _version("titan_megamoe") or _version("titan-megamoe") or _pkg_version(),
         "python": platform.python_version(),
         "git_rev": rev,
-        "git_dirty": None if status is None else bool(status),
+        "git_dirty": dirty,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "compare.train", *argv]),
         "argv": [sys.argv[0], *argv],
