@@ -111,3 +111,24 @@ def test_triton_fwd_bwd_captures_in_cuda_graph():
     assert torch.equal(static_out, eager)
     for t, g in zip(leaves, eager_grads):
         assert torch.equal(t.grad, g)
+
+
+@pytest.mark.cuda
+def test_triton_layer_has_no_host_sync():
+    """The whole MegaMoE layer (router, counts, fused experts), forward and backward, under CUDA's sync
+    debug mode set to "error": any device-to-host read (e.g. torch.bincount) raises."""
+    from compare.builders import build_layer
+    from compare.shapes import parse_shape
+
+    moe = build_layer("megamoe-triton", "bf16", parse_shape("custom:2048,768,128,8"), torch.device("cuda")).module
+    x = torch.randn(1, 4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    moe(x).backward(g)  # first call: Triton compiles, allocator grows (may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).backward(g)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all()

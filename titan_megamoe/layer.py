@@ -23,8 +23,9 @@ __all__ = ["MegaMoE", "MegaMoERouter", "moe_args_of"]
 
 class MegaMoERouter(TokenChoiceTopKRouter):
     """TorchTitan's token-choice top-k router (softmax / sigmoid, expert_bias for selection only,
-    node-limited groups, route_norm, route_scale), with the per-expert counts taken by
-    ``torch.bincount`` (deterministic, and runs on CPU where ``histc`` of int64 does not)."""
+    node-limited groups, route_norm, route_scale), with the per-expert counts taken by a
+    ``scatter_add_`` of ones (exact integer counts in fp32, so deterministic; no host sync, unlike
+    ``torch.bincount``; runs on CPU, where ``histc`` of int64 does not)."""
 
     def forward(self, x: Tensor, expert_bias: Tensor | None = None):
         """x (T, D) -> top_scores (T, K) fp32, selected_experts_indices (T, K) int64,
@@ -46,7 +47,10 @@ class MegaMoERouter(TokenChoiceTopKRouter):
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.route_scale
-        counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).to(torch.float32)
+        # scatter_add, not bincount: bincount reads max() back to the host (a sync every layer).
+        ids = selected.reshape(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
+            0, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
         return top_scores, selected, counts
 
 

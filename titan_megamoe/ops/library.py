@@ -64,11 +64,16 @@ def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_scores, w1, w2, w3 = inputs
     _, gate_up, *layout = output
     ctx.top_k = topk_ids.shape[1]
+    # gate_up and the layout are saved state, never differentiated: without this autograd would
+    # allocate and zero-fill an (N_cap, 2F) gradient for gate_up every backward (0.45 GiB at 30B).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, topk_scores, w1, w2, w3, gate_up, *layout)
 
 
 def _backward(ctx, dout, *unused):
     x, topk_scores, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
+    if dout is None:  # the output was not used in the loss
+        return None, None, None, None, None, None
     dx, dscores, dw1, dw2, dw3 = bf16_mega_moe_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, *layout, ctx.top_k)
     return dx, None, dscores, dw1, dw2, dw3
 

@@ -1,0 +1,128 @@
+"""GPU: time each fused kernel (forward and backward) under a list of launch configs, at a real shape.
+
+    python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...]
+
+Every variant's output is checked against the default config's (same math, so rel. error ~0); a
+config that fails to compile or run is reported and skipped. Prints one JSON line per variant and
+writes them all to --out. This is how kernels/configs.py and default_bwd_config chose their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from titan_megamoe.kernels import grouped_gemm as gg  # noqa: E402
+from titan_megamoe.kernels import grouped_gemm_bwd as B  # noqa: E402
+from titan_megamoe.kernels.configs import GemmConfig, config_for  # noqa: E402
+from titan_megamoe.kernels.routing import build_routing_layout  # noqa: E402
+from titan_megamoe.testing import rel_err  # noqa: E402
+
+SHAPES = {"30b": (16384, 128, 8, 2048, 768), "235b": (16384, 128, 8, 4096, 1536)}
+
+
+def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
+    """The default first, then tile / warps / stages / group / TMA alternatives."""
+    r = dataclasses.replace
+    out = [base]
+    if kind in ("wgrad_w2", "wgrad_w13"):  # BM is free here (an output tile of the weight)
+        tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                 (128, 128, 32, 8, 6), (128, 128, 64, 4, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 3)]
+        out += [r(base, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
+    else:  # BM is the layout's (128)
+        for n, k, w, s in [(256, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 4), (128, 32, 8, 6),
+                           (256, 64, 8, 4), (128, 128, 8, 2)]:
+            if kind == "gemm1" and n > 128:  # two fp32 accumulators of BM x 256 spill
+                continue
+            if (n, k, w, s) != (base.block_n, base.block_k, base.num_warps, base.num_stages):
+                out.append(r(base, block_n=n, block_k=k, num_warps=w, num_stages=s))
+    out += [r(base, group_m=8), r(base, use_tma=not base.use_tma)]
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--kinds", default="gemm1,gemm2,gemm2_dgrad,gemm1_dgrad,wgrad_w2,wgrad_w13")
+    args = ap.parse_args()
+    T, E, K, D, F = SHAPES[args.shape]
+    dev = "cuda"
+    torch.manual_seed(0)
+    x = torch.randn(T, D, device=dev).bfloat16()
+    w1 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, device=dev) / F**0.5).bfloat16()
+    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices
+    s = torch.softmax(torch.randn(T, K, device=dev), -1).float()
+    dout = torch.randn(T, D, device=dev).bfloat16()
+    lay = build_routing_layout(ids, E, 128)
+    gu, h = gg.gemm1_swiglu_fwd(x, w1, w3, lay)
+    hs = torch.empty(lay.n_cap, F, device=dev, dtype=torch.bfloat16)
+    dgu, _ = B.gemm2_dgrad_swiglu_bwd(dout, w2, gu, s, lay, hs_out=hs)
+    P = T * K
+    flop = 2 * P * D * F
+    live = int(lay.offsets[-1])
+
+    def run(kind: str, cfg: GemmConfig):
+        if kind == "gemm1":
+            return lambda: gg.gemm1_swiglu_fwd(x, w1, w3, lay, config=cfg)[1][:live], 2 * flop
+        if kind == "gemm2":
+            return lambda: gg.gemm2_scatter_fwd(h, w2, s, lay, config=cfg), flop
+        if kind == "gemm2_dgrad":
+            return lambda: B.gemm2_dgrad_swiglu_bwd(dout, w2, gu, s, lay, cfg, hs_out=hs)[0][:live], flop
+        if kind == "gemm1_dgrad":
+            return lambda: B.gemm1_dgrad(dgu, w1, w3, lay, cfg)[:live], 2 * flop
+        if kind == "wgrad_w2":
+            return lambda: B.wgrad_w2(dout, gu, s, lay, cfg, hs_NF=hs), flop
+        if kind == "wgrad_w13":
+            return lambda: torch.stack(B.wgrad_w13(dgu, x, lay, cfg)), 2 * flop
+        raise ValueError(kind)
+
+    rows = []
+    for kind in args.kinds.split(","):
+        base = (config_for(kind, D, F, False) if kind in ("gemm1", "gemm2")
+                else B.default_bwd_config(kind, lay, D, F))
+        ref = None
+        for cfg in variants(base, kind):
+            rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(cfg), "default": cfg == base}
+            try:
+                fn, nflop = run(kind, cfg)
+                got = fn().float()
+                if ref is None:
+                    ref = got
+                rec["rel_err_vs_default"] = rel_err(got, ref)
+                ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+                rec.update(ms=round(ms, 4), tflops=round(nflop / ms / 1e9, 1))
+            except Exception as err:  # one bad config must not hide the others
+                rec["error"] = repr(err)[:200]
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+    best = {}
+    for r in rows:
+        if "ms" in r and r["rel_err_vs_default"] < 1e-2 and (r["kind"] not in best or r["ms"] < best[r["kind"]]["ms"]):
+            best[r["kind"]] = r
+    for kind, r in best.items():
+        print(json.dumps({"best": kind, "ms": r["ms"], "tflops": r["tflops"], "cfg": r["cfg"]}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
