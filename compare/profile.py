@@ -72,6 +72,35 @@ def kernel_table(events, iters: int, use_device: bool) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
+def host_enqueue_ms(moe, x, g, device, iters: int) -> dict[str, float]:
+    """Median host time to enqueue the forward / backward (Python + launches, device idle at the
+    start, as in compare.layer after its barrier) beside their device time by CUDA events. When the
+    host time of a phase approaches its device time, that phase is launch-bound."""
+    import statistics
+    import time
+
+    res: dict[str, list[float]] = {"fwd_host": [], "fwd_device": [], "bwd_host": [], "bwd_device": []}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    for _ in range(iters):
+        for p in moe.parameters():
+            p.grad = None
+        x.grad = None
+        for phase, (e0, e1) in (("fwd", (ev[0], ev[1])), ("bwd", (ev[2], ev[3]))):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            e0.record()
+            if phase == "fwd":
+                y = moe(x)
+            else:
+                y.backward(g)
+            e1.record()
+            res[f"{phase}_host"].append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize(device)
+        res["fwd_device"].append(ev[0].elapsed_time(ev[1]))
+        res["bwd_device"].append(ev[2].elapsed_time(ev[3]))
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tiny:
@@ -113,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 step()
             if use_device:
                 torch.cuda.synchronize(device)
+        host = host_enqueue_ms(moe, x, g, device, args.iters) if use_device else None
     rows = kernel_table(prof.key_averages(), args.iters, use_device)
     total = sum(r["ms_per_step"] for r in rows)
     unit = "device kernel" if use_device else "CPU self"
@@ -120,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| ms/step | share | calls | name |\n|---:|---:|---:|---|")
     for r in rows[:args.top]:
         print(f"| {r['ms_per_step']:.3f} | {100 * r['share']:.1f}% | {r['calls_per_step']:g} | {r['name'][:110]} |")
+    if host is not None:
+        print("host enqueue vs device (median ms, device idle before each phase): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     if args.out:
@@ -128,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                "iters": args.iters, "warmup": args.warmup, "device": torch.cuda.get_device_name(device)
                if use_device else "cpu", "git_revision": rev, "git_dirty": dirty,
                "command": "python -m compare.profile " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "torch": torch.__version__, "total_ms_per_step": total, "time_kind": unit, "kernels": rows}
+               "torch": torch.__version__, "total_ms_per_step": total, "time_kind": unit,
+               "host_vs_device_ms": host, "kernels": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
     return 0

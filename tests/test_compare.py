@@ -302,3 +302,17 @@ def test_ep2_gloo_tiny_run(tmp_path):
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwdbwd_ms"] > 0
     ref = next(r for r in recs if r["implementation"] == "megamoe-reference" and r["routing"] == "skewed")
     assert set(ref["speedup_vs"]) == {"tt-eager/bf16"}
+
+
+def test_profile_tiny_writes_kernel_table(tmp_path):
+    """compare.profile --tiny (CPU): a per-op table whose shares sum to 1, with provenance."""
+    from compare import profile
+
+    out = tmp_path / "p.json"
+    assert profile.main(["--tiny", "--impl", "tt-eager", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["impl"] == "tt-eager" and rec["tokens"] == 64 and rec["time_kind"] == "CPU self"
+    assert rec["kernels"] and all(r["ms_per_step"] > 0 for r in rec["kernels"])
+    assert abs(sum(r["share"] for r in rec["kernels"]) - 1.0) < 1e-6
+    assert any("mm" in r["name"] or "linear" in r["name"] for r in rec["kernels"])
+    assert profile.main(["--iters", "0"]) == 2  # refused before anything is built

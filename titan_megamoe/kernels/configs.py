@@ -18,9 +18,10 @@ Why the Hopper defaults (H200, sm_90, 227 KiB shared memory per CTA, DESIGN.md s
 * GEMM2 (``"gemm2"``, down projection + score + scatter): one accumulator, so BN = 256 fits the same
   registers (171 used): 128 x 256 x 64, 8 warps, 4 stages (48 KiB per stage = 192 KiB). Measured
   460-471 / 534-535 TF/s against 401-414 / 434-447 for 128 x 128 x 64.
-* ``group_m`` = 1: all column blocks of one row tile run back to back (the tile's gathered x rows are
-  re-read from L2, and neighbouring row tiles mostly share an expert's weights). group_m 4 / 8 / 16
-  measured within +-3 % of it, in both directions between runs: noise at these shapes.
+* ``group_m`` = 1 for GEMM1: all column blocks of one row tile run back to back (the tile's gathered x
+  rows are re-read from L2, and neighbouring row tiles mostly share an expert's weights); group_m 4 / 8
+  / 16 measured within +-3 % of it, in both directions between runs. GEMM2: group_m 8 was faster in
+  two runs of 2026-11-29 (486 vs 460 and 505 vs 492 TF/s at 30B), so it is the default there.
 * ``use_tma`` = False: weight tiles by pointer loads (cp.async, pipelined like the gathered x rows)
   measured 2-5 % faster than TMA descriptors for GEMM1 (522 vs 501 and 541 vs 530 TF/s in the last
   run); for GEMM2 the two are within 2 % (460 vs 450, 535 vs 546). The TMA path stays selectable and
@@ -83,7 +84,7 @@ class GemmConfig:
 
 #: Hopper defaults (see the module docstring for the arithmetic).
 HOPPER_GEMM1 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1, use_tma=False)
-HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=1, use_tma=False)
+HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=8, use_tma=False)
 
 
 def interpreter_config() -> GemmConfig:

@@ -363,27 +363,30 @@ def _wgrad_w13_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """dw1[e] = sum_r dgate[r]^T x[t], dw3[e] = sum_r dup[r]^T x[t]: one GEMM with M = 2F (gate | up).
+    """dw1[e] = sum_r dgate[r]^T x[t] and dw3[e] = sum_r dup[r]^T x[t] in one program per tile pair.
 
-    Grid: (2 * NBF * NBN, E), NBF = cdiv(F, BM), NBN = cdiv(D, BN), grouped order within an expert.
-    Row block i < NBF owns dw1[e, i*BM:(i+1)*BM, n*BN:(n+1)*BN], i >= NBF the same block of dw3;
-    the loop runs over the expert's rows in BK chunks; no rows -> zeros.
+    Two fp32 accumulators (gate, up) share each gathered x tile, so the token gather (the costly,
+    irregular load) runs once for both weights: the structure of GEMM1's forward (v2; v1 had one
+    program per weight and gathered x twice: 317 TF/s at the 30B shape).
+    Grid: (NBF * NBN, E), NBF = cdiv(F, BM), NBN = cdiv(D, BN), grouped order within an expert. The
+    program of (m, n, e) owns dw1[e] and dw3[e] rows m*BM:(m+1)*BM, columns n*BN:(n+1)*BN and loops
+    over the expert's rows in BK chunks (bounds read from offsets on device); no rows -> zeros.
     """
     pid = tl.program_id(0)
     e = tl.program_id(1)
     width = GROUP_M * NBN
     first_m = (pid // width) * GROUP_M
-    group = tl.minimum(2 * NBF - first_m, GROUP_M)
+    group = tl.minimum(NBF - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % group
     pid_n = (pid % width) // group
-    half = pid_m // NBF  # 0: gate -> dw1, 1: up -> dw3
-    ff = (pid_m % NBF) * BM + tl.arange(0, BM)
+    ff = pid_m * BM + tl.arange(0, BM)
     dd = pid_n * BN + tl.arange(0, BN)
     f_ok = ff < F
     d_ok = dd < D
     start = tl.load(offsets_E1 + e)
     end = tl.load(offsets_E1 + e + 1)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
     # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
     for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
@@ -392,22 +395,27 @@ def _wgrad_w13_kernel(
         valid = pair >= 0
         tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
         if USE_TMA:
-            a_t = dgate_up_N2F.load([r0, half, (pid_m % NBF) * BM]).reshape(BK, BM)
-            a = tl.trans(tl.where(valid[:, None], a_t, 0.0))
+            g_t = dgate_up_N2F.load([r0, 0, pid_m * BM]).reshape(BK, BM)
+            u_t = dgate_up_N2F.load([r0, 1, pid_m * BM]).reshape(BK, BM)
+            a_g = tl.trans(tl.where(valid[:, None], g_t, 0.0))
+            a_u = tl.trans(tl.where(valid[:, None], u_t, 0.0))
         else:
-            a_off = rows.to(tl.int64)[None, :] * (2 * F) + half * F + ff[:, None]  # int64: N_cap * 2F
-            a = tl.load(dgate_up_N2F + a_off, mask=valid[None, :] & f_ok[:, None], other=0.0)
+            a_off = rows.to(tl.int64)[None, :] * (2 * F) + ff[:, None]  # int64: N_cap * 2F
+            a_mask = valid[None, :] & f_ok[:, None]
+            a_g = tl.load(dgate_up_N2F + a_off, mask=a_mask, other=0.0)
+            a_u = tl.load(dgate_up_N2F + a_off + F, mask=a_mask, other=0.0)
         b = tl.load(x_TD + tok64[:, None] * D + dd[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            bf = b.to(tl.float32)
+            acc_g = tl.dot(a_g.to(tl.float32), bf, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a_u.to(tl.float32), bf, acc_u, input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)
+            acc_g = tl.dot(a_g, b, acc_g)
+            acc_u = tl.dot(a_u, b, acc_u)
     off = e.to(tl.int64) * F * D + ff.to(tl.int64)[:, None] * D + dd[None, :]  # int64: E * F * D
     m = f_ok[:, None] & d_ok[None, :]
-    if half == 0:
-        tl.store(dw1_EFD + off, acc.to(dw1_EFD.dtype.element_ty), mask=m)
-    else:
-        tl.store(dw3_EFD + off, acc.to(dw3_EFD.dtype.element_ty), mask=m)
+    tl.store(dw1_EFD + off, acc_g.to(dw1_EFD.dtype.element_ty), mask=m)
+    tl.store(dw3_EFD + off, acc_u.to(dw3_EFD.dtype.element_ty), mask=m)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,20 +465,27 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
     16384 tokens, top-8, 128 experts, 30B-A3B / 235B-A22B shapes): gemm2_dgrad (+ s*h store) TMA
     1.09 / 3.50 vs pointer 1.14 / 3.63; wgrad_w2 from stored s*h TMA 1.04 / 4.17 vs 1.12 / 4.69;
     gemm1_dgrad pointer 1.34 / 5.39 vs TMA 1.70; wgrad_w13 pointer 2.23-2.56 / 9.44 vs TMA 3.19.
+    Sweep of 2026-11-29 at the 30B shape (``scripts/sweep_kernel_configs.py``,
+    benchmarks/results/sweep_kernels_30b_1xh200_20261129.json): gemm1_dgrad 3 stages 1.34 vs 4 stages
+    1.45 ms; wider (BN 256) or deeper (BK 128) wgrad tiles were 8-40 % slower; TMA for gemm2_dgrad
+    1.10 vs 1.14 and wgrad_w2 1.00 vs 1.10. wgrad_w13 (v2, two accumulators sharing the x gather):
+    4 stages of 48 KiB, as GEMM1's forward.
     """
     interp = _interpreting()
     if kind == "gemm2_dgrad":
-        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=layout.block_m)
+        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=layout.block_m, use_tma=not interp)
     if kind == "gemm1_dgrad":
         cfg = config_for("gemm2", D, F, interp)
-        return dataclasses.replace(cfg, block_m=layout.block_m, use_tma=cfg.use_tma and interp)
+        return dataclasses.replace(cfg, block_m=layout.block_m, use_tma=False, group_m=1,
+                                   num_stages=cfg.num_stages if interp else 3)
     if kind in ("wgrad_w2", "wgrad_w13"):
         base = config_for("gemm2", D, F, interp)
         if interp:
             return dataclasses.replace(base, block_m=16, block_n=16, block_k=16)
         m_dim, n_dim = (D, F) if kind == "wgrad_w2" else (F, D)
         return dataclasses.replace(base, block_m=_pow2_at_most(m_dim, 128), block_n=_pow2_at_most(n_dim, 128),
-                                   block_k=64, use_tma=base.use_tma and kind == "wgrad_w2")
+                                   block_k=64, group_m=1, use_tma=kind == "wgrad_w2",
+                                   num_stages=4)
     raise ValueError(f"unknown backward kernel kind {kind!r}; choose gemm2_dgrad, gemm1_dgrad, "
                      "wgrad_w2 or wgrad_w13")
 
@@ -789,7 +804,7 @@ def wgrad_w13(
 ) -> tuple[Tensor, Tensor]:
     """dw1[e] = sum_{rows r of e} dgate[r]^T outer x[t], dw3[e] = sum_r dup[r]^T outer x[t].
 
-    One launch: the output rows of a program are either dgate's or dup's columns (M = 2F).
+    One launch; each program accumulates both weights' tiles from one gathered x tile.
 
     Args:
         dgate_up_N2F: (N_cap, 2F) bf16 from ``gemm2_dgrad_swiglu_bwd``; x_TD: (T, D) bf16 layer input
@@ -800,7 +815,7 @@ def wgrad_w13(
     Returns:
         dw1, dw3 (E, F, D); experts without rows get exact zeros.
 
-    Grid: (2 * cdiv(F, BM) * cdiv(D, BN), E); each program owns one tile of dw1[e] or dw3[e] and
+    Grid: (cdiv(F, BM) * cdiv(D, BN), E); each program owns the same tile of dw1[e] and dw3[e] and
     reduces over the expert's rows in row order.
     """
     dev = x_TD.device
@@ -825,7 +840,7 @@ def wgrad_w13(
     dgu_arg = (_desc(dgate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_m])
                if use_tma else dgate_up_N2F)
     if E * nbf * nbn:
-        _runnable(_wgrad_w13_kernel)[(2 * nbf * nbn, E)](
+        _runnable(_wgrad_w13_kernel)[(nbf * nbn, E)](
             dgu_arg, x_TD, layout.row_pair, layout.offsets, dw1, dw3, D, F, K, nbf, nbn,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
             **_launch_opts(cfg),
