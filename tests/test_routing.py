@@ -137,7 +137,8 @@ def _ids(kind: str, T: int, K: int, E: int, dtype: torch.dtype, seed: int) -> to
         ids = torch.randint(0, E, (K, T), generator=gen).t()
     else:
         ids = make_routing(kind, T, E, K, seed=seed)  # distinct per token (uniform, skewed, ...)
-    return ids.to(dtype)
+    # on a GPU machine the kernels are compiled (interpreter off): run them on the GPU
+    return ids.to(dtype).to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 CMP_CASES = [
