@@ -219,14 +219,14 @@ def provenance(*, device, world_size: int, dist_backend: str | None, hostnames: 
 
 
 def git_revision() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of this checkout; in a copy without .git (e.g. a remote GPU machine) the
-    caller names them with TITAN_MEGAMOE_GIT_REV / TITAN_MEGAMOE_GIT_DIRTY."""
+    """(commit, dirty) of this checkout. TITAN_MEGAMOE_GIT_REV / TITAN_MEGAMOE_GIT_DIRTY, when set,
+    win over git: a copy of the tree on a remote GPU machine can carry a stale .git."""
+    if os.environ.get("TITAN_MEGAMOE_GIT_REV"):
+        dirty_env = os.environ.get("TITAN_MEGAMOE_GIT_DIRTY")
+        dirty = None if dirty_env is None else dirty_env not in ("0", "false", "")
+        return os.environ["TITAN_MEGAMOE_GIT_REV"], dirty
     rev = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain") if rev else None
-    if rev is None and os.environ.get("TITAN_MEGAMOE_GIT_REV"):
-        rev = os.environ["TITAN_MEGAMOE_GIT_REV"]
-        dirty_env = os.environ.get("TITAN_MEGAMOE_GIT_DIRTY")
-        status = None if dirty_env is None else ("dirty" if dirty_env not in ("0", "false", "") else "")
     return rev, None if status is None else bool(status)
 
 

@@ -5,6 +5,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-REV=${REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# Pass REV=<hash> literally from the calling machine: the device copy's .git can be stale.
+REV=${REV:-unknown}
+[ "$REV" = unknown ] && echo "gpu_env.sh: REV not given; results will carry git_rev=unknown" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"

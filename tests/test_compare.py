@@ -316,3 +316,15 @@ def test_profile_tiny_writes_kernel_table(tmp_path):
     assert abs(sum(r["share"] for r in rec["kernels"]) - 1.0) < 1e-6
     assert any("mm" in r["name"] or "linear" in r["name"] for r in rec["kernels"])
     assert profile.main(["--iters", "0"]) == 2  # refused before anything is built
+
+
+def test_git_revision_env_wins_over_git(monkeypatch):
+    """A GPU machine's copy can carry a stale .git: the revision named by the caller is recorded."""
+    from compare.records import git_revision
+
+    monkeypatch.setenv("TITAN_MEGAMOE_GIT_REV", "abc1234")
+    monkeypatch.setenv("TITAN_MEGAMOE_GIT_DIRTY", "0")
+    assert git_revision() == ("abc1234", False)
+    monkeypatch.delenv("TITAN_MEGAMOE_GIT_REV")
+    rev, _ = git_revision()
+    assert rev != "abc1234" and (rev is None or len(rev) == 40)

@@ -466,7 +466,7 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
     1.09 / 3.50 vs pointer 1.14 / 3.63; wgrad_w2 from stored s*h TMA 1.04 / 4.17 vs 1.12 / 4.69;
     gemm1_dgrad pointer 1.34 / 5.39 vs TMA 1.70; wgrad_w13 pointer 2.23-2.56 / 9.44 vs TMA 3.19.
     Sweep of 2026-11-29 at the 30B shape (``scripts/sweep_kernel_configs.py``,
-    benchmarks/results/sweep_kernels_30b_1xh200_20261129.json): gemm1_dgrad 3 stages 1.34 vs 4 stages
+    benchmarks/results/sweep_kernels_30b_1xh200_20261130.json): gemm1_dgrad 3 stages 1.34 vs 4 stages
     1.45 ms; wider (BN 256) or deeper (BK 128) wgrad tiles were 8-40 % slower; TMA for gemm2_dgrad
     1.10 vs 1.14 and wgrad_w2 1.00 vs 1.10. wgrad_w13 (v2, two accumulators sharing the x gather,
     48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54).
