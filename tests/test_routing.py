@@ -295,3 +295,41 @@ if __name__ == "__main__":
         print(json.dumps(_compile_sm90_all()))
     else:
         raise SystemExit("usage: python tests/test_routing.py compile-sm90")
+
+
+EP_CASES = [  # (T, K, E, BM, max_rows): expert-parallel receive side, slots of other ranks are -1
+    (37, 4, 6, 16, None),
+    (50, 8, 8, 16, 120),  # capacity overflow: 400 pairs (minus -1 slots) into 120 rows
+    (20, 2, 3, 16, 1000),  # cap above need: same layout as no cap, bigger N_cap only when < T*K
+    (1, 1, 4, 16, 1),
+]
+
+
+@pytest.mark.parametrize("T,K,E,BM,max_rows", EP_CASES)
+def test_unplaced_ids_and_capacity(poisoned, T, K, E, BM, max_rows):
+    """Ids outside [0, E) (-1: another rank's slot; E + 3) are never placed (pair_row -1, not counted);
+    with max_rows below the need, the layout stays in its buffers (offsets clamped to N_cap), every
+    placed pair round-trips, the counts stay exact (the caller detects the overflow), and the Triton
+    and torch builds agree bitwise."""
+    gen = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(-1, E, (T, K), generator=gen)
+    ids[::5, 0] = E + 3
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = ids.to(dev)
+    tri = build_routing_layout_triton(ids, E, BM, max_rows=max_rows)
+    ref = build_routing_layout_torch(ids, E, BM, max_rows=max_rows)
+    assert_same_layout(tri, ref)
+    n_cap, _ = layout_caps(T, K, E, BM, max_rows)
+    assert tri.n_cap == n_cap
+    flat = ids.reshape(-1).cpu()
+    valid = (flat >= 0) & (flat < E)
+    assert torch.equal(tri.counts.cpu(), torch.bincount(flat[valid], minlength=E).to(torch.int32))
+    pr = tri.pair_row.cpu()
+    assert (pr[~valid] == -1).all()
+    placed = (pr >= 0).nonzero().flatten()
+    assert torch.equal(tri.row_pair.cpu()[pr[placed].long()], placed.to(torch.int32))
+    assert int(tri.offsets[-1]) <= n_cap
+    if max_rows is None or int(valid.sum()) + E * (BM - 1) <= n_cap:
+        assert int((pr >= 0).sum()) == int(valid.sum())  # no overflow: every valid pair placed
+    else:
+        assert int((pr >= 0).sum()) < int(valid.sum())

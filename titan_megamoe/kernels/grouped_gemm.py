@@ -190,6 +190,7 @@ def _gemm2_scatter_fwd_kernel(
     EVEN_K: tl.constexpr,  # F % BLOCK_K == 0
     USE_TMA: tl.constexpr,  # h and weight tiles through TMA descriptors (else pointer loads)
     UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot
+    BY_ROW: tl.constexpr = False,  # store at the layout row (N_cap, D) instead of the pair (P, D)
 ):
     """Grouped GEMM2 with the routing score and the token-major scatter in the epilogue.
 
@@ -255,7 +256,8 @@ def _gemm2_scatter_fwd_kernel(
     y = (acc * score_M[:, None]).to(tl.bfloat16)
     # ---- scatter store. EP combine will push these rows to the source GPU here. -------------------
     # int64: pair * D overflows int32 once P*D > 2^31.
-    dst_ptrs = out_pairs_ptr + pair_M.to(tl.int64)[:, None] * D + offs_n[None, :]
+    dst_M = offs_m if BY_ROW else pair_M
+    dst_ptrs = out_pairs_ptr + dst_M.to(tl.int64)[:, None] * D + offs_n[None, :]
     tl.store(dst_ptrs, y, mask=row_ok_M[:, None] & (offs_n < D)[None, :])
     # ---- end of scatter store --------------------------------------------------------------------
 
@@ -355,7 +357,7 @@ def _check_layout(layout: RoutingLayout, T: int, E: int, cfg: GemmConfig, device
         )
     if layout.num_experts != E:
         raise ValueError(f"layout built for {layout.num_experts} experts, weights have E={E}")
-    n_cap, n_tiles = layout_caps(T, layout.top_k, E, layout.block_m)
+    n_cap, n_tiles = layout_caps(T, layout.top_k, E, layout.block_m, layout.max_rows)
     if layout.n_cap != n_cap or layout.n_tiles_cap != n_tiles or layout.pair_row.shape[0] != T * layout.top_k:
         raise ValueError(
             f"layout (N_cap={layout.n_cap}, n_tiles_cap={layout.n_tiles_cap}, P={layout.pair_row.shape[0]}) "
@@ -467,6 +469,7 @@ def gemm2_scatter_fwd(
     *,
     out_pairs: Tensor | None = None,
     config: GemmConfig | None = None,
+    by_row: bool = False,
 ) -> Tensor:
     """Grouped GEMM2 + routing score + scatter to token-major (token, slot) rows.
 
@@ -483,9 +486,11 @@ def gemm2_scatter_fwd(
         layout: the same routing layout as GEMM1 (``block_m == config.block_m``).
         out_pairs: optional (P, D) bf16 contiguous output buffer; ``torch.empty`` when None.
         config: launch config; default ``config_for("gemm2", D, F, interpret)``.
+        by_row: store row r of the layout at row r of an (N_cap, D) output instead (padding rows
+            unwritten): the expert-parallel path, whose receive side has P >> placed pairs.
 
     Returns:
-        y_PD: (P, D) bf16, row p = t*K + k.
+        y_PD: (P, D) bf16, row p = t*K + k; with ``by_row``, (N_cap, D) in layout-row order.
 
     Raises:
         ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
@@ -512,9 +517,10 @@ def gemm2_scatter_fwd(
     N, P = layout.n_cap, T * K
     _check_bf16_2d_or_3d("h", h_NF, (N, F), dev)
     _check_bf16_2d_or_3d("w2", w2_EDF, (E, D, F), dev)
+    rows_out = N if by_row else P
     if out_pairs is None:
-        out_pairs = torch.empty((P, D), dtype=torch.bfloat16, device=dev)
-    _check_bf16_2d_or_3d("out_pairs", out_pairs, (P, D), dev)
+        out_pairs = torch.empty((rows_out, D), dtype=torch.bfloat16, device=dev)
+    _check_bf16_2d_or_3d("out_pairs", out_pairs, (rows_out, D), dev)
     if layout.n_tiles_cap == 0:
         return out_pairs
     use_tma = _tma_usable(cfg, h_NF, w2_EDF)  # else the pointer path (same results)
@@ -526,7 +532,7 @@ def gemm2_scatter_fwd(
         h_NF, w2_EDF, scores_TK, layout.row_pair, layout.tile_expert, out_pairs,
         N, E, F, D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=F % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret,
+        EVEN_K=F % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret, BY_ROW=by_row,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out_pairs

@@ -56,9 +56,14 @@ __all__ = [
     "build_routing_layout_triton",
     "layout_caps",
 ]
-def layout_caps(T: int, K: int, E: int, block_m: int) -> tuple[int, int]:
-    """(N_cap, n_tiles_cap): rows and row tiles of the padded layout, for any routing."""
-    n_cap = T * K + E * (block_m - 1)
+def layout_caps(T: int, K: int, E: int, block_m: int, max_rows: int | None = None) -> tuple[int, int]:
+    """(N_cap, n_tiles_cap): rows and row tiles of the padded layout, for any routing.
+
+    ``max_rows`` caps the placed pairs (the expert-parallel receive capacity): N_cap then holds
+    min(T*K, max_rows) pairs plus the worst-case padding; pairs beyond it are not placed.
+    """
+    placed = T * K if max_rows is None else min(T * K, max_rows)
+    n_cap = placed + E * (block_m - 1)
     n_tiles = -(-n_cap // block_m)
     return n_tiles * block_m, n_tiles
 
@@ -71,9 +76,13 @@ class RoutingLayout:
         counts: (E,) pairs per expert.
         offsets: (E + 1,) first padded row of each expert; offsets[E] = rows in use.
         row_pair: (N_cap,) pair id t*K + k of each padded row, -1 for padding / unused rows.
-        pair_row: (P,) padded row of each pair.
+        pair_row: (P,) padded row of each pair, -1 for a pair not placed (id outside [0, E): the
+            expert-parallel receive side marks slots owned by other ranks -1; or beyond ``max_rows``).
         tile_expert: (n_tiles_cap,) expert of each BM-row tile, -1 for tiles past the end.
         block_m, num_experts, top_k: the constants the layout was built for.
+        max_rows: the cap on placed pairs the layout was built with (None: T*K). When counts sum to
+            more (capacity overflow), offsets are clamped to N_cap, the pairs past it get pair_row -1,
+            and the caller must raise (``counts`` stay exact, so it can tell).
     """
 
     counts: Tensor
@@ -84,6 +93,7 @@ class RoutingLayout:
     block_m: int
     num_experts: int
     top_k: int
+    max_rows: int | None = None
 
     @property
     def n_cap(self) -> int:
@@ -182,17 +192,18 @@ if triton is not None:
                        other=0)
         counts = tl.reduce(hist, 1, _sum_combine)  # (E_PAD,), 0 past E
         padded = (counts + BM - 1) // BM * BM
-        ends = tl.associative_scan(padded, 0, _sum_combine)  # ends[i] = offsets[i + 1]
-        total = tl.reduce(padded, 0, _sum_combine)  # offsets[E], rows in use
+        # clamped to N_CAP: on capacity overflow nothing is written past the buffers (the caller raises)
+        ends = tl.minimum(tl.associative_scan(padded, 0, _sum_combine), N_CAP)  # ends[i] = offsets[i + 1]
+        total = tl.minimum(tl.reduce(padded, 0, _sum_combine), N_CAP)  # offsets[E], rows in use
         if (e == 0) & (s == 0):
             tl.store(counts_ptr + ex, counts, mask=ex < E)
             tl.store(offsets_ptr + 1 + ex, ends, mask=ex < E)
             tl.store(offsets_ptr + ex, tl.zeros([E_PAD], dtype=tl.int32), mask=ex == 0)
         lane = tl.arange(0, BLOCK)
         if e < E:
-            first = tl.reduce(tl.where(ex < e, padded, 0), 0, _sum_combine)  # offsets[e]
+            first = tl.minimum(tl.reduce(tl.where(ex < e, padded, 0), 0, _sum_combine), N_CAP)  # offsets[e]
             cnt = tl.reduce(tl.where(ex == e, counts, 0), 0, _sum_combine)
-            last = first + tl.reduce(tl.where(ex == e, padded, 0), 0, _sum_combine)  # offsets[e + 1]
+            last = tl.minimum(first + tl.reduce(tl.where(ex == e, padded, 0), 0, _sum_combine), N_CAP)
             # next free row of e: its pairs in earlier splits come first (row e of hist reloaded, so
             # the 2-D block is dead here and does not take registers through the loop)
             row = first + tl.reduce(tl.load(hist_ptr + e * S + sx, mask=sx < s, other=0), 0, _sum_combine)
@@ -205,8 +216,9 @@ if triton is not None:
                 hit_i = hit.to(tl.int32)
                 # rank within the block = hits at or before the lane, minus one: keeps pair order
                 rows = row + tl.associative_scan(hit_i, 0, _sum_combine) - 1
-                tl.store(row_pair_ptr + rows, offs, mask=hit)
-                tl.store(pair_row_ptr + offs, rows, mask=hit)
+                fits = rows < last  # False only on capacity overflow
+                tl.store(row_pair_ptr + rows, offs, mask=hit & fits)
+                tl.store(pair_row_ptr + offs, tl.where(fits, rows, -1), mask=hit)
                 row += tl.reduce(hit_i, 0, _sum_combine)
                 start += BLOCK
             if s == 0:
@@ -229,6 +241,15 @@ if triton is not None:
                 tiles = t + lane
                 tl.store(tile_expert_ptr + tiles, tl.full([BLOCK], -1, tl.int32), mask=tiles < N_TILES)
                 t += S * BLOCK
+            # pairs no expert program places (ids outside [0, E): slots of other EP ranks) -> -1
+            start = s * CHUNK
+            end = tl.minimum(start + CHUNK, P)
+            while start < end:
+                offs = start + lane
+                ids = tl.load(ids_ptr + offs, mask=offs < end, other=0)
+                tl.store(pair_row_ptr + offs, tl.full([BLOCK], -1, tl.int32),
+                         mask=(offs < end) & ((ids < 0) | (ids >= E)))
+                start += BLOCK
 
 
 def _interpreting() -> bool:
@@ -285,14 +306,15 @@ def _empty_i32(n: int, device) -> Tensor:
 
 
 def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: int, *, block: int | None = None,
-                                chunk: int | None = None) -> RoutingLayout:
+                                chunk: int | None = None, max_rows: int | None = None) -> RoutingLayout:
     """Build the layout with two Triton kernels (two launches, no host sync, no atomics).
 
     Same contract and bitwise the same result as ``build_routing_layout_torch``.
 
     Args:
-        topk_ids_TK: (T, K) int32 or int64 expert ids in [0, num_experts) (other integer dtypes are
-            cast to int32 first, one more launch); on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+        topk_ids_TK: (T, K) int32 or int64 expert ids; ids outside [0, num_experts) are not placed
+            (pair_row -1). Other integer dtypes are cast to int32 first (one more launch); on CUDA,
+            or on CPU under ``TRITON_INTERPRET=1``.
         num_experts: E, at most ``MAX_TRITON_EXPERTS``.
         block_m: BM, the row block of the grouped GEMMs.
         block: pairs per loop step of the kernels (a power of two); default 1024 compiled, 256 in the
@@ -300,6 +322,7 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
         chunk: pairs per split (rounded up to a multiple of ``block``); default from P compiled (see
             ``_split_plan``), one split in the interpreter. Tests set both small to cover several
             steps and several splits.
+        max_rows: cap on placed pairs (see ``layout_caps``); None: T*K.
 
     Returns:
         RoutingLayout (see its attributes).
@@ -312,7 +335,7 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
         raise ValueError(f"num_experts={E} > {MAX_TRITON_EXPERTS}: use build_routing_layout_torch")
     dev = topk_ids_TK.device
     P = T * K
-    n_cap, n_tiles = layout_caps(T, K, E, BM)
+    n_cap, n_tiles = layout_caps(T, K, E, BM, max_rows)
     ids_P = topk_ids_TK.reshape(-1)  # a view when contiguous (no launch)
     if ids_P.dtype not in (torch.int32, torch.int64):
         ids_P = ids_P.to(torch.int32)
@@ -339,7 +362,7 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
         BM=BM, BM_PAD=_next_pow2(BM), E_PAD=_next_pow2(E), S_PAD=_next_pow2(S), BLOCK=block, **opts,
     )
     return RoutingLayout(counts=counts, offsets=offsets, row_pair=row_pair, pair_row=pair_row,
-                         tile_expert=tile_expert, block_m=BM, num_experts=E, top_k=K)
+                         tile_expert=tile_expert, block_m=BM, num_experts=E, top_k=K, max_rows=max_rows)
 
 
 def _use_triton(topk_ids_TK: Tensor, num_experts: int) -> bool:
@@ -348,7 +371,8 @@ def _use_triton(topk_ids_TK: Tensor, num_experts: int) -> bool:
     return topk_ids_TK.is_cuda or (topk_ids_TK.device.type == "cpu" and _interpreting())
 
 
-def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int) -> RoutingLayout:
+def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int,
+                         max_rows: int | None = None) -> RoutingLayout:
     """Build the padded expert-major layout from top-k ids with device work only (no host sync).
 
     Dispatches to ``build_routing_layout_triton`` (two launches) for CUDA tensors, and for CPU tensors
@@ -365,11 +389,12 @@ def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int) ->
         RoutingLayout (see its attributes).
     """
     if _use_triton(topk_ids_TK, num_experts):
-        return build_routing_layout_triton(topk_ids_TK, num_experts, block_m)
-    return build_routing_layout_torch(topk_ids_TK, num_experts, block_m)
+        return build_routing_layout_triton(topk_ids_TK, num_experts, block_m, max_rows=max_rows)
+    return build_routing_layout_torch(topk_ids_TK, num_experts, block_m, max_rows=max_rows)
 
 
-def build_routing_layout_torch(topk_ids_TK: Tensor, num_experts: int, block_m: int) -> RoutingLayout:
+def build_routing_layout_torch(topk_ids_TK: Tensor, num_experts: int, block_m: int,
+                               max_rows: int | None = None) -> RoutingLayout:
     """Reference build of the layout from ~20 torch device ops (no host sync); the fallback where the
     Triton kernels cannot run, and the reference of the tests.
 
@@ -386,26 +411,35 @@ def build_routing_layout_torch(topk_ids_TK: Tensor, num_experts: int, block_m: i
     E, BM = num_experts, block_m
     dev = topk_ids_TK.device
     P = T * K
-    n_cap, n_tiles = layout_caps(T, K, E, BM)
+    n_cap, n_tiles = layout_caps(T, K, E, BM, max_rows)
     ids_P = topk_ids_TK.reshape(-1).to(torch.int64)
+    # ids outside [0, E) go to a virtual expert E: sorted last, never placed.
+    ids_P = torch.where((ids_P >= 0) & (ids_P < E), ids_P, torch.full_like(ids_P, E))
     # scatter_add instead of bincount: bincount reads max() back to the host.
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids_P, torch.ones_like(ids_P))
+    counts_x = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids_P, torch.ones_like(ids_P))
+    counts = counts_x[:E]
     padded = (counts + BM - 1) // BM * BM
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = torch.cumsum(padded, 0)
+    offsets[1:] = torch.cumsum(padded, 0).clamp(max=n_cap)  # clamped: capacity overflow writes nothing
     order = torch.argsort(ids_P, stable=True)  # pairs grouped by expert, ascending pair id within
     sorted_ids = ids_P[order]
-    starts = torch.cumsum(counts, 0) - counts  # unpadded start of each expert in `order`
+    starts = torch.cumsum(counts_x, 0) - counts_x  # unpadded start of each expert in `order`
     rank_in_expert = torch.arange(P, device=dev) - starts[sorted_ids]
-    rows = offsets[sorted_ids] + rank_in_expert
-    row_pair = torch.full((n_cap,), -1, dtype=torch.int32, device=dev)
-    row_pair[rows] = order.to(torch.int32)
+    ends_x = torch.cat([offsets[1:], offsets[-1:]])  # the virtual expert E has no rows
+    first_x = torch.cat([offsets[:-1], offsets[-1:]])
+    rows = first_x[sorted_ids] + rank_in_expert
+    placed = (sorted_ids < E) & (rows < ends_x[sorted_ids])
+    # unplaced pairs write into a sink row past the end (no boolean indexing: that syncs the host)
+    sink = torch.full((n_cap + 1,), -1, dtype=torch.int32, device=dev)
+    sink[torch.where(placed, rows, n_cap)] = order.to(torch.int32)
+    row_pair = sink[:n_cap]
     pair_row = torch.empty(P, dtype=torch.int32, device=dev)
-    pair_row[order] = rows.to(torch.int32)
+    pair_row[order] = torch.where(placed, rows, -1).to(torch.int32)
     tile_start = torch.arange(n_tiles, device=dev) * BM
     tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)  # first expert ending after
     tile_expert = torch.where(tile_start < offsets[E], tile_expert, torch.full_like(tile_expert, -1))
     return RoutingLayout(
         counts=counts.to(torch.int32), offsets=offsets.to(torch.int32), row_pair=row_pair,
         pair_row=pair_row, tile_expert=tile_expert.to(torch.int32), block_m=BM, num_experts=E, top_k=K,
+        max_rows=max_rows,
     )

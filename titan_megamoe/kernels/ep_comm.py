@@ -1,0 +1,278 @@
+"""Expert-parallel dispatch and combine kernels: direct loads and stores into peers' workspaces.
+
+Shape legend: R EP ranks, T tokens of this rank (T <= T_cap), K top_k, D model dim, E_l = E / R
+local experts per rank, slab row j = src * T_cap + t (see ``comm/workspace.py``), P' = R * T_cap * K
+received (slab row, slot) pairs, N_cap' the rows of the receive-side routing layout.
+
+Every kernel takes ``peer_bases``: the device address of R uint64 workspace base addresses (symmetric
+memory's ``buffer_ptrs_dev`` on GPUs, a CPU table in the interpreter) plus byte offsets of the
+regions; a store through a peer's base is an NVLink write on GPUs (DeepGEMM Mega MoE / DESIGN.md
+sections 6-7). Phases are separated by the caller's barriers (v1: no in-kernel waiting, so no
+spin-waits to bound here); every element has one writer and every sum a fixed order: deterministic.
+
+    dispatch_push  (source)       ids/scores of all T_cap rows -> every rank; x (and dy) rows -> each
+                                  rank holding one of the token's experts, once per rank
+    combine_push   (destination)  sum of a slab row's placed slot rows (fp32, k order) -> the source's
+                                  comb[this rank, t]
+    dscore_push    (destination)  d score of each placed slot -> the source's dscore[t, k]
+    combine_sum    (source)       out[t] = sum over ranks r holding an expert of t (r order) of comb[r, t]
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from titan_megamoe.comm.workspace import WorkspaceLayout
+from titan_megamoe.kernels.routing import RoutingLayout
+
+__all__ = ["dispatch_push", "combine_push", "dscore_push", "combine_sum"]
+
+
+@triton.jit
+def _peer_base(peer_bases, r):
+    return tl.load(peer_bases.to(tl.pointer_type(tl.uint64)) + r).to(tl.pointer_type(tl.int8))
+
+
+@triton.jit
+def _dispatch_kernel(
+    x_TD, dy_TD, ids_TK, scores_TK,   # this rank's tokens; dy only read when HAS_DY
+    peer_bases,                        # address of R uint64 workspace bases
+    T, rank,                           # i32 tokens of this rank, this rank's index
+    OFF_X, OFF_DY, OFF_IDS, OFF_SC,    # byte offsets of the regions
+    T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E_LOCAL: tl.constexpr,
+    HAS_DY: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """Grid (cdiv(T_cap, BT), R): program (i, d) sends tokens [i*BT, (i+1)*BT) to rank d: their slot
+    ids local to d (-1 elsewhere, and for t >= T) and scores for every row < T_cap, and the x (dy)
+    rows of the tokens with at least one expert on d."""
+    pid = tl.program_id(0)
+    d = tl.program_id(1)
+    tt = pid * BT + tl.arange(0, BT)
+    in_cap = tt < T_CAP
+    live = tt < T
+    kk = tl.arange(0, KP)
+    k_ok = kk < K
+    m2 = live[:, None] & k_ok[None, :]
+    tt64 = tt.to(tl.int64)
+    ids = tl.load(ids_TK + tt64[:, None] * K + kk[None, :], mask=m2, other=-1)
+    loc = ids - d * E_LOCAL
+    mine = m2 & (ids >= 0) & (loc >= 0) & (loc < E_LOCAL)
+    lid = tl.where(mine, loc, -1).to(tl.int32)
+    sc = tl.load(scores_TK + tt64[:, None] * K + kk[None, :], mask=mine, other=0.0)
+    base = _peer_base(peer_bases, d)
+    slot = (rank * T_CAP + tt).to(tl.int64)
+    m_st = in_cap[:, None] & k_ok[None, :]
+    tl.store((base + OFF_IDS).to(tl.pointer_type(tl.int32)) + slot[:, None] * K + kk[None, :], lid, mask=m_st)
+    tl.store((base + OFF_SC).to(tl.pointer_type(tl.float32)) + slot[:, None] * K + kk[None, :], sc, mask=m_st)
+    routed = tl.max(mine.to(tl.int32), axis=1) > 0
+    x_dst = (base + OFF_X).to(tl.pointer_type(tl.bfloat16))
+    dy_dst = (base + OFF_DY).to(tl.pointer_type(tl.bfloat16))
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        m = routed[:, None] & (dd < D)[None, :]
+        v = tl.load(x_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
+        tl.store(x_dst + slot[:, None] * D + dd[None, :], v, mask=m)
+        if HAS_DY:
+            g = tl.load(dy_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
+            tl.store(dy_dst + slot[:, None] * D + dd[None, :], g, mask=m)
+
+
+@triton.jit
+def _combine_push_kernel(
+    rows_ND,          # (N_cap', D) bf16, receive-side rows in layout order (GEMM2 out by row, or dx rows)
+    pair_row_P,       # (P',) int32, layout row of each received pair, -1 if not placed here
+    peer_bases, rank, OFF_COMB,
+    T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """Grid (R, cdiv(T_cap, BT), cdiv(D, BD)): program (src, i, c) sums, for slab rows of source src,
+    the rows of their placed slots in fp32 (k order) and stores the sum into src's comb[rank, t]
+    (only for rows with a placed slot: the source knows which ranks to read)."""
+    src = tl.program_id(0)
+    tt = tl.program_id(1) * BT + tl.arange(0, BT)
+    dd = tl.program_id(2) * BD + tl.arange(0, BD)
+    t_ok = tt < T_CAP
+    d_ok = dd < D
+    j = (src * T_CAP + tt).to(tl.int64)
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    hit = tl.zeros((BT,), dtype=tl.int32)
+    for k in tl.static_range(K):
+        row = tl.load(pair_row_P + j * K + k, mask=t_ok, other=-1)
+        ok = row >= 0
+        v = tl.load(rows_ND + row.to(tl.int64)[:, None] * D + dd[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        acc += v.to(tl.float32)
+        hit = tl.maximum(hit, ok.to(tl.int32))
+    base = _peer_base(peer_bases, src)
+    dst = (base + OFF_COMB).to(tl.pointer_type(tl.float32)) + (rank * T_CAP + tt).to(tl.int64)[:, None] * D + dd[None, :]
+    tl.store(dst, acc, mask=(hit > 0)[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dscore_push_kernel(
+    part_NB,          # (N_cap', NB) fp32 per-column-block partials of d score (gemm2_dgrad epilogue)
+    pair_row_P,       # (P',) int32
+    peer_bases, OFF_DS,
+    T_CAP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr,
+):
+    """Grid (R, cdiv(T_cap, BT)): d score of each placed slot of source src's slab rows, the NB
+    partials summed in ascending order (as ``reduce_dscore``), stored into src's dscore[t, k]."""
+    src = tl.program_id(0)
+    tt = tl.program_id(1) * BT + tl.arange(0, BT)
+    kk = tl.arange(0, KP)
+    m2 = (tt < T_CAP)[:, None] & (kk < K)[None, :]
+    j = (src * T_CAP + tt).to(tl.int64)
+    rows = tl.load(pair_row_P + j[:, None] * K + kk[None, :], mask=m2, other=-1)
+    ok = rows >= 0
+    r64 = tl.where(ok, rows, 0).to(tl.int64)
+    acc = tl.zeros((BT, KP), dtype=tl.float32)
+    for nb in range(0, NB):
+        acc += tl.load(part_NB + r64 * NB + nb, mask=ok, other=0.0)
+    base = _peer_base(peer_bases, src)
+    dst = (base + OFF_DS).to(tl.pointer_type(tl.float32)) + tt.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(dst, acc, mask=ok)
+
+
+@triton.jit
+def _combine_sum_kernel(
+    comb_RTD,         # (R, T_cap, D) fp32, this rank's comb region
+    ids_TK,           # (T, K) global expert ids of this rank's tokens
+    out_TD,           # (T, D) out (bf16 or fp32)
+    T,
+    R: tl.constexpr, T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    E_LOCAL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """Grid (cdiv(T, BT), cdiv(D, BD)): out[t] = sum over ranks r = 0..R-1 that hold one of t's
+    experts of comb[r, t] (fp32, rank order), cast to out's dtype."""
+    tt = tl.program_id(0) * BT + tl.arange(0, BT)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    t_ok = tt < T
+    d_ok = dd < D
+    kk = tl.arange(0, KP)
+    tt64 = tt.to(tl.int64)
+    ids = tl.load(ids_TK + tt64[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :], other=-1)
+    owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    for r in tl.static_range(R):
+        has = tl.max((owner == r).to(tl.int32), axis=1) > 0
+        acc += tl.load(comb_RTD + (r * T_CAP + tt64)[:, None] * D + dd[None, :],
+                       mask=(has & t_ok)[:, None] & d_ok[None, :], other=0.0)
+    tl.store(out_TD + tt64[:, None] * D + dd[None, :], acc.to(out_TD.dtype.element_ty),
+             mask=t_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+_FLAVORS: dict = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _runnable(kernel):
+    """Interpreted or compiled flavor of ``kernel`` as TRITON_INTERPRET says at launch time."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interp = _interpreting()
+    key = (kernel.fn, interp)
+    if key not in _FLAVORS:
+        want = InterpretedFunction if interp else JITFunction
+        _FLAVORS[key] = kernel if isinstance(kernel, want) else want(kernel.fn)
+    return _FLAVORS[key]
+
+
+def _opts(num_warps: int = 4) -> dict:
+    return {} if _interpreting() else {"num_warps": num_warps}
+
+
+def _blocks(D: int) -> tuple[int, int]:
+    """(BT, BD): token rows and columns per program."""
+    if _interpreting():
+        return 16, min(64, triton.next_power_of_2(D))
+    return 16, min(512, triton.next_power_of_2(D))
+
+
+def dispatch_push(x_TD: Tensor, dy_TD: Tensor | None, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                  ws: WorkspaceLayout, peer_bases: int, rank: int, experts_per_rank: int) -> None:
+    """Send this rank's routing metadata (all T_cap rows) and token rows to every rank.
+
+    Args:
+        x_TD: (T, D) bf16 layer input; dy_TD: optional (T, D) bf16 output gradient (backward).
+        topk_ids_TK: (T, K) int32/int64 global expert ids; topk_scores_TK: (T, K) fp32.
+        ws: the workspace layout (T <= ws.t_cap, D == ws.dim, K == ws.top_k).
+        peer_bases: device address of the R workspace base addresses; rank: this rank.
+        experts_per_rank: E_l (rank r owns experts [r*E_l, (r+1)*E_l)).
+    """
+    T, D = x_TD.shape
+    K = topk_ids_TK.shape[1]
+    bt, bd = _blocks(D)
+    grid = (triton.cdiv(ws.t_cap, bt), ws.world)
+    _runnable(_dispatch_kernel)[grid](
+        x_TD, x_TD if dy_TD is None else dy_TD, topk_ids_TK, topk_scores_TK, peer_bases, T, rank,
+        ws.offsets["x"], ws.offsets["dy"], ws.offsets["ids"], ws.offsets["scores"],
+        T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank,
+        HAS_DY=dy_TD is not None, BT=bt, BD=bd, **_opts(),
+    )
+
+
+def combine_push(rows_ND: Tensor, layout: RoutingLayout, ws: WorkspaceLayout, peer_bases: int, rank: int) -> None:
+    """Push each received slab row's pre-summed (fp32, k order) placed rows to its source's comb.
+
+    Args:
+        rows_ND: (N_cap', D) bf16 rows in the receive layout's order (GEMM2 ``by_row`` output, or the
+            GEMM1-dgrad dx rows).
+        layout: the receive-side layout (P' = R * T_cap * K pairs).
+    """
+    D = rows_ND.shape[1]
+    bt, bd = _blocks(D)
+    grid = (ws.world, triton.cdiv(ws.t_cap, bt), triton.cdiv(D, bd))
+    _runnable(_combine_push_kernel)[grid](
+        rows_ND, layout.pair_row, peer_bases, rank, ws.offsets["comb"],
+        T_CAP=ws.t_cap, D=D, K=ws.top_k, BT=bt, BD=bd, **_opts(),
+    )
+
+
+def dscore_push(dscore_part_NB: Tensor, layout: RoutingLayout, ws: WorkspaceLayout, peer_bases: int) -> None:
+    """Push the d score of every placed received slot to its source's dscore[t, k] (the NB partials of
+    ``gemm2_dgrad_swiglu_bwd`` summed in ascending order)."""
+    bt = 32 if not _interpreting() else 16
+    grid = (ws.world, triton.cdiv(ws.t_cap, bt))
+    _runnable(_dscore_push_kernel)[grid](
+        dscore_part_NB, layout.pair_row, peer_bases, ws.offsets["dscore"],
+        T_CAP=ws.t_cap, K=ws.top_k, KP=triton.next_power_of_2(ws.top_k), NB=dscore_part_NB.shape[1], BT=bt,
+        **_opts(),
+    )
+
+
+def combine_sum(comb_RTD: Tensor, topk_ids_TK: Tensor, experts_per_rank: int, out_dtype: torch.dtype) -> Tensor:
+    """out[t] = sum over the ranks holding one of t's experts, in rank order, of comb[r, t] (fp32).
+
+    Args:
+        comb_RTD: (R, T_cap, D) fp32, this rank's comb region (after the barrier that follows
+            ``combine_push`` on every rank).
+        topk_ids_TK: (T, K) global expert ids of this rank's tokens.
+        experts_per_rank: E_l.
+        out_dtype: bf16 (layer output / dx) or fp32.
+
+    Returns:
+        (T, D) tensor of ``out_dtype``, newly allocated.
+    """
+    R, t_cap, D = comb_RTD.shape
+    T, K = topk_ids_TK.shape
+    out = torch.empty((T, D), dtype=out_dtype, device=comb_RTD.device)
+    if T == 0:
+        return out
+    bt, bd = _blocks(D)
+    grid = (triton.cdiv(T, bt), triton.cdiv(D, bd))
+    _runnable(_combine_sum_kernel)[grid](
+        comb_RTD, topk_ids_TK, out, T, R=R, T_CAP=t_cap, D=D, K=K, KP=triton.next_power_of_2(K),
+        E_LOCAL=experts_per_rank, BT=bt, BD=bd, **_opts(),
+    )
+    return out

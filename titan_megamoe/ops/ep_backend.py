@@ -1,0 +1,150 @@
+"""Host steps of the expert-parallel Triton backend (EP = R ranks), forward and backward, v1.
+
+Shape legend: T tokens of this rank (<= T_cap), K top_k, D model dim, F expert hidden dim, E_l local
+experts, j = src * T_cap + t a slab row of the receive side (see ``comm/workspace.py``).
+
+Forward, on every rank (barriers are stream-ordered, no host sync anywhere):
+    barrier  -> earlier users of the shared workspace are done with it
+    dispatch_push: ids / scores of all T_cap rows to every rank, x rows once per (token, rank)
+    barrier
+    receive layout from the ids region (slots of other ranks are -1; capacity ``max_rows``) ->
+    GEMM1 (+SwiGLU) gathering slab rows -> GEMM2 (+score) by layout row -> combine_push
+    (fp32 pre-sum of a slab row's slots, into the source's comb[this rank, t])
+    barrier
+    combine_sum: out[t] = sum over ranks holding t's experts, rank order, fp32 -> bf16
+Backward: barrier, dispatch_push of x and dy, barrier, GEMM2 dgrad + SwiGLU bwd + d score partials,
+dscore_push, wgrads (local experts), GEMM1 dgrad, combine_push of the dx rows, barrier, combine_sum.
+The layer keeps gate_up and the receive layout; x is re-dispatched in the backward (the workspace is
+shared by all layers, so the forward's slab is gone by then: AMD Primus MegaMoE does the same).
+
+v1 runs the phases back to back (no overlap of NVLink traffic with the GEMMs yet: issue 5's flags
+per block come next). The steps are generators that yield at each barrier, so one code path serves
+the GPU (``run_with_barriers``: the yield calls ``peers.barrier()``) and the CPU tests, which run R
+emulated ranks in one process in lockstep (``run_lockstep``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.comm.workspace import WorkspaceLayout
+from titan_megamoe.kernels import ep_comm
+from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
+
+__all__ = ["EPRank", "ep_forward_steps", "ep_backward_steps", "run_lockstep", "run_with_barriers"]
+
+Steps = Generator[None, None, tuple]
+
+
+@dataclass
+class EPRank:
+    """What one rank's steps need: its peers, the shared workspace layout and the receive capacity.
+
+    Attributes:
+        peers: ``comm.peers.Peers`` (symmetric memory or emulated).
+        ws: the workspace layout (R, T_cap, D, K).
+        experts_per_rank: E_l.
+        max_rows: receive capacity in (token, expert) pairs (``MegaMoEConfig.recv_capacity``).
+        block_m: row block of the grouped GEMMs.
+    """
+
+    peers: object
+    ws: WorkspaceLayout
+    experts_per_rank: int
+    max_rows: int
+    block_m: int
+
+    def region(self, name: str) -> Tensor:
+        return self.ws.view(self.peers.buffer(), name)
+
+    def received(self, name: str) -> Tensor:
+        """Region ``name`` of this rank flattened over (src, t): (R * T_cap, ...)."""
+        t = self.region(name)
+        return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                     w1: Tensor, w2: Tensor, w3: Tensor) -> Steps:
+    """Forward of one layer on this rank; yields at each barrier.
+
+    Returns (via StopIteration.value): (out (T, D) bf16, gate_up (N_cap', 2F) bf16, receive layout).
+    """
+    from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
+
+    p, ws = ctx.peers, ctx.ws
+    yield
+    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
+    yield
+    layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
+    gate_up, h = gemm1_swiglu_fwd(ctx.received("x"), w1, w3, layout)
+    y_rows = gemm2_scatter_fwd(h, w2, ctx.received("scores"), layout, by_row=True)
+    ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
+    yield
+    out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    return out, gate_up, layout
+
+
+def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                      w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor, layout: RoutingLayout) -> Steps:
+    """Backward of one layer on this rank; yields at each barrier.
+
+    Returns: (dx (T, D) bf16, dscores (T, K) fp32, dw1, dw2, dw3 of the local experts).
+    """
+    from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd, wgrad_w2, wgrad_w13
+
+    p, ws = ctx.peers, ctx.ws
+    T = x_TD.shape[0]
+    yield
+    ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
+                          ctx.experts_per_rank)
+    yield
+    x_r, dy_r, sc_r = ctx.received("x"), ctx.received("dy"), ctx.received("scores")
+    hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
+    dgate_up, part = gemm2_dgrad_swiglu_bwd(dy_r, w2, gate_up, sc_r, layout, hs_out=hs)
+    ep_comm.dscore_push(part, layout, ws, p.ptr_table())
+    dw2 = wgrad_w2(dy_r, gate_up, sc_r, layout, hs_NF=hs)
+    dw1, dw3 = wgrad_w13(dgate_up, x_r, layout)
+    dx_rows = gemm1_dgrad(dgate_up, w1, w3, layout)
+    ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
+    yield
+    dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    dscores = ctx.region("dscore")[:T].clone()
+    return dx, dscores, dw1, dw2, dw3
+
+
+def run_with_barriers(steps: Steps, peers) -> tuple:
+    """Run one rank's steps, calling ``peers.barrier()`` at each yield (the GPU path)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        peers.barrier()
+
+
+def run_lockstep(all_steps: list[Steps]) -> list[tuple]:
+    """Run R emulated ranks' steps in one process: every rank reaches barrier b before any rank goes
+    past it (the CPU tests' stand-in for a barrier).
+
+    Raises:
+        RuntimeError: the ranks yield different numbers of barriers (a real run would hang).
+    """
+    results: list = [None] * len(all_steps)
+    live = list(range(len(all_steps)))
+    while live:
+        finished = []
+        for r in live:
+            try:
+                next(all_steps[r])
+            except StopIteration as done:
+                results[r] = done.value
+                finished.append(r)
+        if finished and len(finished) != len(live):
+            raise RuntimeError(f"ranks {finished} finished while ranks {sorted(set(live) - set(finished))} "
+                               "wait at a barrier: the steps differ between ranks")
+        live = [r for r in live if r not in finished]
+    return results
