@@ -27,7 +27,9 @@ JSON layout (``SCHEMA = "titan_megamoe.compare.train/1"``)::
 
     {"schema": ..., "run": {gpu, gpu_count, torch, triton, torchtitan, torchao, titan_megamoe,
                             python, git_rev, git_dirty, date_utc, command, argv, options, launcher},
-     "runs": [{label, config, toml: {model, megamoe, parallelism}, command, log, returncode,
+     "runs": [{label, config, toml: {model, megamoe, parallelism, training, compile,
+                                     activation_checkpoint} (the config file's tables; compare.regress
+                                     refuses to compare runs whose tables differ), command, log, returncode,
                status: "ok" | "error", reason, summary (compare.trainlog.summarize) | null,
                speedup_vs_first | null, steps: [per-step metrics]}]}
 """
@@ -54,7 +56,7 @@ SCHEMA = "titan_megamoe.compare.train/1"
 DEFAULT_LAUNCHER = "titan_megamoe.launch"
 LAUNCHER_ENV = "COMPARE_TRAIN_LAUNCHER"
 TAIL_LINES = 30
-TOML_TABLES = ("model", "megamoe", "parallelism")
+TOML_TABLES = ("model", "megamoe", "parallelism", "training", "compile", "activation_checkpoint")
 
 
 def launcher_argv(launcher: str) -> list[str]:

@@ -328,3 +328,30 @@ def test_git_revision_env_wins_over_git(monkeypatch):
     monkeypatch.delenv("TITAN_MEGAMOE_GIT_REV")
     rev, _ = git_revision()
     assert rev != "abc1234" and (rev is None or len(rev) == 40)
+
+
+def test_regress_layer_select_subset(tmp_path, capsys):
+    """--select compares a partial re-run (one implementation of a wider baseline) without MISSING rows."""
+    from compare.regress import main
+
+    base = [_rec("tt-eager", 10.0, 24.0), _rec("megamoe-reference", 8.0, 20.0, speedup=1.2),
+            _rec("tt-eager", 12.0, 30.0, routing="skewed")]
+    old = _write(tmp_path / "old.json", base)
+    part = _write(tmp_path / "part.json", copy.deepcopy(base[1:2]))
+    assert main([part, "--baseline", old]) == 1  # two baseline records absent
+    assert "(2 missing)" in capsys.readouterr().out
+    assert main([part, "--baseline", old, "--select", "implementation=megamoe-reference"]) == 0
+    out = capsys.readouterr().out
+    assert "MISSING" not in out and "| tt-eager/bf16" not in out and "compare.layer" in out
+    assert "| megamoe-reference/bf16 qwen3-30b-a3b random ep=2 T=16384 | speedup vs tt-eager/bf16 | 1.200x" in out
+    # fields combine (AND), values within a field are alternatives (OR); shape is matched by name
+    assert main([part, "--baseline", old, "--select", "implementation=tt-eager,megamoe-reference",
+                 "--select", "routing=random", "--select", "shape=qwen3-30b-a3b"]) == 1
+    miss = [line for line in capsys.readouterr().out.splitlines() if "MISSING" in line]
+    assert len(miss) == 1 and "tt-eager/bf16 qwen3-30b-a3b random" in miss[0]
+    for args, msg in ((["--select", "label=x"], "unknown field 'label'"),
+                      (["--metrics", "tps"], "unknown metric 'tps'"),
+                      (["--select", "ep=4"], "nothing to compare")):
+        with pytest.raises(SystemExit) as exc:
+            main([part, "--baseline", old, *args])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err

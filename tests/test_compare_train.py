@@ -253,3 +253,276 @@ def test_generated_config_parses_and_converts(name):
         if m["ep"] > 1:
             assert "refuses backend = \"triton\" with EP > 1" in text
     MegaMoEConverter(cfg, _parallel_dims(m["ep"]))  # accepted
+
+
+# ----------------------------------------------------------------------------- compare.regress on train JSON
+
+def _run(label, n_steps, tps, loss, converters=(), backend=None, skip=10, status="ok"):
+    """A compare.train run: per-step rows from tps(step) / loss(step), summary as compare.train makes it."""
+    from compare.trainlog import summarize
+
+    rows = [dict(step=s, loss=loss(s), grad_norm=1.0, memory_gib=5.0, tps=tps(s), tflops=1.0, mfu_pct=1.0)
+            for s in range(1, n_steps + 1)]
+    toml = {"model": {"name": "qwen3", "flavor": "debugmodel_moe", "converters": list(converters)},
+            "megamoe": {"backend": backend, "precision": "bf16"} if backend else {},
+            "parallelism": {"expert_parallel_degree": 1}}
+    ok = status == "ok"
+    return dict(label=label, config=f"{label}.toml", toml=toml, status=status, returncode=0 if ok else 1,
+                reason=None if ok else "exit code 1", summary=summarize(rows, skip) if ok else None,
+                steps=rows if ok else [])
+
+
+def _tps_triton(s):  # fast for 100 steps, then slower (data-dependent, as in the committed run)
+    return 100 if s <= 2 else (1200 + s % 7 if s <= 100 else 900)
+
+
+def _tps_stock(s):
+    return 100 if s <= 2 else (1000 + s % 5 if s <= 100 else 950)
+
+
+def _loss(s):
+    return 8.0 - 0.02 * s
+
+
+def _train_file(path, runs, steps, seed=42, extra=""):
+    rec = {"schema": train.SCHEMA, "run": {"gpu": "NVIDIA H200", "git_rev": "abc1234",
+                                           "options": {"ngpu": 1, "seed": seed, "extra": extra, "steps": steps}},
+           "runs": runs}
+    path.write_text(json.dumps(rec))
+    return str(path)
+
+
+def _base(tmp_path):
+    runs = [_run("megamoe-triton", 200, _tps_triton, _loss, ["megamoe"], "triton"),
+            _run("megamoe-reference", 200, lambda s: 200, _loss, ["megamoe"], "reference"),
+            _run("torchtitan-baseline", 200, _tps_stock, _loss)]
+    return _train_file(tmp_path / "base.json", runs, 200)
+
+
+def _new(tmp_path, name="new.json", tps_scale=1.0, loss_shift=0.0, stock_scale=1.0, drop=(), **kw):
+    runs = [_run("megamoe-triton", 100, lambda s: int(_tps_triton(s) * tps_scale), lambda s: _loss(s) + loss_shift,
+                 ["megamoe"], "triton"),
+            _run("torchtitan-baseline", 100, lambda s: int(_tps_stock(s) * stock_scale), _loss)]
+    kw.setdefault("extra", "--lr_scheduler.total_steps 200")  # the baseline's LR schedule
+    return _train_file(tmp_path / name, [r for r in runs if r["label"] not in drop], 100, **kw)
+
+
+SEL = ["--select", "label=megamoe-triton,torchtitan-baseline"]
+
+
+def test_regress_train_pass_on_the_same_steps(tmp_path, capsys):
+    from compare.regress import main
+
+    base = _base(tmp_path)
+    # 3 % slower and 0.05 higher loss: within 10 % / 0.1. Over steps 11-100 the baseline's median is
+    # ~1203 tokens/s; its whole-run summary (steps 11-200, 900) would have hidden a 15 % slow-down.
+    assert main([_new(tmp_path, tps_scale=0.97, loss_shift=0.05), "--baseline", base, "--tolerance", "0.1",
+                 "--loss-tolerance", "0.1", *SEL]) == 0
+    out = capsys.readouterr().out
+    assert "compare.train" in out and "PASS" in out
+    assert "| megamoe-triton | median tokens/s/GPU (steps 11-100) | 1,203 | 1,166 | -3.1% | ok |" in out
+    assert "| megamoe-triton | mean loss (steps 91-100) | 6.0900 | 6.1400 | +0.0500 | ok |" in out
+    assert "| megamoe-triton | speedup vs torchtitan-baseline | 1.201x | 1.164x | -3.1% | ok |" in out
+    assert "megamoe-reference" not in out  # not selected
+    assert main([_new(tmp_path, "same.json"), "--baseline", base, *SEL]) == 0
+    capsys.readouterr()
+
+
+def test_regress_train_fail_tps_speedup_loss(tmp_path, capsys):
+    from compare.regress import main
+
+    base = _base(tmp_path)
+    assert main([_new(tmp_path, tps_scale=0.85), "--baseline", base, "--tolerance", "0.1", *SEL]) == 1
+    out = capsys.readouterr().out
+    bad = [line for line in out.splitlines() if "REGRESSED" in line]
+    assert len(bad) == 2 and all(line.startswith("| megamoe-triton |") for line in bad)
+    assert "median tokens/s/GPU" in bad[0] and "-15.0%" in bad[0] and "speedup vs torchtitan-baseline" in bad[1]
+    assert "FAIL: 2 regression(s)" in out
+    # only --metrics tps: the speedup is not checked
+    assert main([_new(tmp_path, tps_scale=0.85), "--baseline", base, "--tolerance", "0.1", "--metrics", "loss", *SEL]) == 0
+    capsys.readouterr()
+    # stock got faster, megamoe did not: megamoe's own tokens/s are fine but its speedup regressed
+    assert main([_new(tmp_path, stock_scale=1.2), "--baseline", base, "--tolerance", "0.1", *SEL]) == 1
+    out = capsys.readouterr().out
+    assert "| torchtitan-baseline | median tokens/s/GPU (steps 11-100) | 1,002 | 1,202 | +20.0% | faster |" in out
+    assert [line for line in out.splitlines() if "REGRESSED" in line][0].startswith(
+        "| megamoe-triton | speedup vs torchtitan-baseline | 1.201x | 1.001x | -16.6% | REGRESSED |")
+    # loss: either direction beyond the absolute tolerance, and a NaN
+    for shift in (0.3, -0.3, float("nan")):
+        assert main([_new(tmp_path, loss_shift=shift), "--baseline", base, "--loss-tolerance", "0.1", *SEL]) == 1
+        assert "LOSS CHANGED" in capsys.readouterr().out
+    assert main([_new(tmp_path, loss_shift=0.3), "--baseline", base, "--loss-tolerance", "0.5", *SEL]) == 0
+    capsys.readouterr()
+
+
+def test_regress_train_missing_notok_and_changed(tmp_path, capsys):
+    from compare.regress import main
+
+    base = _base(tmp_path)
+    # without --select the reference run of the baseline is missing from the new file
+    assert main([_new(tmp_path), "--baseline", base]) == 1
+    out = capsys.readouterr().out
+    miss = [line for line in out.splitlines() if "MISSING" in line]
+    assert len(miss) == 1 and miss[0].startswith("| megamoe-reference |") and "(1 missing)" in out
+    assert main([_new(tmp_path, drop=("torchtitan-baseline",)), "--baseline", base, *SEL]) == 1
+    assert "| torchtitan-baseline | - | ok | absent | - | MISSING |" in capsys.readouterr().out
+    # a failed run
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    new["runs"][0].update(status="error", reason="exit code 1", summary=None, steps=[])
+    (tmp_path / "err.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "err.json"), "--baseline", base, *SEL]) == 1
+    assert "| megamoe-triton | status | ok | error: exit code 1 | - | NOT OK |" in capsys.readouterr().out
+    # another config under the same label, or other compare.train options: not comparable
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    new["runs"][0]["toml"]["megamoe"]["backend"] = "reference"
+    new["runs"][0]["toml"]["training"] = {"steps": 100}  # the step count is compare.train's --steps
+    (tmp_path / "cfg.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "cfg.json"), "--baseline", base, *SEL]) == 1
+    out = capsys.readouterr().out
+    assert "megamoe.backend: 'triton' -> 'reference' | - | CONFIG CHANGED |" in out and "training" not in out
+    assert main([_new(tmp_path, seed=43), "--baseline", base, *SEL]) == 1
+    assert "--seed: 42 -> 43" in capsys.readouterr().out
+    # 100 steps with TorchTitan's default LR schedule (decay over 100 steps) vs the baseline's 200
+    assert main([_new(tmp_path, extra=""), "--baseline", base, *SEL]) == 1
+    out = capsys.readouterr().out
+    assert "LR schedule length (--lr_scheduler.total_steps, default --steps): 200 -> 100" in out
+    assert "CONFIG CHANGED" in out
+    assert main([_new(tmp_path, extra="--lr_scheduler.total_steps=200"), "--baseline", base, *SEL]) == 0
+    assert main([_new(tmp_path, extra="--lr_scheduler.total_steps 200 --foo 1"), "--baseline", base, *SEL]) == 1
+    assert "--extra: '' -> '--foo 1'" in capsys.readouterr().out
+    # a run only in the new file is listed, not a failure
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    new["runs"].append(_run("extra", 100, _tps_stock, _loss))
+    (tmp_path / "more.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "more.json"), "--baseline", base, "--select", "label=megamoe-triton"]) == 0
+    assert main([str(tmp_path / "more.json"), "--baseline", base, *SEL]) == 0
+    capsys.readouterr()
+
+
+def test_regress_train_bad_arguments(tmp_path, capsys):
+    from compare.records import SCHEMA as LAYER_SCHEMA
+    from compare.regress import main
+
+    base = _base(tmp_path)
+    layer = tmp_path / "layer.json"
+    layer.write_text(json.dumps({"schema": LAYER_SCHEMA, "run": {}, "records": []}))
+    for args, msg in (([_new(tmp_path), "--baseline", str(layer)], "is a compare.train file but"),
+                      ([_new(tmp_path), "--baseline", base, "--metrics", "fwd_ms"], "unknown metric 'fwd_ms'"),
+                      ([_new(tmp_path), "--baseline", base, "--select", "shape=x"], "unknown field 'shape'"),
+                      ([_new(tmp_path), "--baseline", base, "--select", "label"], "expected FIELD=V1,V2"),
+                      ([_new(tmp_path), "--baseline", base, "--select", "label=nope"], "nothing to compare"),
+                      ([_new(tmp_path), "--baseline", base, "--loss-tolerance", "-1"], "must be >= 0"),
+                      ([str(tmp_path / "absent.json"), "--baseline", base], "cannot read results JSON")):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_regress_train_end_to_end(tmp_path, fake):
+    """compare.train output (fake launcher) against itself and against a slower copy, as gpu_ci.sh runs it."""
+    out = tmp_path / "ci.json"
+    assert _main(["--configs", CFG_B, CFG_A, "--labels", "megamoe", "stock", "--steps", 20, "--skip", 3,
+                  "--out", out, "--launcher", fake, "--extra", "--lr_scheduler.total_steps 40"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["runs"][0]["toml"]["compile"] == {"enable": False, "components": ["model", "loss"]}
+    assert rec["runs"][0]["toml"]["activation_checkpoint"]["mode"] == "none"
+    res = subprocess.run([sys.executable, "-m", "compare.regress", str(out), "--baseline", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| megamoe | speedup vs stock |" in res.stdout
+    for r in rec["runs"]:
+        if r["label"] == "megamoe":
+            for row in r["steps"]:
+                row["tps"] = int(row["tps"] * 0.8)
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(rec))
+    res = subprocess.run([sys.executable, "-m", "compare.regress", str(slow), "--baseline", str(out),
+                          "--tolerance", "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "REGRESSED" in res.stdout
+
+
+# ----------------------------------------------------------------------------- scripts/gpu_ci.sh wiring
+# The script runs on a GPU; here PYTHON is a fake interpreter that answers compare.layer and
+# compare.train from the committed baseline files (filtered by the options the script passes, so
+# wrong shapes / impls / labels / steps show up as MISSING or CONFIG CHANGED) and runs the real
+# compare.regress.
+
+FAKE_PY = textwrap.dedent('''
+    import json, os, subprocess, sys
+    args = sys.argv[1:]
+    if args[0] != "-m" or args[1] not in ("compare.layer", "compare.train", "compare.regress"):
+        sys.exit(subprocess.call([sys.executable, *args]))
+    mod, rest = args[1], args[2:]
+    def opt(name, n=1):
+        i = rest.index(name)
+        return rest[i + 1] if n == 1 else rest[i + 1:i + 1 + n]
+    slow = float(os.environ.get("FAKE_SLOW", "1"))
+    if mod == "compare.regress":
+        sys.exit(subprocess.call([sys.executable, "-m", "compare.regress", *rest]))
+    if mod == "compare.layer":
+        d = json.load(open("benchmarks/results/layer_1xh200_ep1_triton_20261130.json"))
+        impls, shapes = opt("--impls").split(","), opt("--shapes").split(",")
+        assert opt("--precisions") == "bf16" and opt("--routings") == "random", rest
+        d["records"] = [r for r in d["records"] if r["implementation"] in impls and r["shape"]["name"] in shapes]
+        for r in d["records"]:
+            if r["implementation"] == "megamoe-triton":
+                r["fwd_ms"] *= slow; r["fwdbwd_ms"] *= slow
+                for v in r["speedup_vs"].values():
+                    v["fwdbwd"] /= slow
+        json.dump(d, open(opt("--out"), "w"))
+    elif mod == "compare.train":
+        if os.environ.get("FAKE_NO_TRAIN"):
+            sys.exit(1)
+        d = json.load(open("benchmarks/results/train_debug_1xh200_triton_20261130.json"))
+        steps = int(opt("--steps"))
+        configs = rest[rest.index("--configs") + 1:rest.index("--labels")]
+        labels = opt("--labels", len(configs))
+        by_config = {r["config"]: r for r in d["runs"]}
+        runs = []
+        for config, label in zip(configs, labels):
+            r = dict(by_config[config], label=label, steps=by_config[config]["steps"][:steps])
+            if label == "megamoe-triton":
+                r["steps"] = [dict(s, tps=int(s["tps"] / slow)) for s in r["steps"]]
+            runs.append(r)
+        d["runs"] = runs
+        d["run"]["options"].update(steps=steps, skip=int(opt("--skip")), ngpu=int(opt("--ngpu")), extra=opt("--extra"))
+        json.dump(d, open(opt("--out"), "w"))
+''')
+
+
+def _gpu_ci(tmp_path, **env):
+    fake_py = tmp_path / "fake_python.py"
+    fake_py.write_text(FAKE_PY)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {fake_py} \"$@\"\n")
+    wrapper.chmod(0o755)
+    out = tmp_path / "out"
+    e = dict(os.environ, PYTHON=str(wrapper), OUT=str(out), GPU_CI_ENV="plain", REV="abc1234", **env)
+    res = subprocess.run(["bash", "scripts/gpu_ci.sh"], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    return res, out
+
+
+def test_gpu_ci_script_wiring(tmp_path):
+    res, out = _gpu_ci(tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    layer = (out / "regress_layer.txt").read_text()
+    train = (out / "regress_train.txt").read_text()
+    assert "PASS" in layer and "megamoe-triton/bf16 qwen3-30b-a3b random ep=1" in layer and "235b" not in layer
+    assert "speedup vs tt-compile/bf16 | 1.681x | 1.681x" in layer
+    assert "PASS" in train and "(steps 11-100)" in train and "speedup vs torchtitan-baseline" in train
+    assert "megamoe-reference" not in train and "[gpu_ci] PASS" in res.stdout
+
+
+def test_gpu_ci_script_fails_on_regression(tmp_path):
+    res, out = _gpu_ci(tmp_path, FAKE_SLOW="1.2")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "REGRESSED" in (out / "regress_layer.txt").read_text()
+    assert "REGRESSED" in (out / "regress_train.txt").read_text()
+    assert "[gpu_ci] FAIL (exit 1)" in res.stdout
+
+
+def test_gpu_ci_script_missing_result(tmp_path):
+    res, out = _gpu_ci(tmp_path, FAKE_NO_TRAIN="1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "train_ci.json was not written" in res.stdout and (out / "regress_layer.txt").is_file()

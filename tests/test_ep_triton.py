@@ -8,16 +8,21 @@ compiled (emulated peers on one GPU). The 2-GPU symmetric-memory run is in tests
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Run as a script (compile check subprocess): compiled mode. Under pytest on CPU: the interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "0" if __name__ == "__main__" or torch.cuda.is_available() else "1")
 
 from titan_megamoe.comm.peers import emulated_group  # noqa: E402
 from titan_megamoe.comm.workspace import WorkspaceLayout, workspace_bytes  # noqa: E402
+from titan_megamoe.kernels import ep_comm  # noqa: E402
+from titan_megamoe.kernels.sm90_check import compile_in_subprocess, compile_sm90, nvidia_backend_reason  # noqa: E402
 from titan_megamoe.ops.ep_backend import EPRank, ep_backward_steps, ep_forward_steps, run_lockstep  # noqa: E402
 from titan_megamoe.ops.reference import mega_moe_ref  # noqa: E402
 from titan_megamoe.testing import assert_close_rel, make_routing  # noqa: E402
@@ -150,3 +155,99 @@ def test_lockstep_detects_mismatched_barriers():
     assert run_lockstep([steps(2), steps(2)]) == [2, 2]
     with pytest.raises(RuntimeError, match="steps differ"):
         run_lockstep([steps(1), steps(3)])
+
+
+def test_capacity_overflow_raises_with_the_setting():
+    """A rank receiving more pairs than max_rows: the call stays inside its buffers, and the capacity
+    monitor raises naming the layer, the count, the capacity and the setting to raise."""
+    from titan_megamoe.comm.capacity import CapacityMonitor
+    from titan_megamoe.errors import CapacityError
+
+    R, Ts, t_cap, D, F, E, K = 2, [24, 24], 24, 32, 32, 4, 2
+    weights, ranks = _inputs("one_rank", R, Ts, D, F, E, K, seed=3)  # rank 0 receives all 96 pairs
+    fwd, _ = _ep_run(R, t_cap, D, E, K, weights, ranks, max_rows=40)
+    mon = CapacityMonitor()
+    mon.record("layers.3.moe", fwd[1][2].counts, 40)  # rank 1: no pair, fine
+    mon.check()
+    mon.record("layers.3.moe", fwd[0][2].counts, 40)
+    with pytest.raises(CapacityError, match=r"layers\.3\.moe: this rank received 96 .* capacity of 40.*capacity_factor"):
+        mon.flush()
+    mon.flush()  # cleared after raising
+
+
+def test_ep_op_fake_shapes(tmp_path):
+    """The EP custom op's fake (torch.compile / meta) gives the shapes of the real outputs, with the
+    group size read from the process group (a 1-rank gloo group here)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import titan_megamoe.ops.ep_library  # noqa: F401  (registers the ops)
+    from titan_megamoe.kernels.routing import layout_caps
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        name = dist.group.WORLD.group_name
+        with FakeTensorMode():
+            x = torch.empty(10, 32, dtype=torch.bfloat16)
+            ids = torch.empty(10, 2, dtype=torch.int64)
+            s = torch.empty(10, 2)
+            w1, w2 = torch.empty(4, 48, 32, dtype=torch.bfloat16), torch.empty(4, 32, 48, dtype=torch.bfloat16)
+            out, gate_up, counts, offsets, row_pair, pair_row, tiles = torch.ops.megamoe.bf16_mega_moe_ep_fwd(
+                x, ids, s, w1, w2, w1, name, 12, 30, "moe")
+        n_cap, n_tiles = layout_caps(12, 2, 4, 128, 30)
+        assert out.shape == (10, 32) and gate_up.shape == (n_cap, 96)
+        assert counts.shape == (4,) and offsets.shape == (5,) and row_pair.shape == (n_cap,)
+        assert pair_row.shape == (24,) and tiles.shape == (n_tiles,)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _compile_sm90_all() -> list[dict]:
+    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8), for sm_90a."""
+    from triton.runtime.jit import JITFunction
+
+    T_CAP, D, K = 16384, 2048, 8
+    jit = {n: JITFunction(getattr(ep_comm, n).fn) for n in
+           ("_dispatch_kernel", "_combine_push_kernel", "_dscore_push_kernel", "_combine_sum_kernel")}
+    cases = [
+        ("dispatch", "_dispatch_kernel",
+         {"x_TD": "*bf16", "dy_TD": "*bf16", "ids_TK": "*i64", "scores_TK": "*fp32", "peer_bases": "i64",
+          "T": "i32", "rank": "i32", "OFF_X": "i64", "OFF_DY": "i64", "OFF_IDS": "i64", "OFF_SC": "i64"},
+         dict(T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=64, HAS_DY=True, BT=16, BD=512)),
+        ("combine_push", "_combine_push_kernel",
+         {"rows_ND": "*bf16", "pair_row_P": "*i32", "peer_bases": "i64", "rank": "i32", "OFF_COMB": "i64"},
+         dict(T_CAP=T_CAP, D=D, K=K, BT=16, BD=256)),
+        ("dscore_push", "_dscore_push_kernel",
+         {"part_NB": "*fp32", "pair_row_P": "*i32", "peer_bases": "i64", "OFF_DS": "i64"},
+         dict(T_CAP=T_CAP, K=K, KP=8, NB=6, BT=32)),
+        ("combine_sum", "_combine_sum_kernel",
+         {"comb_RTD": "*fp32", "ids_TK": "*i64", "out_TD": "*bf16", "T": "i32"},
+         dict(R=2, T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=64, BT=16, BD=512)),
+    ]
+    return [dict(label=label, **compile_sm90(jit[name], sig, cx, num_warps=4, num_stages=1))
+            for label, name, sig, cx in cases]
+
+
+@functools.lru_cache(maxsize=1)
+def _compile_results() -> dict:
+    return compile_in_subprocess(__file__)
+
+
+@pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum"])
+def test_ep_kernels_compile_for_sm90a(label):
+    reason = nvidia_backend_reason()
+    if reason:
+        pytest.skip(reason)
+    r = _compile_results()[label]
+    assert r["target"], "PTX not built for sm_90a"
+    assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile-sm90"]:
+        print(json.dumps(_compile_sm90_all()))
+    else:
+        raise SystemExit("usage: python tests/test_ep_triton.py compile-sm90")

@@ -290,12 +290,6 @@ def test_compiles_for_sm90a(label):
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["compile-sm90"]:
-        print(json.dumps(_compile_sm90_all()))
-    else:
-        raise SystemExit("usage: python tests/test_routing.py compile-sm90")
-
 
 EP_CASES = [  # (T, K, E, BM, max_rows): expert-parallel receive side, slots of other ranks are -1
     (37, 4, 6, 16, None),
@@ -333,3 +327,10 @@ def test_unplaced_ids_and_capacity(poisoned, T, K, E, BM, max_rows):
         assert int((pr >= 0).sum()) == int(valid.sum())  # no overflow: every valid pair placed
     else:
         assert int((pr >= 0).sum()) < int(valid.sum())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile-sm90"]:
+        print(json.dumps(_compile_sm90_all()))
+    else:
+        raise SystemExit("usage: python tests/test_routing.py compile-sm90")

@@ -8,6 +8,8 @@ parallelism up front so an unsupported combination fails before anything is allo
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 from torchtitan.models.moe.moe import GroupedExperts, MoE
@@ -98,7 +100,9 @@ class MegaMoEConverter:
         config.validate()
         config.check_available()
         check_parallelism(parallel_dims)
-        if config.backend == "triton" and getattr(parallel_dims, "ep", 1) > 1:
+        # EP inside the fused operator (v1) is opt-in (TITAN_MEGAMOE_EP_TRITON=1) until its 2-GPU tests ran
+        if (config.backend == "triton" and getattr(parallel_dims, "ep", 1) > 1
+                and os.environ.get("TITAN_MEGAMOE_EP_TRITON") != "1"):
             raise NotImplementedError(
                 f"megamoe: the triton backend runs without expert parallelism only (EP = 1) for now, got "
                 f"expert_parallel_degree={parallel_dims.ep}; set it to 1 or use [megamoe] backend = 'reference'"

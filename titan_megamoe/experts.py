@@ -63,7 +63,8 @@ class MegaMoEExperts(GroupedExperts):
             num_experts=self.num_experts, ep_group=group,
             score_before_experts=self.score_before_experts,
             backend=self.config.backend, precision=self.config.precision,
-            recv_capacity=capacity, layer_name=self.layer_name,
+            recv_capacity=capacity, max_tokens_per_rank=self.max_tokens_per_rank or None,
+            layer_name=self.layer_name,
         )
 
     def extra_repr(self) -> str:

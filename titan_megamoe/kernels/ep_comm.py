@@ -232,6 +232,7 @@ def combine_push(rows_ND: Tensor, layout: RoutingLayout, ws: WorkspaceLayout, pe
     """
     D = rows_ND.shape[1]
     bt, bd = _blocks(D)
+    bd = min(bd, 256)  # K unrolled row loads in flight: 512 columns spill registers at 4 warps
     grid = (ws.world, triton.cdiv(ws.t_cap, bt), triton.cdiv(D, bd))
     _runnable(_combine_push_kernel)[grid](
         rows_ND, layout.pair_row, peer_bases, rank, ws.offsets["comb"],

@@ -6,6 +6,8 @@ e = E // R local experts, R the expert-parallel group size.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -30,6 +32,7 @@ def mega_moe(
     backend: str = "reference",
     precision: str = "bf16",
     recv_capacity: int | None = None,
+    max_tokens_per_rank: int | None = None,
     layer_name: str = "moe",
 ) -> Tensor:
     """Routed-expert path of an MoE layer: EP dispatch + SwiGLU experts + weighted combine.
@@ -45,6 +48,7 @@ def mega_moe(
         backend: "reference" (pure PyTorch) or "triton" (fused kernels).
         precision: "bf16", "fp8" or "fp8_bwd".
         recv_capacity: largest number of routed rows a rank accepts (CapacityError beyond).
+        max_tokens_per_rank: T_cap of the expert-parallel Triton path's workspace (needed there).
         layer_name: name used in error messages.
 
     Returns:
@@ -60,6 +64,21 @@ def mega_moe(
             f"mega_moe: backend={backend!r}, precision={precision!r} is not available yet"
         )
     if backend == "triton":
+        if ep_group is not None and os.environ.get("TITAN_MEGAMOE_EP_TRITON") == "1":
+            # Expert parallelism inside the fused operator (v1, ops/ep_backend.py): opt-in until its
+            # 2-GPU tests have run (tests/test_gpu.py::test_ep_triton_two_gpus).
+            from titan_megamoe.ops.ep_library import mega_moe_ep_triton
+
+            if score_before_experts or not max_tokens_per_rank or recv_capacity is None:
+                raise NotImplementedError(
+                    f"{layer_name}: the EP triton path needs score-after-experts and [megamoe] "
+                    "max_tokens_per_rank > 0 (a static workspace size)")
+            bf = torch.bfloat16
+            out = mega_moe_ep_triton(x_TD.to(bf), topk_ids_TK, topk_scores_TK.to(torch.float32), w1_eFD.to(bf),
+                                     w2_eDF.to(bf), w3_eFD.to(bf), ep_group=ep_group,
+                                     max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity,
+                                     layer_name=layer_name)
+            return out.to(x_TD.dtype)
         if ep_group is not None:
             raise NotImplementedError(
                 f"{layer_name}: the triton backend runs without expert parallelism only (EP = 1) for now; "

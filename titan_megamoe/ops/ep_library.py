@@ -1,0 +1,160 @@
+"""torch.library custom ops of the expert-parallel Triton backend (``megamoe::bf16_mega_moe_ep_*``),
+with fake implementations and autograd, over PyTorch symmetric memory (GPU only).
+
+Ops:
+  megamoe::bf16_mega_moe_ep_fwd(x (T,D) bf16, topk_ids (T,K), topk_scores (T,K) fp32, w1 (E_l,F,D),
+      w2 (E_l,D,F), w3 (E_l,F,D) bf16, group_name, t_cap, max_rows, layer_name)
+      -> out (T,D) bf16, gate_up (N_cap',2F) bf16, receive layout (5 int32 tensors)
+  megamoe::bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, layout...,
+      group_name, t_cap, max_rows) -> dx, dscores, dw1, dw2, dw3
+N_cap' = layout_caps(R * t_cap, K, E_l, 128, max_rows): static, so the fakes need no data.
+
+One workspace per (process group, t_cap, D, K), created on first use (a collective: every rank's
+layers run in the same order), logged with its size, shared by all layers. See ops/ep_backend.py
+for the steps and comm/workspace.py for the buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.comm.capacity import CapacityMonitor
+from titan_megamoe.comm.workspace import WorkspaceLayout
+from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
+from titan_megamoe.ops.ep_backend import EPRank, ep_backward_steps, ep_forward_steps, run_with_barriers
+
+__all__ = ["mega_moe_ep_triton", "CAPACITY"]
+
+logger = logging.getLogger(__name__)
+
+BLOCK_M = 128
+#: Pending receive-capacity checks of this process (see comm/capacity.py).
+CAPACITY = CapacityMonitor()
+_PEERS: dict[tuple, object] = {}
+
+
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _ep_rank(group_name: str, t_cap: int, D: int, K: int, e_l: int, max_rows: int) -> EPRank:
+    from titan_megamoe.comm.peers import SymmMemPeers
+
+    key = (group_name, t_cap, D, K)
+    group = _group(group_name)
+    ws = WorkspaceLayout.build(group.size(), t_cap, D, K)
+    if key not in _PEERS:
+        _PEERS[key] = SymmMemPeers(group, ws.nbytes)
+        if _PEERS[key].rank == 0:
+            logger.info(ws.describe())
+    return EPRank(_PEERS[key], ws, e_l, max_rows, BLOCK_M)
+
+
+def _layout(L: tuple, e_l: int, K: int, max_rows: int) -> RoutingLayout:
+    counts, offsets, row_pair, pair_row, tile_expert = L
+    return RoutingLayout(counts=counts, offsets=offsets, row_pair=row_pair, pair_row=pair_row,
+                         tile_expert=tile_expert, block_m=BLOCK_M, num_experts=e_l, top_k=K, max_rows=max_rows)
+
+
+@torch.library.custom_op("megamoe::bf16_mega_moe_ep_fwd", mutates_args=())
+def bf16_mega_moe_ep_fwd(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    K = topk_ids.shape[1]
+    e_l, _, D = w1.shape
+    ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
+    CAPACITY.check()
+    out, gate_up, L = run_with_barriers(ep_forward_steps(ctx, x, topk_ids, topk_scores, w1, w2, w3), ctx.peers)
+    CAPACITY.record(layer_name, L.counts, max_rows)
+    return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+
+
+@bf16_mega_moe_ep_fwd.register_fake
+def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name):
+    T, K = topk_ids.shape
+    e_l, F, D = w1.shape
+    R = _group(group_name).size()
+    n_cap, n_tiles = layout_caps(R * t_cap, K, e_l, BLOCK_M, max_rows)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((T, D)), x.new_empty((n_cap, 2 * F)), torch.empty((e_l,), **i32),
+            torch.empty((e_l + 1,), **i32), torch.empty((n_cap,), **i32), torch.empty((R * t_cap * K,), **i32),
+            torch.empty((n_tiles,), **i32))
+
+
+@torch.library.custom_op("megamoe::bf16_mega_moe_ep_bwd", mutates_args=())
+def bf16_mega_moe_ep_bwd(
+    dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+    gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
+    group_name: str, t_cap: int, max_rows: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    K = topk_ids.shape[1]
+    e_l, _, D = w1.shape
+    ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
+    L = _layout((counts, offsets, row_pair, pair_row, tile_expert), e_l, K, max_rows)
+    steps = ep_backward_steps(ctx, dout.contiguous(), x, topk_ids, topk_scores, w1, w2, w3, gate_up, L)
+    return run_with_barriers(steps, ctx.peers)
+
+
+@bf16_mega_moe_ep_bwd.register_fake
+def _bwd_fake(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row,
+              tile_expert, group_name, t_cap, max_rows):
+    return (x.new_empty(x.shape), torch.empty_like(topk_scores), w1.new_empty(w1.shape),
+            w2.new_empty(w2.shape), w3.new_empty(w3.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, _ = inputs
+    _, gate_up, *layout = output
+    ctx.meta = (group_name, t_cap, max_rows)
+    ctx.set_materialize_grads(False)  # gate_up / layout are saved state, never differentiated
+    ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, gate_up, *layout)
+
+
+def _backward(ctx, dout, *unused):
+    x, topk_ids, topk_scores, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
+    if dout is None:
+        # every rank must still run the backward's barriers in step: a zero gradient, not a skip
+        dout = torch.zeros_like(x)
+    dx, dscores, dw1, dw2, dw3 = bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up,
+                                                      *layout, *ctx.meta)
+    return dx, None, dscores, dw1, dw2, dw3, None, None, None, None
+
+
+bf16_mega_moe_ep_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
+                       w3: Tensor, *, ep_group, max_tokens_per_rank: int, recv_capacity: int,
+                       layer_name: str = "moe") -> Tensor:
+    """Fused bf16 MoE experts with expert parallelism over ``ep_group`` (NVLink, symmetric memory).
+
+    Args:
+        x_TD: (T, D) bf16, T <= max_tokens_per_rank; topk_ids_TK (T, K) global ids; topk_scores_TK
+            (T, K) fp32; w1 / w3 (E_l, F, D), w2 (E_l, D, F) bf16: this rank's experts
+            [rank * E_l, (rank + 1) * E_l).
+        ep_group: the expert-parallel process group (every rank calls in the same order).
+        max_tokens_per_rank: T_cap, the workspace's rows per source rank.
+        recv_capacity: (token, expert) pairs one rank may receive per call.
+        layer_name: used in errors.
+
+    Returns:
+        (T, D) bf16.
+
+    Raises:
+        CapacityError: T > max_tokens_per_rank now, or (a few calls later, see comm/capacity.py) an
+            earlier call received more pairs than ``recv_capacity``.
+    """
+    from titan_megamoe.errors import CapacityError
+
+    if x_TD.shape[0] > max_tokens_per_rank:
+        raise CapacityError(f"{layer_name}: {x_TD.shape[0]} tokens in one call on this rank, more than "
+                            f"max_tokens_per_rank={max_tokens_per_rank}. Raise [megamoe] max_tokens_per_rank.")
+    return torch.ops.megamoe.bf16_mega_moe_ep_fwd(
+        x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, ep_group.group_name, max_tokens_per_rank, recv_capacity,
+        layer_name)[0]
