@@ -48,7 +48,7 @@ import sys
 
 from compare.records import key_str, record_key
 
-__all__ = ["compare_records", "compare_runs", "compare_options", "load_any", "select", "main"]
+__all__ = ["compare_records", "compare_runs", "compare_options", "load_any", "lr_schedule", "select", "main"]
 
 METRICS = ("fwd_ms", "fwdbwd_ms", "speedup")
 TRAIN_METRICS = ("tps", "loss", "speedup")
@@ -190,7 +190,7 @@ RUN_OPTIONS = ("ngpu", "seed", "extra")
 _LR_TOTAL = ("--lr_scheduler.total_steps", "--lr-scheduler.total-steps")
 
 
-def _lr_total(options: dict) -> tuple[int | None, str]:
+def lr_schedule(options: dict) -> tuple[int | None, str]:
     """(length of the LR schedule, --extra without --lr_scheduler.total_steps): TorchTitan decays the
     learning rate over lr_scheduler.total_steps, by default training.steps (compare.train's --steps)."""
     try:
@@ -217,7 +217,7 @@ def compare_options(new_run: dict, base_run: dict) -> tuple[list[tuple], int]:
     a, b = dict((base_run or {}).get("options") or {}), dict((new_run or {}).get("options") or {})
     diffs = []
     if "steps" in a and "steps" in b:
-        (lr_a, a["extra"]), (lr_b, b["extra"]) = _lr_total(a), _lr_total(b)
+        (lr_a, a["extra"]), (lr_b, b["extra"]) = lr_schedule(a), lr_schedule(b)
         if lr_a != lr_b:
             diffs.append(f"LR schedule length (--lr_scheduler.total_steps, default --steps): {lr_a} -> {lr_b}; "
                          f"run with --extra \"--lr_scheduler.total_steps {lr_a}\"")

@@ -58,9 +58,10 @@ timeout 900 "$PY" -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,meg
 # 2. training, the 1-GPU debug set (same labels as the baseline file). TorchTitan decays the learning
 #    rate over lr_scheduler.total_steps (default: the step count): keep the baseline's schedule so that
 #    the first STEPS steps are the baseline's first STEPS steps.
-BASE_STEPS=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['run']['options']['steps'])" "$TRAIN_BASELINE") \
-  || { note "cannot read the step count of $TRAIN_BASELINE"; exit 2; }
-timeout 1200 "$PY" -m compare.train --ngpu 1 --steps "$STEPS" --skip 10 --extra "--lr_scheduler.total_steps $BASE_STEPS" \
+LR_STEPS=$("$PY" -c "import json, sys; from compare.regress import lr_schedule
+print(lr_schedule(json.load(open(sys.argv[1]))['run']['options'])[0])" "$TRAIN_BASELINE") \
+  || { note "cannot read the LR schedule length of $TRAIN_BASELINE"; exit 2; }
+timeout 1200 "$PY" -m compare.train --ngpu 1 --steps "$STEPS" --skip 10 --extra "--lr_scheduler.total_steps $LR_STEPS" \
   --configs train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml train_configs/qwen3_debugmoe_1gpu_baseline_bf16.toml \
   --labels megamoe-triton torchtitan-baseline --out "$OUT/train_ci.json" 2>&1 | tail -12
 

@@ -512,6 +512,16 @@ def test_gpu_ci_script_wiring(tmp_path):
     assert "speedup vs tt-compile/bf16 | 1.681x | 1.681x" in layer
     assert "PASS" in train and "(steps 11-100)" in train and "speedup vs torchtitan-baseline" in train
     assert "megamoe-reference" not in train and "[gpu_ci] PASS" in res.stdout
+    # a CI result is a valid baseline for the next run (same LR schedule, labels and records)
+    rec = json.loads((out / "train_ci.json").read_text())
+    assert rec["run"]["options"]["extra"] == "--lr_scheduler.total_steps 200"
+    (tmp_path / "prev").mkdir()
+    for f in ("layer_ci.json", "train_ci.json"):
+        (tmp_path / "prev" / f).write_text((out / f).read_text())
+    res, out = _gpu_ci(tmp_path, LAYER_BASELINE=str(tmp_path / "prev" / "layer_ci.json"),
+                       TRAIN_BASELINE=str(tmp_path / "prev" / "train_ci.json"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert str(tmp_path / "prev" / "train_ci.json") in (out / "regress_train.txt").read_text()
 
 
 def test_gpu_ci_script_fails_on_regression(tmp_path):
