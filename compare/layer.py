@@ -288,7 +288,7 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank) -> dic
     moe = None
     try:
         with ctx:
-            built = build_layer(impl, precision, shape, device, mesh=mesh, seed=seed)
+            built = build_layer(impl, precision, shape, device, mesh=mesh, seed=seed, max_tokens=plan.tokens)
             moe = built.module
             if ids is not None:
                 counts = torch.bincount(ids.reshape(-1), minlength=shape.experts).to(torch.float32)
