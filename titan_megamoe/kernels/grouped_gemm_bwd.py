@@ -1,5 +1,6 @@
 """Backward of the fused SwiGLU MoE grouped GEMMs: dgrad (dout -> dh -> SwiGLU bwd -> dx, d score)
-and per-expert wgrad (K-grouped over each expert's rows). Deterministic: no atomics, fixed orders.
+and per-expert wgrad (K-grouped over each expert's rows; kernels in ``grouped_gemm_wgrad.py``, re-exported
+here). Deterministic: no atomics, fixed orders.
 
 Shape legend: T tokens, K top_k, P = T*K pairs (p = t*K + k), E experts, D model dim, F expert hidden
 dim, N_cap padded rows of the routing layout (``routing.py``), n_tiles = N_cap // BM row tiles,
@@ -46,17 +47,26 @@ measurement.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.jit import JITFunction
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_megamoe.kernels.configs import GemmConfig, config_for
+from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for tests / callers)
+    _ACT,
+    _WGRAD_DTYPES,
+    _check,
+    _check_layout,
+    _check_row_config,
+    _desc,
+    _interp_int,
+    _interpreting,
+    _launch_opts,
+    _runnable,
+    _tma_ok,
+    default_bwd_config,
+)
+from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
 
 __all__ = [
@@ -68,16 +78,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.constexpr_function
-def _interp_int(x):
-    """Interpreter only: the Python int of a scalar tensor, for range() bounds read from memory.
-
-    Called solely under ``INTERPRET`` (interpreter) ternaries, so the compiler never evaluates it. The
-    interpreter's ``__index__`` does ``int()`` of a 1-element numpy array, which numpy >= 2.3 refuses.
-    """
-    return int(x.handle.data.reshape(-1)[0])
 
 
 @triton.jit
@@ -278,276 +278,10 @@ def _scatter_dx_kernel(
     tl.store(dx_TD + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(dx_TD.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _wgrad_w2_kernel(
-    dout_TD,          # (T, D) bf16, gathered by token
-    gate_up_N2F,      # (N_cap, 2F) bf16 pointer, or TMA descriptor over (N_cap, 2, F), block [BK, 1, BN]
-    hs_NF,            # (N_cap, F) bf16 s * h rows (HS_SAVED), pointer or TMA descriptor, block [BK, BN]
-    scores_P,         # (P,) fp32
-    row_pair_N,       # (N_cap,) int32
-    offsets_E1,       # (E + 1,) int32 first padded row of each expert
-    dw2_EDF,          # (E, D, F) bf16 or fp32 out
-    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NBM: tl.constexpr, NBN: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, HS_SAVED: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """dw2[e][d, f] = sum_{r in expert e} dout[t, d] * (s[p] h[r, f]), h = silu(gate) * up.
-
-    The B operand s * h is recomputed from gate_up in the loader (HS_SAVED=False), or read from the
-    rows ``gemm2_dgrad_swiglu_bwd`` stored (HS_SAVED=True: no math in the main loop).
-    Grid: (NBM * NBN, E), NBM = cdiv(D, BM), NBN = cdiv(F, BN), grouped order within an expert. The
-    program of (m, n, e) owns dw2[e, m*BM:(m+1)*BM, n*BN:(n+1)*BN] and loops over the expert's rows in
-    BK chunks (bounds read from offsets on device); no rows -> zeros.
-    Precondition (HS_SAVED + TMA): hs rows are finite (they are all written by gemm2_dgrad): a chunk's
-    rows past the expert's end meet zero dout columns.
-    """
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    width = GROUP_M * NBN
-    first_m = (pid // width) * GROUP_M
-    group = tl.minimum(NBM - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group
-    pid_n = (pid % width) // group
-
-    dd = pid_m * BM + tl.arange(0, BM)
-    ff = pid_n * BN + tl.arange(0, BN)
-    d_ok = dd < D
-    f_ok = ff < F
-    start = tl.load(offsets_E1 + e)
-    end = tl.load(offsets_E1 + e + 1)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
-    # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
-    for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
-        rows = r0 + tl.arange(0, BK)
-        rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31
-        pair = tl.load(row_pair_N + rows, mask=rows < end, other=-1)
-        valid = pair >= 0
-        tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
-        # dout^T tile (BM, BK): token rows gathered, transposed by the pointer layout.
-        a = tl.load(dout_TD + tok64[None, :] * D + dd[:, None], mask=valid[None, :] & d_ok[:, None], other=0.0)
-        if HS_SAVED:
-            if USE_TMA:
-                b = hs_NF.load([r0, pid_n * BN])
-            else:
-                b = tl.load(hs_NF + rows64[:, None] * F + ff[None, :], mask=valid[:, None] & f_ok[None, :], other=0.0)
-        else:
-            s = tl.load(scores_P + pair, mask=valid, other=0.0)
-            if USE_TMA:
-                gate = gate_up_N2F.load([r0, 0, pid_n * BN]).reshape(BK, BN).to(tl.float32)
-                up = gate_up_N2F.load([r0, 1, pid_n * BN]).reshape(BK, BN).to(tl.float32)
-            else:
-                gu_off = rows64[:, None] * (2 * F) + ff[None, :]
-                gmask = valid[:, None] & f_ok[None, :]
-                gate = tl.load(gate_up_N2F + gu_off, mask=gmask, other=0.0).to(tl.float32)
-                up = tl.load(gate_up_N2F + gu_off + F, mask=gmask, other=0.0).to(tl.float32)
-            hs = gate / (1.0 + tl.exp(-gate)) * up * s[:, None]
-            b = tl.where(valid[:, None], hs, 0.0).to(dout_TD.dtype.element_ty)
-        if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    out = dw2_EDF + e.to(tl.int64) * D * F + dd.to(tl.int64)[:, None] * F + ff[None, :]  # int64: E*D*F
-    tl.store(out, acc.to(dw2_EDF.dtype.element_ty), mask=d_ok[:, None] & f_ok[None, :])
-
-
-@triton.jit
-def _wgrad_w13_kernel(
-    dgate_up_N2F,     # (N_cap, 2F) bf16 pointer, or TMA descriptor over (N_cap, 2, F), block [BK, 1, BM]
-    x_TD,             # (T, D) bf16, gathered by token
-    row_pair_N,       # (N_cap,) int32
-    offsets_E1,       # (E + 1,) int32
-    dw1_EFD,          # (E, F, D) bf16 or fp32 out
-    dw3_EFD,          # (E, F, D) bf16 or fp32 out
-    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr, NBN: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """dw1[e] = sum_r dgate[r]^T x[t] and dw3[e] = sum_r dup[r]^T x[t] in one program per tile pair.
-
-    Two fp32 accumulators (gate, up) share each gathered x tile, so the token gather (the costly,
-    irregular load) runs once for both weights: the structure of GEMM1's forward (v2; v1 had one
-    program per weight and gathered x twice: 317 TF/s at the 30B shape).
-    Grid: (NBF * NBN, E), NBF = cdiv(F, BM), NBN = cdiv(D, BN), grouped order within an expert. The
-    program of (m, n, e) owns dw1[e] and dw3[e] rows m*BM:(m+1)*BM, columns n*BN:(n+1)*BN and loops
-    over the expert's rows in BK chunks (bounds read from offsets on device); no rows -> zeros.
-    """
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    width = GROUP_M * NBN
-    first_m = (pid // width) * GROUP_M
-    group = tl.minimum(NBF - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group
-    pid_n = (pid % width) // group
-    ff = pid_m * BM + tl.arange(0, BM)
-    dd = pid_n * BN + tl.arange(0, BN)
-    f_ok = ff < F
-    d_ok = dd < D
-    start = tl.load(offsets_E1 + e)
-    end = tl.load(offsets_E1 + e + 1)
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
-    # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
-    for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
-        rows = r0 + tl.arange(0, BK)
-        pair = tl.load(row_pair_N + rows, mask=rows < end, other=-1)
-        valid = pair >= 0
-        tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
-        if USE_TMA:
-            g_t = dgate_up_N2F.load([r0, 0, pid_m * BM]).reshape(BK, BM)
-            u_t = dgate_up_N2F.load([r0, 1, pid_m * BM]).reshape(BK, BM)
-            a_g = tl.trans(tl.where(valid[:, None], g_t, 0.0))
-            a_u = tl.trans(tl.where(valid[:, None], u_t, 0.0))
-        else:
-            a_off = rows.to(tl.int64)[None, :] * (2 * F) + ff[:, None]  # int64: N_cap * 2F
-            a_mask = valid[None, :] & f_ok[:, None]
-            a_g = tl.load(dgate_up_N2F + a_off, mask=a_mask, other=0.0)
-            a_u = tl.load(dgate_up_N2F + a_off + F, mask=a_mask, other=0.0)
-        b = tl.load(x_TD + tok64[:, None] * D + dd[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-        if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
-            bf = b.to(tl.float32)
-            acc_g = tl.dot(a_g.to(tl.float32), bf, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a_u.to(tl.float32), bf, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a_g, b, acc_g)
-            acc_u = tl.dot(a_u, b, acc_u)
-    off = e.to(tl.int64) * F * D + ff.to(tl.int64)[:, None] * D + dd[None, :]  # int64: E * F * D
-    m = f_ok[:, None] & d_ok[None, :]
-    tl.store(dw1_EFD + off, acc_g.to(dw1_EFD.dtype.element_ty), mask=m)
-    tl.store(dw3_EFD + off, acc_u.to(dw3_EFD.dtype.element_ty), mask=m)
-
-
-# --------------------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------------------
-
-_FLAVORS: dict = {}
-
-
-def _interpreting() -> bool:
-    # Read at launch time, not import time: a test file may set the flag after this module loaded.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _runnable(kernel):
-    """The kernel as an ``InterpretedFunction`` or a compiled ``JITFunction``, as the flag says now.
-
-    ``triton.jit`` picks the flavor when the decorator runs (import time); the kernels call no other
-    jit function, so re-wrapping ``kernel.fn`` is all it takes to switch.
-    """
-    interp = _interpreting()
-    key = (kernel.fn, interp)
-    if key not in _FLAVORS:
-        if interp:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _FLAVORS[key] = kernel if isinstance(kernel, InterpretedFunction) else InterpretedFunction(kernel.fn)
-        else:
-            _FLAVORS[key] = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-    return _FLAVORS[key]
-
-
-def _pow2_at_most(n: int, cap: int) -> int:
-    p = 16
-    while p * 2 <= min(n, cap):
-        p *= 2
-    return p
-
-
-def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> GemmConfig:
-    """Frozen launch config of backward kernel ``kind`` ("gemm2_dgrad", "gemm1_dgrad", "wgrad_w2",
-    "wgrad_w13"), from ``configs.config_for`` (the dgrad kernels share the forward GEMMs' shapes).
-
-    gemm2_dgrad (N over F, K over D) has GEMM1's shape, gemm1_dgrad (N over D, K over F) GEMM2's; BM is
-    the layout's. wgrad: BM x BN output tile of the weight, BK = 64 rows per step, 8 warps, GEMM2's
-    stages. TMA (contiguous operands) vs pointer loads per kernel, as measured on one H200 (median ms,
-    16384 tokens, top-8, 128 experts, 30B-A3B / 235B-A22B shapes): gemm2_dgrad (+ s*h store) TMA
-    1.09 / 3.50 vs pointer 1.14 / 3.63; wgrad_w2 from stored s*h TMA 1.04 / 4.17 vs 1.12 / 4.69;
-    gemm1_dgrad pointer 1.34 / 5.39 vs TMA 1.70; wgrad_w13 pointer 2.23-2.56 / 9.44 vs TMA 3.19.
-    Sweep of 2026-11-29 at the 30B shape (``scripts/sweep_kernel_configs.py``,
-    benchmarks/results/sweep_kernels_30b_1xh200_20261130.json): gemm1_dgrad 3 stages 1.34 vs 4 stages
-    1.45 ms; wider (BN 256) or deeper (BK 128) wgrad tiles were 8-40 % slower; TMA for gemm2_dgrad
-    1.10 vs 1.14 and wgrad_w2 1.00 vs 1.10. wgrad_w13 (v2, two accumulators sharing the x gather,
-    48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54).
-    """
-    interp = _interpreting()
-    if kind == "gemm2_dgrad":
-        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=layout.block_m, use_tma=not interp)
-    if kind == "gemm1_dgrad":
-        cfg = config_for("gemm2", D, F, interp)
-        return dataclasses.replace(cfg, block_m=layout.block_m, use_tma=False, group_m=1,
-                                   num_stages=cfg.num_stages if interp else 3)
-    if kind in ("wgrad_w2", "wgrad_w13"):
-        base = config_for("gemm2", D, F, interp)
-        if interp:
-            return dataclasses.replace(base, block_m=16, block_n=16, block_k=16)
-        m_dim, n_dim = (D, F) if kind == "wgrad_w2" else (F, D)
-        return dataclasses.replace(base, block_m=_pow2_at_most(m_dim, 128), block_n=_pow2_at_most(n_dim, 128),
-                                   block_k=64, group_m=1, use_tma=kind == "wgrad_w2",
-                                   num_stages=4 if kind == "wgrad_w2" else 5)
-    raise ValueError(f"unknown backward kernel kind {kind!r}; choose gemm2_dgrad, gemm1_dgrad, "
-                     "wgrad_w2 or wgrad_w13")
-
-
-def _check(t: Tensor, name: str, shape: tuple, dtype, device) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if isinstance(dtype, tuple):
-        if t.dtype not in dtype:
-            raise ValueError(f"{name} must be one of {dtype}, got {t.dtype}")
-    elif t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
-def _check_layout(layout: RoutingLayout, device) -> None:
-    for name in ("counts", "offsets", "row_pair", "pair_row", "tile_expert"):
-        t = getattr(layout, name)
-        if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
-            raise ValueError(f"layout.{name} must be a contiguous int32 tensor on {device}")
-    if layout.n_cap != layout.n_tiles_cap * layout.block_m:
-        raise ValueError("layout.row_pair length must be n_tiles_cap * block_m")
-
-
-def _check_row_config(cfg: GemmConfig, layout: RoutingLayout) -> None:
-    if cfg.block_m != layout.block_m:
-        raise ValueError(f"config.block_m={cfg.block_m} must equal layout.block_m={layout.block_m}: "
-                         "one program owns one row tile of the layout")
-
-
-def _tma_ok(cfg: GemmConfig, *tensors: Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and non-last strides (so D, F multiples of 8 in bf16)."""
-    if not cfg.use_tma:
-        return False
-    for t in tensors:
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
-def _desc(t: Tensor, shape: list[int], block: list[int]) -> TensorDescriptor:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.insert(0, acc)
-        acc *= n
-    return TensorDescriptor(t, shape, strides, block)
-
-
-def _launch_opts(cfg: GemmConfig) -> dict:
-    # The interpreter drops these keywords; INTERPRET feeds fp32 to tl.dot there (bf16 dot is garbage).
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "INTERPRET": _interpreting()}
-
-
 # --------------------------------------------------------------------------------------------------
 # Launchers (no host sync: every size comes from shapes and the layout's static caps)
 # --------------------------------------------------------------------------------------------------
 
-_ACT = torch.bfloat16
-_WGRAD_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def gemm2_dgrad_swiglu_bwd(
@@ -732,117 +466,10 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
     return dx
 
 
-def _wgrad_out(out, shape, out_dtype, dev, name):
-    if out is None:
-        return torch.empty(shape, dtype=out_dtype, device=dev)
-    _check(out, name, shape, out_dtype, dev)
-    return out
-
-
-def wgrad_w2(
-    dout_TD: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
-    config: GemmConfig | None = None, *, hs_NF: Tensor | None = None, out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """dw2[e] = sum_{rows r of e} (s[p] dout[t])^T outer h[r] = sum_r dout[t]^T outer (s[p] h[r]).
-
-    Args:
-        dout_TD: (T, D) bf16 (gathered by token); gate_up_N2F: (N_cap, 2F) bf16 saved by the forward;
-        scores_TK: (T, K) fp32; layout: the routing layout (any block_m).
-        config: BM x BN tile of dw2[e] (over D x F), BK rows per reduction step.
-        hs_NF: optional (N_cap, F) bf16 s * h rows from ``gemm2_dgrad_swiglu_bwd(..., hs_out=...)``:
-            read instead of recomputing bf16(s * silu(gate) * up) from gate_up in the loader (the
-            recompute puts SwiGLU math between the loads and the MMA of every step).
-        out_dtype: bf16 (default: the weights' dtype of this bf16 operator) or fp32 (FSDP fp32 master
-            gradients); accumulation is fp32 either way.
-        out: optional (E, D, F) caller buffer of ``out_dtype``.
-
-    Returns:
-        (E, D, F) dw2; experts without rows get exact zeros.
-
-    Grid: (cdiv(D, BM) * cdiv(F, BN), E); each program owns one output tile of one expert and reduces
-    over that expert's rows offsets[e]..offsets[e+1] (read on device) in BK steps, in row order.
-    """
-    dev = dout_TD.device
-    if dout_TD.dim() != 2 or gate_up_N2F.dim() != 2:
-        raise ValueError("dout must be (T, D) and gate_up (N_cap, 2F)")
-    T, D = dout_TD.shape
-    F = gate_up_N2F.shape[1] // 2
-    E, K = layout.num_experts, layout.top_k
-    _check_layout(layout, dev)
-    _check(dout_TD, "dout", (T, D), _ACT, dev)
-    _check(gate_up_N2F, "gate_up", (layout.n_cap, 2 * F), _ACT, dev)
-    _check(scores_TK, "topk_scores", (T, K), torch.float32, dev)
-    if layout.pair_row.shape[0] != T * K:
-        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
-    out_dtype = out_dtype or _ACT
-    if out_dtype not in _WGRAD_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
-    cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
-    dw2 = _wgrad_out(out, (E, D, F), out_dtype, dev, "out (dw2)")
-    nbm, nbn = triton.cdiv(D, cfg.block_m), triton.cdiv(F, cfg.block_n)
-    if hs_NF is not None:
-        _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
-    use_tma = _tma_ok(cfg, gate_up_N2F) and F % 8 == 0  # (N_cap, 2, F) view needs F*2 B aligned rows
-    if use_tma:
-        gu_arg = _desc(gate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_n])
-        hs_arg = gu_arg if hs_NF is None else _desc(hs_NF, [layout.n_cap, F], [cfg.block_k, cfg.block_n])
-    else:
-        gu_arg, hs_arg = gate_up_N2F, gate_up_N2F if hs_NF is None else hs_NF
-    if E * nbm * nbn:
-        _runnable(_wgrad_w2_kernel)[(nbm * nbn, E)](
-            dout_TD, gu_arg, hs_arg, scores_TK, layout.row_pair, layout.offsets, dw2, D, F, K, nbm, nbn,
-            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
-            HS_SAVED=hs_NF is not None, **_launch_opts(cfg),
-        )
-    return dw2
-
-
-def wgrad_w13(
-    dgate_up_N2F: Tensor, x_TD: Tensor, layout: RoutingLayout, config: GemmConfig | None = None, *,
-    out_dtype: torch.dtype | None = None, out: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """dw1[e] = sum_{rows r of e} dgate[r]^T outer x[t], dw3[e] = sum_r dup[r]^T outer x[t].
-
-    One launch; each program accumulates both weights' tiles from one gathered x tile.
-
-    Args:
-        dgate_up_N2F: (N_cap, 2F) bf16 from ``gemm2_dgrad_swiglu_bwd``; x_TD: (T, D) bf16 layer input
-            (gathered by token); layout: the routing layout (any block_m).
-        config: BM x BN tile of dw1[e] / dw3[e] (over F x D), BK rows per reduction step.
-        out_dtype: bf16 (default) or fp32; out: optional (dw1, dw3) caller buffers.
-
-    Returns:
-        dw1, dw3 (E, F, D); experts without rows get exact zeros.
-
-    Grid: (cdiv(F, BM) * cdiv(D, BN), E); each program owns the same tile of dw1[e] and dw3[e] and
-    reduces over the expert's rows in row order.
-    """
-    dev = x_TD.device
-    if dgate_up_N2F.dim() != 2 or x_TD.dim() != 2:
-        raise ValueError("dgate_up must be (N_cap, 2F) and x (T, D)")
-    T, D = x_TD.shape
-    F = dgate_up_N2F.shape[1] // 2
-    E, K = layout.num_experts, layout.top_k
-    _check_layout(layout, dev)
-    _check(x_TD, "x", (T, D), _ACT, dev)
-    _check(dgate_up_N2F, "dgate_up", (layout.n_cap, 2 * F), _ACT, dev)
-    if layout.pair_row.shape[0] != T * K:
-        raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, x gives T*K={T * K}")
-    out_dtype = out_dtype or _ACT
-    if out_dtype not in _WGRAD_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
-    cfg = config or default_bwd_config("wgrad_w13", layout, D, F)
-    dw1 = _wgrad_out(None if out is None else out[0], (E, F, D), out_dtype, dev, "out[0] (dw1)")
-    dw3 = _wgrad_out(None if out is None else out[1], (E, F, D), out_dtype, dev, "out[1] (dw3)")
-    nbf, nbn = triton.cdiv(F, cfg.block_m), triton.cdiv(D, cfg.block_n)
-    use_tma = _tma_ok(cfg, dgate_up_N2F) and F % 8 == 0
-    dgu_arg = (_desc(dgate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_m])
-               if use_tma else dgate_up_N2F)
-    if E * nbf * nbn:
-        _runnable(_wgrad_w13_kernel)[(nbf * nbn, E)](
-            dgu_arg, x_TD, layout.row_pair, layout.offsets, dw1, dw3, D, F, K, nbf, nbn,
-            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
-            **_launch_opts(cfg),
-        )
-    return dw1, dw3
+# wgrad (step 3) lives in its own file; re-exported so callers keep one import for the backward
+from titan_megamoe.kernels.grouped_gemm_wgrad import (  # noqa: E402, F401
+    _wgrad_w2_kernel,
+    _wgrad_w13_kernel,
+    wgrad_w2,
+    wgrad_w13,
+)
