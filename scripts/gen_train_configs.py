@@ -81,6 +81,11 @@ VARIANTS = {
     "megamoe_triton_bf16": dict(
         converters=["megamoe"], megamoe=True, backend="triton", precision="bf16", ep1_only=True,
         note="megamoe bf16, backend triton (fused kernels; EP = 1 only for now)"),
+    "megamoe_triton_ep_bf16": dict(
+        converters=["megamoe"], megamoe=True, backend="triton", precision="bf16", ep_only=True,
+        note="megamoe bf16, backend triton with expert parallelism inside the fused operator (NVLink "
+             "through symmetric memory; v1). OPT-IN until a training run has used it: run with "
+             "TITAN_MEGAMOE_EP_TRITON=1 in the environment, else the converter refuses EP > 1 with triton"),
     "megamoe_fp8": dict(
         converters=["megamoe"], megamoe=True, backend="triton", precision="fp8",
         note="megamoe FP8 forward and backward (blockwise)", waiting=FP8_WAIT.format(p="fp8")),
@@ -221,8 +226,10 @@ def render(stem: str, m: dict, variant: str, v: dict) -> str:
 
 
 def variants_of(m: dict) -> list[str]:
-    """The variant names of one set: the five, plus megamoe_triton_bf16 at EP = 1."""
-    return [name for name, v in VARIANTS.items() if not v.get("ep1_only") or m["ep"] == 1]
+    """The variant names of one set: the five, plus megamoe_triton_bf16 at EP = 1 or
+    megamoe_triton_ep_bf16 at EP > 1."""
+    return [name for name, v in VARIANTS.items()
+            if (not v.get("ep1_only") or m["ep"] == 1) and (not v.get("ep_only") or m["ep"] > 1)]
 
 
 def render_all() -> dict[str, str]:

@@ -205,8 +205,10 @@ def test_every_set_has_the_five_variants():
     for stem in sets:
         for v in GEN.FIVE:
             assert f"{stem}_{v}.toml" in GENERATED, (stem, v)
-    # the triton backend (EP = 1 only) has its own variant in the EP = 1 set
-    assert [n for n in GENERATED if "triton" in n] == ["qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml"]
+    # the triton backend has its own variant: EP = 1 in the 1-GPU set, the opt-in EP triton path elsewhere
+    assert [n for n in GENERATED if "triton_bf16" in n] == ["qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml"]
+    assert sorted(n for n in GENERATED if "triton_ep_bf16" in n) == sorted(
+        f"{stem}_megamoe_triton_ep_bf16.toml" for stem, ep in sets.items() if GEN.MODELS[stem]["ep"] > 1)
 
 
 def _parallel_dims(ep):
@@ -241,12 +243,22 @@ def test_generated_config_parses_and_converts(name):
         assert cfg.model.converters == (["quantize.grouped_mm.float8"] if variant == "baseline_fp8" else [])
         return
     assert cfg.model.converters == ["megamoe"]
-    precision = variant.split("megamoe_", 1)[1].replace("triton_", "")
+    precision = variant.split("megamoe_", 1)[1].replace("triton_", "").replace("ep_", "")
     assert cfg.megamoe.precision == precision
     if precision not in AVAILABLE[cfg.megamoe.backend]:  # the FP8 ones: waiting on the FP8 issue
         assert "WAITING ON THE FP8 ISSUE" in text
         with pytest.raises(NotImplementedError, match="not available yet"):
             MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
+        return
+    if variant == "megamoe_triton_ep_bf16":  # opt-in: refused without the flag, accepted with it
+        assert cfg.megamoe.backend == "triton" and "TITAN_MEGAMOE_EP_TRITON=1" in text
+        with pytest.raises(NotImplementedError, match="EP = 1"):
+            MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
+        os.environ["TITAN_MEGAMOE_EP_TRITON"] = "1"
+        try:
+            MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
+        finally:
+            del os.environ["TITAN_MEGAMOE_EP_TRITON"]
         return
     if precision == "bf16":  # what runs today: triton at EP = 1, the reference at EP > 1 (triton refuses EP > 1)
         assert cfg.megamoe.backend == ("triton" if "triton" in variant else "reference")
