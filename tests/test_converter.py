@@ -240,4 +240,5 @@ def test_triton_backend_registers_its_op_for_selective_ac():
         model = spec.model_cls(args)
     MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims()).convert(model)
     assert torch.ops.megamoe.bf16_mega_moe_fwd.default in _op_sac_save_list
+    assert torch.ops.megamoe.bf16_mega_moe_ep_fwd.default in _op_sac_save_list
     assert model.layers["0"].moe.experts.config.backend == "triton"

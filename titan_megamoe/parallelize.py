@@ -102,11 +102,13 @@ def register_sac_save_ops() -> None:
 
     import torch
 
-    import titan_megamoe.ops.library  # noqa: F401  registers torch.ops.megamoe
+    import titan_megamoe.ops.ep_library  # noqa: F401  registers torch.ops.megamoe (EP > 1)
+    import titan_megamoe.ops.library  # noqa: F401  registers torch.ops.megamoe (EP = 1)
 
-    op = torch.ops.megamoe.bf16_mega_moe_fwd.default
+    # the EP op too: recomputing it in the backward would repeat its dispatch and combine over NVLink
+    ops = (torch.ops.megamoe.bf16_mega_moe_fwd.default, torch.ops.megamoe.bf16_mega_moe_ep_fwd.default)
     for mod in ("torchtitan.models.qwen3.infra.parallelize", "torchtitan.models.llama4.infra.parallelize",
                 "torchtitan.models.deepseek_v3.infra.parallelize"):
         save_list = getattr(importlib.import_module(mod), "_op_sac_save_list", None)
         if save_list is not None:
-            save_list.add(op)
+            save_list.update(ops)
