@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Peers", "EmulatedPeers", "emulated_group", "SymmMemPeers"]
+__all__ = ["Peers", "EmulatedPeers", "emulated_group", "SharedMemPeers", "SymmMemPeers", "make_peers"]
 
 
 class Peers(Protocol):
@@ -83,3 +83,56 @@ class SymmMemPeers:
 
     def barrier(self) -> None:
         self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
+
+
+class SharedMemPeers:
+    """This process's rank in a CPU (gloo) ``group``, over one shared-memory file per rank (/dev/shm)
+    that every rank maps: the kernels (Triton interpreter) store into a peer's mapping exactly as they
+    store into a peer's symmetric buffer on GPUs. For CPU tests of the whole layer at EP > 1 in real
+    processes. Collective: every rank constructs it in the same order.
+
+    Args:
+        group: a gloo process group; nbytes: workspace bytes; tag: distinguishes workspaces.
+    """
+
+    def __init__(self, group, nbytes: int, tag: str):
+        import os
+        import tempfile
+
+        import torch.distributed as dist
+
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._group = group
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        # rank 0 names the run (pid) so concurrent test runs never share files
+        name = [f"{root}/megamoe_ws_{os.getpid()}_{tag}" if self.rank == 0 else None]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+        paths = [f"{name[0]}_{r}" for r in range(self.world)]
+        with open(paths[self.rank], "wb") as f:
+            f.truncate(nbytes)
+        dist.barrier(group=group)
+        self._bufs = [torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8) for p in paths]
+        self._bufs[self.rank].fill_(255)  # poison, as the emulated group
+        self._table = torch.tensor([b.data_ptr() for b in self._bufs], dtype=torch.int64)
+        dist.barrier(group=group)
+        os.unlink(paths[self.rank])  # the mappings stay valid; nothing is left in /dev/shm
+
+    def buffer(self) -> torch.Tensor:
+        return self._bufs[self.rank]
+
+    def ptr_table(self) -> int:
+        return self._table.data_ptr()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self._group)
+
+
+def make_peers(group, nbytes: int, tag: str):
+    """Symmetric memory for an NCCL group on GPUs; shared-memory files for a gloo group on CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":
+        return SharedMemPeers(group, nbytes, tag)
+    return SymmMemPeers(group, nbytes)

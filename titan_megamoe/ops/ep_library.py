@@ -1,5 +1,6 @@
 """torch.library custom ops of the expert-parallel Triton backend (``megamoe::bf16_mega_moe_ep_*``),
-with fake implementations and autograd, over PyTorch symmetric memory (GPU only).
+with fake implementations and autograd, over PyTorch symmetric memory (NCCL group, GPUs) or
+shared-memory files (gloo group, CPU: the Triton interpreter, tests).
 
 Ops:
   megamoe::bf16_mega_moe_ep_fwd(x (T,D) bf16, topk_ids (T,K), topk_scores (T,K) fp32, w1 (E_l,F,D),
@@ -7,7 +8,7 @@ Ops:
       -> out (T,D) bf16, gate_up (N_cap',2F) bf16, receive layout (5 int32 tensors)
   megamoe::bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, layout...,
       group_name, t_cap, max_rows) -> dx, dscores, dw1, dw2, dw3
-N_cap' = layout_caps(R * t_cap, K, E_l, 128, max_rows): static, so the fakes need no data.
+N_cap' = layout_caps(R * t_cap, K, E_l, BM, max_rows), BM = 128 (16 in the interpreter): static, so the fakes need no data.
 
 One workspace per (process group, t_cap, D, K), created on first use (a collective: every rank's
 layers run in the same order), logged with its size, shared by all layers. See ops/ep_backend.py
@@ -25,12 +26,12 @@ from titan_megamoe.comm.capacity import CapacityMonitor
 from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
 from titan_megamoe.ops.ep_backend import EPRank, ep_backward_steps, ep_forward_steps, run_with_barriers
+from titan_megamoe.ops.triton_backend import _block_m
 
 __all__ = ["mega_moe_ep_triton", "CAPACITY"]
 
 logger = logging.getLogger(__name__)
 
-BLOCK_M = 128
 #: Pending receive-capacity checks of this process (see comm/capacity.py).
 CAPACITY = CapacityMonitor()
 _PEERS: dict[tuple, object] = {}
@@ -43,22 +44,22 @@ def _group(group_name: str):
 
 
 def _ep_rank(group_name: str, t_cap: int, D: int, K: int, e_l: int, max_rows: int) -> EPRank:
-    from titan_megamoe.comm.peers import SymmMemPeers
+    from titan_megamoe.comm.peers import make_peers
 
     key = (group_name, t_cap, D, K)
     group = _group(group_name)
     ws = WorkspaceLayout.build(group.size(), t_cap, D, K)
     if key not in _PEERS:
-        _PEERS[key] = SymmMemPeers(group, ws.nbytes)
+        _PEERS[key] = make_peers(group, ws.nbytes, tag=f"{t_cap}_{D}_{K}")
         if _PEERS[key].rank == 0:
             logger.info(ws.describe())
-    return EPRank(_PEERS[key], ws, e_l, max_rows, BLOCK_M)
+    return EPRank(_PEERS[key], ws, e_l, max_rows, _block_m())
 
 
 def _layout(L: tuple, e_l: int, K: int, max_rows: int) -> RoutingLayout:
     counts, offsets, row_pair, pair_row, tile_expert = L
     return RoutingLayout(counts=counts, offsets=offsets, row_pair=row_pair, pair_row=pair_row,
-                         tile_expert=tile_expert, block_m=BLOCK_M, num_experts=e_l, top_k=K, max_rows=max_rows)
+                         tile_expert=tile_expert, block_m=_block_m(), num_experts=e_l, top_k=K, max_rows=max_rows)
 
 
 @torch.library.custom_op("megamoe::bf16_mega_moe_ep_fwd", mutates_args=())
@@ -80,7 +81,7 @@ def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows,
     T, K = topk_ids.shape
     e_l, F, D = w1.shape
     R = _group(group_name).size()
-    n_cap, n_tiles = layout_caps(R * t_cap, K, e_l, BLOCK_M, max_rows)
+    n_cap, n_tiles = layout_caps(R * t_cap, K, e_l, _block_m(), max_rows)
     i32 = dict(dtype=torch.int32, device=x.device)
     return (x.new_empty((T, D)), x.new_empty((n_cap, 2 * F)), torch.empty((e_l,), **i32),
             torch.empty((e_l + 1,), **i32), torch.empty((n_cap,), **i32), torch.empty((R * t_cap * K,), **i32),
