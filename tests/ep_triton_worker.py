@@ -66,6 +66,27 @@ def main() -> int:
             CAPACITY.flush()
         except Exception as e:  # noqa: BLE001
             failures.append(f"rank {rank} {routing}: {type(e).__name__}: {str(e)[:300]}")
+    # CUDA graph: forward + backward of the EP op captured and replayed (proof of no host sync at EP > 1)
+    try:
+        T, D, F, E, K = 2048, 2048, 768, 128, 8
+        x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=9)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                eager = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap)
+        torch.cuda.current_stream().wait_stream(side)
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap)
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), static, eager):
+            assert torch.equal(a, b), f"CUDA graph replay differs from eager in {name}"
+    except Exception as e:  # noqa: BLE001
+        failures.append(f"rank {rank} cuda graph: {type(e).__name__}: {str(e)[:300]}")
     # timing, 30B shape, 16384 tokens per rank
     T, D, F, E, K = 16384, 2048, 768, 128, 8
     x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=5)
