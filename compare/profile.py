@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compare.builders import IMPLS, PRECISIONS, build_layer, stock_layer_context
+from compare.builders import IMPLS, PRECISIONS, build_layer, skip_reason, stock_layer_context
 from compare.records import git_revision
 from compare.shapes import parse_shape, shape_choices
 
@@ -35,7 +35,8 @@ __all__ = ["build_parser", "kernel_table", "main"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m compare.profile", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of: {shape_choices()}")
-    p.add_argument("--impl", default="megamoe-triton", choices=sorted(IMPLS))
+    p.add_argument("--impl", default=None, choices=sorted(IMPLS),
+                   help="default: megamoe-triton (megamoe-reference with --tiny)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--tokens", type=int, default=16384, help="tokens (default 16384)")
     p.add_argument("--iters", type=int, default=5, help="profiled steps (default 5)")
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tiny:
         args.shape, args.tokens, args.warmup, args.iters = "custom:64,32,8,2", 64, 1, 1
+    if args.impl is None:
+        args.impl = "megamoe-reference" if args.tiny else "megamoe-triton"
     if args.iters < 1 or args.warmup < 0 or args.tokens < 1:
         print("compare.profile: --iters >= 1, --warmup >= 0 and --tokens >= 1 are required", file=sys.stderr)
         return 2
@@ -115,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     use_device = device.type == "cuda"
+    reason = skip_reason(args.impl, args.precision, device)
+    if reason:
+        print(f"compare.profile: cannot run {args.impl} / {args.precision} here: {reason}", file=sys.stderr)
+        return 2
     spec = IMPLS[args.impl]
     ctx = stock_layer_context(args.precision, device) if spec.family == "stock" else contextlib.nullcontext()
     with ctx:

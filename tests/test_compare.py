@@ -316,6 +316,7 @@ def test_profile_tiny_writes_kernel_table(tmp_path):
     assert abs(sum(r["share"] for r in rec["kernels"]) - 1.0) < 1e-6
     assert any("mm" in r["name"] or "linear" in r["name"] for r in rec["kernels"])
     assert profile.main(["--iters", "0"]) == 2  # refused before anything is built
+    assert profile.main(["--tiny", "--impl", "megamoe-triton"]) == 2  # no GPU: a clear refusal, no traceback
 
 
 def test_git_revision_env_wins_over_git(monkeypatch):

@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     visible = _visible_gpus()
     if ngpu > visible:
         msg = (f"--ngpu {ngpu} but this machine has {visible} CUDA GPU(s) visible: TorchTitan's trainer runs "
-               "on CUDA GPUs only, one rank per GPU (use --ngpu <= the GPU count; the debug configs use EP=2, "
-               "so they need 2 GPUs)")
+               "on CUDA GPUs only, one rank per GPU (use --ngpu <= the GPU count and a config whose parallelism "
+               "fits it, e.g. the *_1gpu_* configs on one GPU; --dry-run shows the command without running; on a "
+               "machine without GPUs, the CPU test suite is the thing to run)")
         if not args.dry_run:
             parser.error(msg)
         print(f"warning: {msg}")
