@@ -4,15 +4,15 @@ wgrad): interpreter switches, launch configs, argument checks, TMA descriptors."
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 from torch import Tensor
-from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_megamoe.kernels.configs import GemmConfig, config_for
+from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most, config_for
+from titan_megamoe.kernels.jit import interpreting as _interpreting
+from titan_megamoe.kernels.jit import runnable as _runnable  # noqa: F401  (the bwd kernels' launcher)
 from titan_megamoe.kernels.routing import RoutingLayout
 
 @triton.constexpr_function
@@ -28,39 +28,6 @@ def _interp_int(x):
 # --------------------------------------------------------------------------------------------------
 # Launch helpers
 # --------------------------------------------------------------------------------------------------
-
-_FLAVORS: dict = {}
-
-
-def _interpreting() -> bool:
-    # Read at launch time, not import time: a test file may set the flag after this module loaded.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _runnable(kernel):
-    """The kernel as an ``InterpretedFunction`` or a compiled ``JITFunction``, as the flag says now.
-
-    ``triton.jit`` picks the flavor when the decorator runs (import time); the kernels call no other
-    jit function, so re-wrapping ``kernel.fn`` is all it takes to switch.
-    """
-    interp = _interpreting()
-    key = (kernel.fn, interp)
-    if key not in _FLAVORS:
-        if interp:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _FLAVORS[key] = kernel if isinstance(kernel, InterpretedFunction) else InterpretedFunction(kernel.fn)
-        else:
-            _FLAVORS[key] = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-    return _FLAVORS[key]
-
-
-def _pow2_at_most(n: int, cap: int) -> int:
-    p = 16
-    while p * 2 <= min(n, cap):
-        p *= 2
-    return p
-
 
 def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> GemmConfig:
     """Frozen launch config of backward kernel ``kind`` ("gemm2_dgrad", "gemm1_dgrad", "wgrad_w2",

@@ -20,14 +20,14 @@ spin-waits to bound here); every element has one writer and every sum a fixed or
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.comm.workspace import WorkspaceLayout
+from titan_megamoe.kernels.jit import interpreting as _interpreting
+from titan_megamoe.kernels.jit import runnable as _runnable
 from titan_megamoe.kernels.routing import RoutingLayout
 
 __all__ = ["dispatch_push", "combine_push", "dscore_push", "combine_sum"]
@@ -167,26 +167,6 @@ def _combine_sum_kernel(
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-
-_FLAVORS: dict = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _runnable(kernel):
-    """Interpreted or compiled flavor of ``kernel`` as TRITON_INTERPRET says at launch time."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    interp = _interpreting()
-    key = (kernel.fn, interp)
-    if key not in _FLAVORS:
-        want = InterpretedFunction if interp else JITFunction
-        _FLAVORS[key] = kernel if isinstance(kernel, want) else want(kernel.fn)
-    return _FLAVORS[key]
-
 
 def _opts(num_warps: int = 4) -> dict:
     return {} if _interpreting() else {"num_warps": num_warps}

@@ -100,7 +100,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.configs import GemmConfig
+from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
 from titan_megamoe.kernels.grouped_gemm import _check_layout, _kernel_variant, interpret_mode
 from titan_megamoe.kernels.routing import RoutingLayout
 
@@ -330,13 +330,6 @@ def fp8_interpreter_config() -> GemmConfig:
     weight scale block, exercised by the CPU tests), group_m 2 (exercises the tile remap).
     """
     return GemmConfig(block_m=16, block_n=32, block_k=SCALE_BLOCK, num_warps=1, num_stages=1, group_m=2)
-
-
-def _pow2_at_most(n: int, cap: int) -> int:
-    p = 16
-    while p * 2 <= min(n, cap):
-        p *= 2
-    return p
 
 
 def fp8_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:

@@ -37,11 +37,13 @@ every pair against every expert (E * P compares, spread over E * S programs, ids
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from titan_megamoe.kernels.jit import interpreting as _interpreting
+from titan_megamoe.kernels.jit import runnable as _runnable
 
 try:  # triton is a Linux-only dependency: elsewhere only the torch build exists
     import triton
@@ -250,31 +252,6 @@ if triton is not None:
                 tl.store(pair_row_ptr + offs, tl.full([BLOCK], -1, tl.int32),
                          mask=(offs < end) & ((ids < 0) | (ids >= E)))
                 start += BLOCK
-
-
-def _interpreting() -> bool:
-    # Read at call time, not import time: a test file may set the flag after this module loaded.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_FLAVORS: dict = {}
-
-
-def _runnable(kernel):
-    """The kernel as an ``InterpretedFunction`` or a compiled ``JITFunction``, as the flag says now.
-
-    ``triton.jit`` picks the flavor when the decorator runs (import time); the kernels call only
-    triton's own library functions, so re-wrapping ``kernel.fn`` is all it takes to switch.
-    """
-    interp = _interpreting()
-    key = (kernel.fn, interp)
-    if key not in _FLAVORS:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-
-        want = InterpretedFunction if interp else JITFunction
-        _FLAVORS[key] = kernel if isinstance(kernel, want) else want(kernel.fn)
-    return _FLAVORS[key]
 
 
 def _next_pow2(n: int) -> int:
