@@ -33,9 +33,9 @@ dx[0] = dx_rows[4] + dx_rows[0], dx[1] = dx_rows[1] + dx_rows[2] (tested in
 ``tests/test_kernels_bwd.py::test_worked_example``).
 
 Interpreter (``TRITON_INTERPRET=1``, read at *launch* time): kernels run as ``InterpretedFunction``
-whatever the flag was at import (they call no other jit function, tl.sigmoid included, so re-wrapping
-``kernel.fn`` is enough), and ``INTERPRET`` feeds fp32 operands to ``tl.dot`` (bf16 dot returns garbage
-there; DESIGN.md section 7) and routes the wgrad row-loop bounds through ``_interp_int``. D, F, K are
+whatever the flag was at import (re-wrapping ``kernel.fn``; their one jit helper, ``jit.grouped_tile``,
+follows the flag set before import, as tests/conftest.py does), and ``INTERPRET`` feeds fp32 operands
+to ``tl.dot`` (bf16 dot returns garbage there) and routes the wgrad row-loop bounds through ``_interp_int``. D, F, K are
 constexpr (one compile per layer shape; keeps ``range(0, D, BK)`` working in the interpreter).
 
 Contiguous operands (weights, saved gate_up / dgate_up / hs rows) load through host-built TMA
@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_megamoe.kernels.jit import grouped_tile
 from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for tests / callers)
     _ACT,
     _WGRAD_DTYPES,
@@ -104,11 +105,7 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     and padding rows get zeros.
     """
     pid = tl.program_id(0)
-    width = GROUP_M * NB
-    first_m = (pid // width) * GROUP_M
-    group = tl.minimum(n_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group
-    pid_n = (pid % width) // group
+    pid_m, pid_n = grouped_tile(pid, n_tiles, NB, GROUP_M)
 
     rows = pid_m * BM + tl.arange(0, BM)
     rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31 at full shapes
@@ -209,11 +206,7 @@ def _gemm1_dgrad_kernel(
     block n) owns dx_rows[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; expert -1 tiles and padding rows get zeros.
     """
     pid = tl.program_id(0)
-    width = GROUP_M * NBD
-    first_m = (pid // width) * GROUP_M
-    group = tl.minimum(n_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group
-    pid_n = (pid % width) // group
+    pid_m, pid_n = grouped_tile(pid, n_tiles, NBD, GROUP_M)
 
     rows = pid_m * BM + tl.arange(0, BM)
     rows64 = rows.to(tl.int64)  # int64: N_cap * 2F and N_cap * D can pass 2^31

@@ -100,6 +100,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_megamoe.kernels.jit import grouped_tile
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
 from titan_megamoe.kernels.grouped_gemm import _check_layout, _kernel_variant, interpret_mode
 from titan_megamoe.kernels.routing import RoutingLayout
@@ -168,11 +169,7 @@ def _gemm1_swiglu_fwd_fp8_kernel(
     num_pid_m = tl.num_programs(0)
     num_pid_n = tl.num_programs(1)
     pid = tl.program_id(0) + tl.program_id(1) * num_pid_m  # hardware launch order: axis 0 fastest
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % size_m
-    pid_n = (pid % num_in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
     expert = tl.load(tile_expert_ptr + pid_m)
     if expert < 0:  # tile past the last expert's rows: nothing to compute, nothing written
@@ -269,11 +266,7 @@ def _gemm2_scatter_fwd_fp8_kernel(
     num_pid_m = tl.num_programs(0)
     num_pid_n = tl.num_programs(1)
     pid = tl.program_id(0) + tl.program_id(1) * num_pid_m
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % size_m
-    pid_n = (pid % num_in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
     expert = tl.load(tile_expert_ptr + pid_m)
     if expert < 0:

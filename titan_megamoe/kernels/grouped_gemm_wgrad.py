@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_megamoe.kernels.jit import grouped_tile
 from titan_megamoe.kernels._bwd_common import (
     _ACT,
     _WGRAD_DTYPES,
@@ -55,11 +56,7 @@ def _wgrad_w2_kernel(
     """
     pid = tl.program_id(0)
     e = tl.program_id(1)
-    width = GROUP_M * NBN
-    first_m = (pid // width) * GROUP_M
-    group = tl.minimum(NBM - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group
-    pid_n = (pid % width) // group
+    pid_m, pid_n = grouped_tile(pid, NBM, NBN, GROUP_M)
 
     dd = pid_m * BM + tl.arange(0, BM)
     ff = pid_n * BN + tl.arange(0, BN)
@@ -126,11 +123,7 @@ def _wgrad_w13_kernel(
     """
     pid = tl.program_id(0)
     e = tl.program_id(1)
-    width = GROUP_M * NBN
-    first_m = (pid // width) * GROUP_M
-    group = tl.minimum(NBF - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group
-    pid_n = (pid % width) // group
+    pid_m, pid_n = grouped_tile(pid, NBF, NBN, GROUP_M)
     ff = pid_m * BM + tl.arange(0, BM)
     dd = pid_n * BN + tl.arange(0, BN)
     f_ok = ff < F
