@@ -44,6 +44,8 @@ class CapacityMonitor:
         Raises:
             CapacityError: naming the layer, the received pairs, the capacity and the setting.
         """
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # cudaEventQuery is not permitted while a CUDA graph is being captured
         keep = []
         for layer, cap, host, event in self._pending:
             if event is not None and not wait and not event.query():
