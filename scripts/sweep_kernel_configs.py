@@ -37,7 +37,12 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
     out = [base]
     if kind in ("wgrad_w2", "wgrad_w13"):  # BM is free here (an output tile of the weight)
         tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                 (128, 128, 32, 8, 6), (128, 128, 64, 4, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 3)]
+                 (128, 128, 32, 8, 6), (128, 128, 64, 4, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 3),
+                 # 64-row output tiles, 4 warps: <= 168 registers and <= 113 KiB so two CTAs share an SM and
+                 # one's prologue / epilogue hides under the other's main loop (the K loop is one expert's
+                 # ~1024 rows, so a 128x128 program spends much of its time filling and draining)
+                 (64, 128, 64, 4, 4), (64, 128, 64, 4, 5), (64, 128, 32, 4, 6), (64, 256, 64, 8, 5),
+                 (64, 128, 128, 4, 3)]
         out += [r(base, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
     else:  # BM is the layout's (128)
         for n, k, w, s in [(256, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 4), (128, 32, 8, 6),
