@@ -38,6 +38,8 @@ CASES = [
     ("uniform", 2, [0, 19], 19, 32, 32, 4, 2),  # a rank with no tokens
     ("one_expert", 4, [12, 9, 16, 5], 16, 48, 32, 8, 1),  # top_k = 1, EP = 4, all tokens on expert 0
     ("skewed", 4, [16, 16, 16, 16], 16, 32, 32, 8, 4),
+    # EP = 8 (a full H200 node, issue 8): one expert per rank, one empty rank, uneven token counts
+    ("uniform", 8, [5, 0, 9, 3, 7, 8, 2, 6], 9, 32, 32, 8, 2),
 ]
 
 
