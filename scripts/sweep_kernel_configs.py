@@ -1,6 +1,6 @@
 """GPU: time each fused kernel (forward and backward) under a list of launch configs, at a real shape.
 
-    python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...]
+    python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...] [--quick]
 
 Every variant's output is checked against the default config's (same math, so rel. error ~0); a
 config that fails to compile or run is reported and skipped. Prints one JSON line per variant and
@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("--out", default=None)
     ap.add_argument("--kinds", default="gemm1,gemm2,gemm2_dgrad,gemm1_dgrad,wgrad_w2,wgrad_w13")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the default config and the 64-row (two CTAs per SM) wgrad tiles: one compile each")
     args = ap.parse_args()
     T, E, K, D, F = SHAPES[args.shape]
     dev = "cuda"
@@ -104,7 +106,10 @@ def main() -> int:
         base = (config_for(kind, D, F, False) if kind in ("gemm1", "gemm2")
                 else B.default_bwd_config(kind, lay, D, F))
         ref = None
-        for cfg in variants(base, kind):
+        todo = variants(base, kind)
+        if args.quick:
+            todo = [c for c in todo if c == base or (kind.startswith("wgrad") and c.block_m == 64)]
+        for cfg in todo:
             rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(cfg), "default": cfg == base}
             try:
                 fn, nflop = run(kind, cfg)
