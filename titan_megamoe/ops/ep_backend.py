@@ -25,7 +25,7 @@ emulated ranks in one process in lockstep (``run_lockstep``).
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +67,17 @@ class EPRank:
         return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
+def _no_mark(label: str) -> None:
+    pass
+
+
 def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                     w1: Tensor, w2: Tensor, w3: Tensor) -> Steps:
+                     w1: Tensor, w2: Tensor, w3: Tensor, mark: Callable[[str], None] = _no_mark) -> Steps:
     """Forward of one layer on this rank; yields at each barrier.
+
+    ``mark(label)`` is called after each phase (``compare/ep_overlap.py`` records a CUDA event there;
+    the default does nothing): labels ``barrier0, dispatch, barrier1, layout, gemm1, gemm2,
+    combine_push, barrier2, combine_sum``.
 
     Returns (via StopIteration.value): (out (T, D) bf16, gate_up (N_cap', 2F) bf16, receive layout).
     """
@@ -77,20 +85,32 @@ def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores
 
     p, ws = ctx.peers, ctx.ws
     yield
+    mark("barrier0")
     ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
+    mark("dispatch")
     yield
+    mark("barrier1")
     layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
+    mark("layout")
     gate_up, h = gemm1_swiglu_fwd(ctx.received("x"), w1, w3, layout)
+    mark("gemm1")
     y_rows = gemm2_scatter_fwd(h, w2, ctx.received("scores"), layout, by_row=True)
+    mark("gemm2")
     ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
+    mark("combine_push")
     yield
+    mark("barrier2")
     out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    mark("combine_sum")
     return out, gate_up, layout
 
 
 def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                      w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor, layout: RoutingLayout) -> Steps:
-    """Backward of one layer on this rank; yields at each barrier.
+                      w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor, layout: RoutingLayout,
+                      mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Backward of one layer on this rank; yields at each barrier. ``mark`` as in the forward, labels
+    ``barrier0, dispatch, barrier1, gemm2_dgrad, dscore_push, wgrad_w2, wgrad_w13, gemm1_dgrad,
+    combine_push, barrier2, combine_sum``.
 
     Returns: (dx (T, D) bf16, dscores (T, K) fp32, dw1, dw2, dw3 of the local experts).
     """
@@ -99,20 +119,31 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
     p, ws = ctx.peers, ctx.ws
     T = x_TD.shape[0]
     yield
+    mark("barrier0")
     ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
                           ctx.experts_per_rank)
+    mark("dispatch")
     yield
+    mark("barrier1")
     x_r, dy_r, sc_r = ctx.received("x"), ctx.received("dy"), ctx.received("scores")
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
     dgate_up, part = gemm2_dgrad_swiglu_bwd(dy_r, w2, gate_up, sc_r, layout, hs_out=hs)
+    mark("gemm2_dgrad")
     ep_comm.dscore_push(part, layout, ws, p.ptr_table())
+    mark("dscore_push")
     dw2 = wgrad_w2(dy_r, gate_up, sc_r, layout, hs_NF=hs)
+    mark("wgrad_w2")
     dw1, dw3 = wgrad_w13(dgate_up, x_r, layout)
+    mark("wgrad_w13")
     dx_rows = gemm1_dgrad(dgate_up, w1, w3, layout)
+    mark("gemm1_dgrad")
     ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
+    mark("combine_push")
     yield
+    mark("barrier2")
     dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
     dscores = ctx.region("dscore")[:T].clone()
+    mark("combine_sum")
     return dx, dscores, dw1, dw2, dw3
 
 
