@@ -100,7 +100,7 @@ class Driver:
 
         if self.real:
             return [run_with_barriers(make(0), self.ctxs[0].peers)]
-        return run_lockstep([make(i) for i in range(len(self.ctxs))])
+        return run_lockstep([make(i) for i in range(len(self.ctxs))], [c.peers for c in self.ctxs])
 
 
 def _make_data(shape: LayerShape, T: int, R: int, ranks: list[int], routing: str, zipf_s: float, seed: int,
@@ -198,15 +198,15 @@ def _comm(driver: Driver, pre: list[dict], bwd: bool):
         c, d, q = driver.ctxs[i], driver.data[i], pre[i]
         p, ws, e_l = c.peers, c.ws, c.experts_per_rank
         for phase in ("fwd", "bwd") if bwd else ("fwd",):
-            yield
+            yield f"{phase}.before_dispatch"
             ep_comm.dispatch_push(d["x"], d["dout"] if phase == "bwd" else None, d["ids"], d["scores"], ws,
                                   p.ptr_table(), p.rank, e_l)
-            yield
+            yield f"{phase}.after_dispatch"
             if phase == "bwd":
                 ep_comm.dscore_push(q["part"], q["layout"], ws, p.ptr_table())
             ep_comm.combine_push(q["y_rows" if phase == "fwd" else "dx_rows"], q["layout"], ws, p.ptr_table(),
                                  p.rank)
-            yield
+            yield f"{phase}.after_combine_push"
             ep_comm.combine_sum(c.region("comb"), d["ids"], e_l, torch.bfloat16)
     return make
 
@@ -257,14 +257,14 @@ def _phases(driver: Driver, mode: str, iters: int) -> dict[str, list[float]]:
     per: dict[str, list[float]] = {}
     for _ in range(iters):
         marks: list[tuple[str, _Clock]] = []
-        seen = {"n": 0}
+        phase = ["fwd"]
 
         def mark(i):
             def m(label):
                 if i == 0:
-                    prefix = "fwd" if seen["n"] < 9 else "bwd"  # 9 forward labels (ep_forward_steps)
-                    seen["n"] += 1
-                    marks.append((f"{prefix}.{label}", _Clock(dev).record()))
+                    marks.append((f"{phase[0]}.{label}", _Clock(dev).record()))
+                    if label == "combine_sum":  # the forward's last label
+                        phase[0] = "bwd"
             return m
         flush_l2(dev)
         barrier(dev)
@@ -376,6 +376,10 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
     for ph in ("fwd", "fwdbwd"):
         rec[f"overlap_{ph}"] = overlap_fraction(rec[f"full_{ph}"]["ms"], rec[f"comm_{ph}"]["ms"],
                                                 rec[f"compute_{ph}"]["ms"])
+    for c in drv.ctxs:  # a timed-out cross-rank wait makes every number above meaningless
+        st = c.peers.sync.status.tolist()
+        if st[0]:
+            rec.update(status="error", reason=c.peers.sync.describe(st, "compare.ep_overlap"))
     nb = nvlink_bytes(drv.ids_all, R, T, shape.dim, shape.experts // R)
     rec["nvlink_bytes_per_rank"] = nb
     rec["comm_gbps"] = {ph: nb[ph] / (rec[f"comm_{ph}"]["ms"] * 1e6) if rec[f"comm_{ph}"]["ms"] else None

@@ -280,7 +280,8 @@ def test_layer_ep2_in_gloo_processes(monkeypatch):
 
 
 def _compile_sm90_all() -> list[dict]:
-    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8), for sm_90a."""
+    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8) and the bounded
+    barrier (comm/signals.py: globaltimer, release / acquire atomics at system scope), for sm_90a."""
     from triton.runtime.jit import JITFunction
 
     T_CAP, D, K = 16384, 2048, 8
@@ -301,8 +302,15 @@ def _compile_sm90_all() -> list[dict]:
          {"comb_RTD": "*fp32", "ids_TK": "*i64", "out_TD": "*bf16", "T": "i32"},
          dict(R=2, T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=64, BT=16, BD=512)),
     ]
-    return [dict(label=label, **compile_sm90(jit[name], sig, cx, num_warps=4, num_stages=1))
-            for label, name, sig, cx in cases]
+    res = [dict(label=label, **compile_sm90(jit[name], sig, cx, num_warps=4, num_stages=1))
+           for label, name, sig, cx in cases]
+    from titan_megamoe.comm import signals
+
+    bar = {"peer_bases": "i64", "epoch_ptr": "*i32", "status_ptr": "*i32", "OFF_SYNC": "i64", "rank": "i32",
+           "site": "i32", "max_polls": "i32", "timeout_ns": "i64"}
+    res.append(dict(label="barrier", **compile_sm90(JITFunction(signals._barrier_kernel.fn), bar,
+                                                    dict(R=2, USE_TIMER=True), num_warps=1, num_stages=1)))
+    return res
 
 
 @functools.lru_cache(maxsize=1)
@@ -310,7 +318,7 @@ def _compile_results() -> dict:
     return compile_in_subprocess(__file__)
 
 
-@pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum"])
+@pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum", "barrier"])
 def test_ep_kernels_compile_for_sm90a(label):
     reason = nvidia_backend_reason()
     if reason:

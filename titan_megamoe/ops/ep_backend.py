@@ -37,7 +37,7 @@ from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["EPRank", "ep_forward_steps", "ep_backward_steps", "run_lockstep", "run_with_barriers"]
 
-Steps = Generator[None, None, tuple]
+Steps = Generator[str, None, tuple]  # yields the barrier's site name (comm/signals.py SITES)
 
 
 @dataclass
@@ -84,11 +84,11 @@ def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
 
     p, ws = ctx.peers, ctx.ws
-    yield
+    yield "fwd.before_dispatch"
     mark("barrier0")
     ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
     mark("dispatch")
-    yield
+    yield "fwd.after_dispatch"
     mark("barrier1")
     layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
     mark("layout")
@@ -98,7 +98,7 @@ def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores
     mark("gemm2")
     ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
     mark("combine_push")
-    yield
+    yield "fwd.after_combine_push"
     mark("barrier2")
     out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
     mark("combine_sum")
@@ -118,12 +118,12 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
 
     p, ws = ctx.peers, ctx.ws
     T = x_TD.shape[0]
-    yield
+    yield "bwd.before_dispatch"
     mark("barrier0")
     ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
                           ctx.experts_per_rank)
     mark("dispatch")
-    yield
+    yield "bwd.after_dispatch"
     mark("barrier1")
     x_r, dy_r, sc_r = ctx.received("x"), ctx.received("dy"), ctx.received("scores")
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
@@ -139,7 +139,7 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
     mark("gemm1_dgrad")
     ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
     mark("combine_push")
-    yield
+    yield "bwd.after_combine_push"
     mark("barrier2")
     dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
     dscores = ctx.region("dscore")[:T].clone()
@@ -148,18 +148,21 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
 
 
 def run_with_barriers(steps: Steps, peers) -> tuple:
-    """Run one rank's steps, calling ``peers.barrier()`` at each yield (the GPU path)."""
+    """Run one rank's steps, calling ``peers.barrier(site)`` at each named yield (the GPU path;
+    bounded: a rank that never arrives is recorded in ``peers.sync.status``, see comm/signals.py)."""
     while True:
         try:
-            next(steps)
+            site = next(steps)
         except StopIteration as done:
             return done.value
-        peers.barrier()
+        if site is not None:
+            peers.barrier(site)
 
 
-def run_lockstep(all_steps: list[Steps]) -> list[tuple]:
+def run_lockstep(all_steps: list[Steps], peers: list | None = None) -> list[tuple]:
     """Run R emulated ranks' steps in one process: every rank reaches barrier b before any rank goes
-    past it (the CPU tests' stand-in for a barrier).
+    past it (the CPU tests' stand-in for a barrier). With ``peers`` (emulated), each rank's
+    ``barrier(site)`` is called at its named yields, so its epoch advances as a real barrier's does.
 
     Raises:
         RuntimeError: the ranks yield different numbers of barriers (a real run would hang).
@@ -170,10 +173,13 @@ def run_lockstep(all_steps: list[Steps]) -> list[tuple]:
         finished = []
         for r in live:
             try:
-                next(all_steps[r])
+                site = next(all_steps[r])
             except StopIteration as done:
                 results[r] = done.value
                 finished.append(r)
+                continue
+            if peers is not None and site is not None:
+                peers[r].barrier(site)
         if finished and len(finished) != len(live):
             raise RuntimeError(f"ranks {finished} finished while ranks {sorted(set(live) - set(finished))} "
                                "wait at a barrier: the steps differ between ranks")
