@@ -27,6 +27,8 @@ time at the interpreter's >= 1 ms per poll).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -35,13 +37,15 @@ from titan_megamoe.errors import PeerTimeoutError
 from titan_megamoe.kernels.jit import interpreting as _interpreting
 from titan_megamoe.kernels.jit import runnable as _runnable
 
-__all__ = ["SYNC_BYTES", "SITES", "site_code", "PeerSync", "WaitMonitor", "barrier_wait"]
+__all__ = ["SYNC_BYTES", "SITES", "site_code", "PeerSync", "WaitMonitor", "barrier_wait", "RowArrival",
+           "wait_flags"]
 
 SYNC_BYTES = 256  # 64 int32 words: R <= 64 barrier flags
 INTERP_POLLS_PER_MS = 1  # measured 1-2.5 ms per poll in the interpreter (CPU, 2026-11-30)
 #: Wait sites (the status word stores the index): names used in errors.
 SITES = ["init", "fwd.before_dispatch", "fwd.after_dispatch", "fwd.after_combine_push",
-         "bwd.before_dispatch", "bwd.after_dispatch", "bwd.after_combine_push", "test"]
+         "bwd.before_dispatch", "bwd.after_dispatch", "bwd.after_combine_push", "test",
+         "fwd.gemm1 waiting for x rows (v2 arrival flags)"]
 
 
 def site_code(name: str) -> int:
@@ -104,6 +108,59 @@ def _barrier_kernel(
             tl.store(status_ptr + 3, site)
 
 
+@triton.jit
+def wait_flags(flags_ptr, epoch_ptr, status_ptr, g_lo, g_hi, max_polls, timeout_ns,
+               NB: tl.constexpr, SITE: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Device helper (overlap v2): wait until ``flags[g] == epoch`` for g = g_lo .. g_hi (int32
+    scalars; g = source * NB + block), polling with acquire atomics at system scope, in order. Bounded
+    by ``max_polls`` polls in all / ``timeout_ns`` since entry; skipped when ``status`` already holds
+    an error (fail fast). On timeout: status = [2, source rank of the late block, epoch, SITE] (first
+    writer wins) and return; the caller computes on whatever the rows hold (the host raises later).
+    Called by all threads of a program; the polled value is broadcast by Triton (one thread loads,
+    shared memory + CTA barrier), so every thread's later loads are ordered after the acquire."""
+    e = tl.load(epoch_ptr)
+    healthy = tl.load(status_ptr) == 0
+    t0 = _now_ns(USE_TIMER)
+    g = g_lo
+    late = g_lo * 0 - 1
+    polls = g_lo * 0
+    while (g <= g_hi) & (late < 0) & healthy:
+        v = tl.atomic_add(flags_ptr + g, 0, sem="acquire", scope="sys")
+        arrived = v == e
+        polls = tl.where(arrived, polls, polls + 1)
+        timed = (~arrived) & ((polls >= max_polls) | ((_now_ns(USE_TIMER) - t0) >= timeout_ns))
+        late = tl.where(timed, g, late)
+        g = tl.where(arrived, g + 1, g)
+    if late >= 0:
+        if tl.atomic_cas(status_ptr, 0, 2) == 0:
+            tl.store(status_ptr + 1, late // NB)
+            tl.store(status_ptr + 2, e)
+            tl.store(status_ptr + 3, SITE)
+
+
+@dataclass(frozen=True)
+class RowArrival:
+    """What GEMM1 needs to wait for the v2 dispatch's rows (``gemm1_swiglu_fwd(..., wait=...)``).
+
+    Attributes:
+        flags: (R * NB,) int32 view of this rank's xflag region; epoch / status: ``PeerSync``'s.
+        t_cap, flag_block, n_blocks: T_cap, FB, NB (slab row j = src * T_cap + t lives in flag block
+            src * NB + t // FB).
+        max_polls, timeout_ns, use_timer: ``PeerSync.poll_bounds()``; site: ``site_code(...)``.
+    """
+
+    flags: torch.Tensor
+    epoch: torch.Tensor
+    status: torch.Tensor
+    t_cap: int
+    flag_block: int
+    n_blocks: int
+    max_polls: int
+    timeout_ns: int
+    use_timer: bool
+    site: int
+
+
 class PeerSync:
     """This rank's side of the bounded waits: ``epoch`` and ``status`` device tensors, the timeout.
 
@@ -135,11 +192,17 @@ class PeerSync:
         """Stream-ordered bounded barrier over the R ranks (one launch, no host sync)."""
         barrier_wait(self, site_code(site))
 
+    def row_arrival(self, flags_RNB: torch.Tensor, t_cap: int, flag_block: int) -> RowArrival:
+        """The GEMM1 wait of overlap v2 on this rank's ``flags_RNB`` (R, NB) int32 xflag region."""
+        polls, tns, timer = self.poll_bounds()
+        return RowArrival(flags_RNB.reshape(-1), self.epoch, self.status, t_cap, flag_block, flags_RNB.shape[1],
+                          polls, tns, timer, site_code("fwd.gemm1 waiting for x rows (v2 arrival flags)"))
+
     def describe(self, status: list[int], layer: str) -> str:
         """The error message of a non-zero status (see ``WaitMonitor``)."""
         code, missing, epoch, site = status
         where = SITES[site] if 0 <= site < len(SITES) else f"site {site}"
-        who = f"rank {missing} never arrived"
+        who = f"the x rows of rank {missing} never arrived" if code == 2 else f"rank {missing} never arrived"
         return (f"{layer}: expert-parallel rank {self.rank} waited {self.timeout_ms} ms at '{where}' (wait "
                 f"#{epoch} of this rank) and {who}; this call's results (and those of "
                 f"the calls queued after it) are wrong. Check rank {missing}'s log (crash, out of memory, hang "
