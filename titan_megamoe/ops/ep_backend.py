@@ -146,8 +146,8 @@ def ep_forward_steps_v2(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_sco
     waits; its stream has the highest priority. Its grid is a quarter of the SMs (``_row_programs``). A violation would not hang: GEMM1's waits are
     bounded (PeerTimeoutError "fwd.gemm1 waiting for x rows"). Flags are never reset: each call
     waits for its own epoch (the barrier count, equal on all ranks between two barriers).
-    In one process (emulated ranks, interpreter) the extra ``yield None`` lets every rank's row
-    dispatch run before any GEMM1 (lockstep point, no barrier).
+    In one process (emulated ranks: interpreter, or one GPU) the ``yield None`` lets every rank's row
+    dispatch be issued before any GEMM1 (lockstep point, no barrier for real peers).
 
     ``mark`` labels: ``barrier0, dispatch_meta, barrier1, dispatch_rows (launch), layout, gemm1,
     gemm2, combine_push, join, barrier2, combine_sum``. Returns as ``ep_forward_steps``.
@@ -172,7 +172,9 @@ def ep_forward_steps_v2(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_sco
     else:
         ep_comm.dispatch_rows(x_TD, topk_ids_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank, p.sync.epoch,
                               _row_programs(dev))
-        yield None  # lockstep point for emulated ranks: all rows land before any GEMM1 polls
+    # lockstep point for emulated ranks (CPU, or one GPU): every rank's row dispatch is issued before
+    # any GEMM1 polls; real peers: no barrier here
+    yield None
     mark("dispatch_rows")
     layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
     mark("layout")
