@@ -172,17 +172,18 @@ def _pkg_version() -> str | None:
         return None
 
 
-def command_line(argv: list[str], world_size: int) -> str:
+def command_line(argv: list[str], world_size: int, module: str = "compare.layer") -> str:
     """The command that reproduces this run (torchrun prefix when launched by torchrun)."""
     args = " ".join(shlex.quote(a) for a in argv)
     if "TORCHELASTIC_RUN_ID" in os.environ or world_size > 1:
-        return f"torchrun --nproc_per_node {world_size} -m compare.layer {args}".rstrip()
-    return f"python -m compare.layer {args}".rstrip()
+        return f"torchrun --nproc_per_node {world_size} -m {module} {args}".rstrip()
+    return f"python -m {module} {args}".rstrip()
 
 
 def provenance(*, device, world_size: int, dist_backend: str | None, hostnames: list[str],
-               argv: list[str], options: dict) -> dict:
-    """Everything a reader needs to know where the numbers came from (see the module docstring)."""
+               argv: list[str], options: dict, module: str = "compare.layer") -> dict:
+    """Everything a reader needs to know where the numbers came from (see the module docstring);
+    ``module``: the ``python -m`` module of the command line (compare.layer, compare.ep_overlap)."""
     import torch
 
     if device.type == "cuda":
@@ -211,7 +212,7 @@ def provenance(*, device, world_size: int, dist_backend: str | None, hostnames: 
         "git_rev": rev,
         "git_dirty": dirty,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(argv, world_size),
+        "command": command_line(argv, world_size, module),
         "argv": [sys.argv[0], *argv],
         "options": options,
         "flop_model": "compare/flops.py: routed GEMMs 2*T*K*D*F*3 fwd, x2 bwd, x3 fwd+bwd",
@@ -237,8 +238,8 @@ def _slug(name: str) -> str:
 
 
 def default_out_path(gpu: str, device_type: str, world_size: int, note: str | None = None,
-                     date: datetime.date | None = None) -> Path:
-    """``benchmarks/results/layer_<hardware>_<yyyymmdd>[_<note>].json`` under the repo root
+                     date: datetime.date | None = None, theme: str = "layer") -> Path:
+    """``benchmarks/results/<theme>_<hardware>_<yyyymmdd>[_<note>].json`` under the repo root
     (``outputs/`` for CPU runs);
     hardware is e.g. ``h200`` or ``2xh200`` or ``cpu``. An existing file is never overwritten: a
     ``_2``, ``_3``, ... suffix is added."""
@@ -246,7 +247,7 @@ def default_out_path(gpu: str, device_type: str, world_size: int, note: str | No
     hw = "cpu" if device_type == "cpu" else _slug(gpu)
     if world_size > 1:
         hw = f"{world_size}x{hw}"
-    stem = f"layer_{hw}_{date:%Y%m%d}" + (f"_{note}" if note else "")
+    stem = f"{theme}_{hw}_{date:%Y%m%d}" + (f"_{note}" if note else "")
     # CPU smoke runs are not results to commit: they go to the git-ignored outputs/ folder
     base = REPO_ROOT / ("outputs" if device_type == "cpu" else "benchmarks/results")
     base.mkdir(parents=True, exist_ok=True)

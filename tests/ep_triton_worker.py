@@ -1,7 +1,9 @@
 """torchrun worker (2+ GPUs): the expert-parallel Triton backend over symmetric memory against the
 single-GPU reference on the same global inputs, forward and every gradient, on the edge cases; two
 runs bitwise equal; repeated calls with changing routing (workspace reuse); then fwd+bwd timing of
-the 30B shape (16384 tokens/rank) beside the reference EP path. Used by test_gpu.py; prints
+the 30B shape (16384 tokens/rank) beside the reference EP path. Both overlap modes: v1 (barriers
+between dispatch, GEMMs and combine) and v2 (x rows streamed into GEMM1 through per-block arrival
+flags), v2 bitwise equal to v1 on every case, in the CUDA graph too. Used by test_gpu.py; prints
 EP_TRITON PASS on success."""
 
 import json
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
-from titan_megamoe.ops.ep_library import CAPACITY, mega_moe_ep_triton  # noqa: E402
+from titan_megamoe.ops.ep_library import CAPACITY, WAITS, mega_moe_ep_triton  # noqa: E402
 from titan_megamoe.ops.reference import mega_moe_ref  # noqa: E402
 from titan_megamoe.testing import assert_close_rel, make_routing  # noqa: E402
 
@@ -28,13 +30,13 @@ def _case(routing, T, D, F, E, K, R, rank, seed):
     return x, s, g, w1, w2, w3, ids
 
 
-def _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap):
+def _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap, overlap="v1"):
     e_l = E // R
     sl = slice(rank * T, (rank + 1) * T)
     leaves = [t.clone().requires_grad_() for t in (x[sl], s[sl], w1[rank * e_l:(rank + 1) * e_l],
                                                    w2[rank * e_l:(rank + 1) * e_l], w3[rank * e_l:(rank + 1) * e_l])]
     out = mega_moe_ep_triton(leaves[0], ids[sl], leaves[1], *leaves[2:], ep_group=group, max_tokens_per_rank=t_cap,
-                             recv_capacity=R * t_cap * K, layer_name="test")
+                             recv_capacity=R * t_cap * K, layer_name="test", overlap=overlap)
     out.backward(g[sl])
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -58,40 +60,47 @@ def main() -> int:
             e_l, sl = E // R, slice(rank * T, (rank + 1) * T)
             want = [ref.detach()[sl], full[0].grad[sl], full[1].grad[sl]] + [
                 w.grad[rank * e_l:(rank + 1) * e_l] for w in full[2:]]
-            for name, a, b, c in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got, want, again):
+            v2 = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap, overlap="v2")
+            for name, a, b, c, d in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got, want, again, v2):
                 assert torch.isfinite(a).all(), f"{name} not finite"
                 assert torch.equal(a, c), f"{name}: two runs differ"
+                assert torch.equal(a, d), f"{name}: overlap v2 differs from v1"
                 if b.abs().max() > 0:
                     assert_close_rel(a.float(), b.float(), torch.bfloat16, name)
             CAPACITY.flush()
+            WAITS.flush()
         except Exception as e:  # noqa: BLE001
             failures.append(f"rank {rank} {routing}: {type(e).__name__}: {str(e)[:300]}")
-    # CUDA graph: forward + backward of the EP op captured and replayed (proof of no host sync at EP > 1)
-    try:
-        T, D, F, E, K = 2048, 2048, 768, 128, 8
-        x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=9)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                eager = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap)
-        torch.cuda.current_stream().wait_stream(side)
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap)
-        dist.barrier()
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, a, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), static, eager):
-            assert torch.equal(a, b), f"CUDA graph replay differs from eager in {name}"
-    except Exception as e:  # noqa: BLE001
-        failures.append(f"rank {rank} cuda graph: {type(e).__name__}: {str(e)[:300]}")
+    # CUDA graph: forward + backward of the EP op captured and replayed (proof of no host sync at EP > 1;
+    # v2: its side-stream fork / join and the device-side epochs survive capture and replay)
+    for overlap in ("v1", "v2"):
+        try:
+            T, D, F, E, K = 2048, 2048, 768, 128, 8
+            x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=9)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    eager = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap, overlap)
+            torch.cuda.current_stream().wait_stream(side)
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap, overlap)
+            dist.barrier()
+            for _ in range(2):  # twice: the second replay's flags must carry a new epoch
+                graph.replay()
+                torch.cuda.synchronize()
+                for name, a, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), static, eager):
+                    assert torch.equal(a, b), f"CUDA graph replay differs from eager in {name}"
+            WAITS.flush()
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"rank {rank} cuda graph {overlap}: {type(e).__name__}: {str(e)[:300]}")
     # timing, 30B shape, 16384 tokens per rank
     T, D, F, E, K = 16384, 2048, 768, 128, 8
     x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=5)
     times = {}
-    for name in ("triton_ep", "reference_ep"):
+    for name in ("triton_ep", "triton_ep_v2", "reference_ep"):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         samples = []
         iters = int(os.environ.get("EP_TRITON_ITERS", "13"))
@@ -99,8 +108,8 @@ def main() -> int:
             dist.barrier()
             torch.cuda.synchronize()
             ev[0].record()
-            if name == "triton_ep":
-                _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, T)
+            if name.startswith("triton_ep"):
+                _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, T, "v2" if name.endswith("v2") else "v1")
             else:
                 e_l, sl = E // R, slice(rank * T, (rank + 1) * T)
                 leaves = [t.clone().requires_grad_() for t in (x[sl], s[sl], w1[rank * e_l:(rank + 1) * e_l],

@@ -23,7 +23,8 @@ from titan_megamoe.comm.peers import emulated_group  # noqa: E402
 from titan_megamoe.comm.workspace import WorkspaceLayout, workspace_bytes  # noqa: E402
 from titan_megamoe.kernels import ep_comm  # noqa: E402
 from titan_megamoe.kernels.sm90_check import compile_in_subprocess, compile_sm90, nvidia_backend_reason  # noqa: E402
-from titan_megamoe.ops.ep_backend import EPRank, ep_backward_steps, ep_forward_steps, run_lockstep  # noqa: E402
+from titan_megamoe.ops.ep_backend import (EPRank, ep_backward_steps, ep_forward_steps, ep_forward_steps_v2,  # noqa: E402
+                                           run_lockstep)
 from titan_megamoe.ops.reference import mega_moe_ref  # noqa: E402
 from titan_megamoe.testing import assert_close_rel, make_routing  # noqa: E402
 
@@ -134,11 +135,86 @@ def test_ep_deterministic_and_buffer_reuse():
     assert_close_rel(torch.cat([g[0] for g in got]).float(), out, torch.bfloat16, "second call out")
 
 
+V2_CASES = [
+    # (routing, R, tokens per rank, T_cap, D, F, E, K, flag_block): the edge each row covers
+    ("uniform", 2, [37, 21], 40, 32, 32, 4, 2, 8),  # 5 flag blocks per source, last one partial
+    ("one_expert", 4, [12, 9, 16, 5], 16, 48, 32, 8, 1, 4),  # EP = 4, a tile spans every source's blocks
+    ("uniform", 2, [0, 19], 19, 32, 32, 4, 2, 16),  # an empty rank still flags its blocks
+]
+
+
+def _v2_run(R, t_cap, D, E, K, weights, ranks, fb, calls=1, timeout_ms=120_000, skip_rows_of=None):
+    """v1 and v2 forwards on the same inputs (each on its own emulated group), ``calls`` times on the
+    same workspace; returns (v1 results, v2 results, v2 peers) of the last call."""
+    ws = WorkspaceLayout.build(R, t_cap, D, K, flag_block=fb)
+    e_l = E // R
+    w1, w2, w3 = weights
+    local = [(w1[r * e_l:(r + 1) * e_l], w2[r * e_l:(r + 1) * e_l], w3[r * e_l:(r + 1) * e_l]) for r in range(R)]
+    out = []
+    for steps in (ep_forward_steps, ep_forward_steps_v2):
+        peers = emulated_group(R, ws.nbytes, DEV, timeout_ms=timeout_ms)
+        ctxs = [EPRank(peers[r], ws, e_l, R * t_cap * K, BM) for r in range(R)]
+        for _ in range(calls):
+            res = run_lockstep([steps(ctxs[r], x, ids, s, *local[r]) for r, (x, ids, s, _) in enumerate(ranks)], peers)
+        out.append((res, peers))
+    return out[0][0], out[1][0], out[1][1]
+
+
+@pytest.mark.parametrize("case", V2_CASES, ids=[f"{c[0]}-R{c[1]}-FB{c[8]}" for c in V2_CASES])
+def test_ep_v2_forward_bitwise_equals_v1(case):
+    """Overlap v2 (x rows streamed with per-block arrival flags, GEMM1 waiting for its blocks) gives
+    the v1 forward bit for bit; two calls on one workspace (flags never reset: epoch-tagged)."""
+    routing, R, Ts, t_cap, D, F, E, K, fb = case
+    weights, ranks = _inputs(routing, R, Ts, D, F, E, K, seed=11)
+    v1, v2, peers = _v2_run(R, t_cap, D, E, K, weights, ranks, fb, calls=2)
+    ws = WorkspaceLayout.build(R, t_cap, D, K, flag_block=fb)
+    for r in range(R):
+        assert torch.equal(v1[r][0], v2[r][0]), f"rank {r} out"
+        n = int(v1[r][2].offsets[-1])  # gate_up rows in use (rows past the layout are unwritten)
+        assert torch.equal(v1[r][1][:n], v2[r][1][:n]), f"rank {r} gate_up"
+        for name in ("counts", "offsets", "row_pair", "pair_row", "tile_expert"):
+            assert torch.equal(getattr(v1[r][2], name), getattr(v2[r][2], name)), name
+        sync = peers[r].sync
+        assert sync.status.tolist() == [0, 0, 0, 0]
+        # 3 barriers per forward, 2 calls; every source flagged every block with the 2nd call's epoch (5)
+        assert sync.epoch.item() == 6
+        flags = ws.view(peers[r].buffer(), "xflag")
+        assert (flags == 5).all(), flags
+
+
+def test_ep_v2_rows_that_never_arrive_time_out():
+    """A source whose row dispatch never runs: GEMM1 of the other rank stops waiting after the bound
+    and records [2, source, epoch, site]; the monitor raises naming both ranks and the phase."""
+    from titan_megamoe.comm.signals import WaitMonitor, site_code
+    from titan_megamoe.errors import PeerTimeoutError
+
+    R, Ts, t_cap, D, F, E, K, fb = 2, [16, 16], 16, 32, 32, 4, 2, 8
+    weights, ranks = _inputs("uniform", R, Ts, D, F, E, K, seed=5)
+    real = ep_comm.dispatch_rows
+
+    def lossy(x, ids, ws, bases, rank, e_l, epoch, progs):
+        if rank != 1:
+            real(x, ids, ws, bases, rank, e_l, epoch, progs)
+
+    ep_comm.dispatch_rows = lossy
+    try:
+        _, _, peers = _v2_run(R, t_cap, D, E, K, weights, ranks, fb, timeout_ms=100)
+    finally:
+        ep_comm.dispatch_rows = real
+    assert peers[0].sync.status.tolist() == [2, 1, 2, site_code("fwd.gemm1 waiting for x rows (v2 arrival flags)")]
+    mon = WaitMonitor()
+    mon.record("layers.0.moe", peers[0].sync)
+    with pytest.raises(PeerTimeoutError, match=r"layers\.0\.moe: expert-parallel rank 0 .*fwd\.gemm1 waiting for "
+                       r"x rows.* rank 1"):
+        mon.check()
+
+
 def test_workspace_formula():
     """The documented size formula (plus alignment) and the region views."""
     R, T, D, K = 2, 16384, 2048, 8
     nb = workspace_bytes(R, T, D, K)
-    assert R * T * (8 * D + 8 * K) + 4 * T * K <= nb <= R * T * (8 * D + 8 * K) + 4 * T * K + 6 * 256
+    base = R * T * (8 * D + 8 * K) + 4 * T * K + 4 * R * (T // 128)  # + the v2 arrival flags
+    assert base <= nb <= base + 7 * 256
     ws = WorkspaceLayout.build(3, 5, 16, 2)
     buf = torch.zeros(ws.nbytes, dtype=torch.uint8)
     assert ws.view(buf, "x").shape == (3, 5, 16) and ws.view(buf, "x").dtype == torch.bfloat16
@@ -197,7 +273,7 @@ def test_ep_op_fake_shapes(tmp_path):
             s = torch.empty(10, 2)
             w1, w2 = torch.empty(4, 48, 32, dtype=torch.bfloat16), torch.empty(4, 32, 48, dtype=torch.bfloat16)
             out, gate_up, counts, offsets, row_pair, pair_row, tiles = torch.ops.megamoe.bf16_mega_moe_ep_fwd(
-                x, ids, s, w1, w2, w1, name, 12, 30, "moe")
+                x, ids, s, w1, w2, w1, name, 12, 30, "moe", "v1")
         n_cap, n_tiles = layout_caps(12, 2, 4, 16 if os.environ.get("TRITON_INTERPRET") == "1" else 128, 30)
         assert out.shape == (10, 32) and gate_up.shape == (n_cap, 96)
         assert counts.shape == (4,) and offsets.shape == (5,) and row_pair.shape == (n_cap,)
@@ -282,7 +358,8 @@ def test_layer_ep2_in_gloo_processes(monkeypatch):
 
 
 def _compile_sm90_all() -> list[dict]:
-    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8), for sm_90a."""
+    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8) and the bounded
+    barrier (comm/signals.py: globaltimer, release / acquire atomics at system scope), for sm_90a."""
     from triton.runtime.jit import JITFunction
 
     T_CAP, D, K = 16384, 2048, 8
@@ -303,8 +380,34 @@ def _compile_sm90_all() -> list[dict]:
          {"comb_RTD": "*fp32", "ids_TK": "*i64", "out_TD": "*bf16", "T": "i32"},
          dict(R=2, T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=64, BT=16, BD=512)),
     ]
-    return [dict(label=label, **compile_sm90(jit[name], sig, cx, num_warps=4, num_stages=1))
-            for label, name, sig, cx in cases]
+    res = [dict(label=label, **compile_sm90(jit[name], sig, cx, num_warps=4, num_stages=1))
+           for label, name, sig, cx in cases]
+    from titan_megamoe.comm import signals
+
+    bar = {"peer_bases": "i64", "epoch_ptr": "*i32", "status_ptr": "*i32", "OFF_SYNC": "i64", "rank": "i32",
+           "site": "i32", "max_polls": "i32", "timeout_ns": "i64"}
+    res.append(dict(label="barrier", **compile_sm90(JITFunction(signals._barrier_kernel.fn), bar,
+                                                    dict(R=2, USE_TIMER=True), num_warps=1, num_stages=1)))
+    rows = {"x_TD": "*bf16", "ids_TK": "*i64", "peer_bases": "i64", "epoch_ptr": "*i32", "T": "i32", "rank": "i32",
+            "OFF_X": "i64", "OFF_FLAG": "i64"}
+    res.append(dict(label="dispatch_rows", **compile_sm90(
+        JITFunction(ep_comm._dispatch_rows_kernel.fn), rows,
+        dict(T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=64, R=2, FB=128, NB=128, BT=16, BD=512, NPROG=132),
+        num_warps=4, num_stages=1)))
+    # GEMM1 with the v2 wait in its prologue, at the Hopper default tile: still wgmma, no spills
+    from titan_megamoe.kernels import grouped_gemm as gg
+    from titan_megamoe.kernels.configs import config_for
+
+    cfg = config_for("gemm1", D, 768, False)
+    g1 = {"x_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
+          "gate_up_ptr": "*bf16", "h_ptr": "*bf16", "E": "i32", "flags_ptr": "*i32", "epoch_ptr": "*i32",
+          "status_ptr": "*i32", "max_polls": "i32", "timeout_ns": "i64"}
+    cx = dict(F=768, D=D, K=K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+              EVEN_K=True, USE_TMA=False, UPCAST_FP32=False, WAIT=True, T_CAP=T_CAP, FB=128, NB=128, SITE=8,
+              USE_TIMER=True)
+    res.append(dict(label="gemm1_wait", **compile_sm90(gg._kernel_variant(gg._gemm1_swiglu_fwd_kernel, False), g1, cx,
+                                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    return res
 
 
 @functools.lru_cache(maxsize=1)
@@ -312,7 +415,8 @@ def _compile_results() -> dict:
     return compile_in_subprocess(__file__)
 
 
-@pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum"])
+@pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum", "barrier", "dispatch_rows",
+                                   "gemm1_wait"])
 def test_ep_kernels_compile_for_sm90a(label):
     reason = nvidia_backend_reason()
     if reason:
@@ -320,6 +424,8 @@ def test_ep_kernels_compile_for_sm90a(label):
     r = _compile_results()[label]
     assert r["target"], "PTX not built for sm_90a"
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
+    if label == "gemm1_wait":
+        assert r["wgmma"] > 0, "GEMM1 with the v2 wait lost its wgmma"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from titan_megamoe.config import MegaMoEConfigError
 
-__all__ = ["CapacityError", "MegaMoEConfigError", "UnsupportedModelError"]
+__all__ = ["CapacityError", "MegaMoEConfigError", "PeerTimeoutError", "UnsupportedModelError"]
 
 
 class CapacityError(RuntimeError):
@@ -11,3 +11,8 @@ class CapacityError(RuntimeError):
 
 class UnsupportedModelError(ValueError):
     """A model, layer or parallelism setting the fused operator cannot express."""
+
+
+class PeerTimeoutError(RuntimeError):
+    """An expert-parallel peer did not reach a cross-rank wait within the timeout (comm/signals.py):
+    the message names the layer, the phase, this rank and the rank that never arrived."""

@@ -20,10 +20,14 @@ scores      (R, T_cap, K)          fp32    source ranks (0 where ids is -1)
 comb        (R, T_cap, D)          fp32    destination ranks: their pre-summed rows for this
                                            rank's tokens (forward output, backward dx)
 dscore      (T_cap, K)             fp32    the owner rank of each slot (backward d score)
+xflag       (R, NB)                int32   source ranks (overlap v2): epoch of the call whose x
+                                           rows of token block b (FB = ``flag_block`` tokens,
+                                           NB = ceil(T_cap / FB)) have landed here; never reset
+                                           (the epoch grows every call, see comm/signals.py)
 ==========  =====================  ======  ==================================================
 
-Size: ``R * T_cap * (8 D + 8 K) + 4 T_cap K`` bytes (+ alignment). Qwen3-30B-A3B, EP = 2, 16384
-tokens: 0.54 GB per GPU; Qwen3-235B-A22B, EP = 8, 16384 tokens: 4.3 GB.
+Size: ``R * T_cap * (8 D + 8 K) + 4 T_cap K + 4 R NB`` bytes (+ alignment). Qwen3-30B-A3B, EP = 2,
+16384 tokens: 0.54 GB per GPU; Qwen3-235B-A22B, EP = 8, 16384 tokens: 4.3 GB.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ _REGIONS = (  # name, dtype, shape as a function of (R, T_cap, D, K)
     ("comb", torch.float32, lambda R, T, D, K: (R, T, D)),
     ("dscore", torch.float32, lambda R, T, D, K: (T, K)),
 )
+#: Tokens per arrival flag of the v2 dispatch (GEMM1's row block on Hopper).
+FLAG_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class WorkspaceLayout:
 
     Attributes:
         world, t_cap, dim, top_k: R, T_cap, D, K.
+        flag_block: FB, tokens per v2 arrival flag (NB = ceil(T_cap / FB) flags per source).
         offsets: region name -> byte offset; shapes / dtypes: as in the module docstring.
         nbytes: total bytes of the buffer.
     """
@@ -59,22 +66,25 @@ class WorkspaceLayout:
     t_cap: int
     dim: int
     top_k: int
+    flag_block: int = FLAG_BLOCK
     offsets: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     dtypes: dict = field(default_factory=dict)
     nbytes: int = 0
 
     @staticmethod
-    def build(world: int, t_cap: int, dim: int, top_k: int) -> "WorkspaceLayout":
+    def build(world: int, t_cap: int, dim: int, top_k: int, flag_block: int = FLAG_BLOCK) -> "WorkspaceLayout":
         """Lay the regions out back to back, each aligned to 256 bytes.
 
         Raises:
             ValueError: a non-positive size.
         """
-        if min(world, t_cap, dim, top_k) < 1:
-            raise ValueError(f"workspace sizes must be >= 1 (R={world}, T_cap={t_cap}, D={dim}, K={top_k})")
+        if min(world, t_cap, dim, top_k, flag_block) < 1:
+            raise ValueError(f"workspace sizes must be >= 1 (R={world}, T_cap={t_cap}, D={dim}, K={top_k}, "
+                             f"flag_block={flag_block})")
         offsets, shapes, dtypes, pos = {}, {}, {}, 0
-        for name, dtype, shape_fn in _REGIONS:
+        nb = -(-t_cap // flag_block)
+        for name, dtype, shape_fn in _REGIONS + (("xflag", torch.int32, lambda R, T, D, K: (R, nb)),):
             shape = shape_fn(world, t_cap, dim, top_k)
             pos = -(-pos // _ALIGN) * _ALIGN
             offsets[name], shapes[name], dtypes[name] = pos, shape, dtype
@@ -82,7 +92,8 @@ class WorkspaceLayout:
             for s in shape:
                 n *= s
             pos += n * dtype.itemsize
-        return WorkspaceLayout(world, t_cap, dim, top_k, offsets, shapes, dtypes, -(-pos // _ALIGN) * _ALIGN)
+        return WorkspaceLayout(world, t_cap, dim, top_k, flag_block, offsets, shapes, dtypes,
+                               -(-pos // _ALIGN) * _ALIGN)
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Typed view of region ``name`` of this rank's uint8 buffer ``buf`` (no copy)."""
@@ -96,9 +107,10 @@ class WorkspaceLayout:
     def describe(self) -> str:
         """One log line: the sizes and the GiB, for the start of training."""
         return (f"megamoe EP workspace: R={self.world}, T_cap={self.t_cap}, D={self.dim}, K={self.top_k}: "
-                f"{self.nbytes / 2**30:.3f} GiB per GPU (R*T_cap*(8D+8K) + 4*T_cap*K bytes)")
+                f"{self.nbytes / 2**30:.3f} GiB per GPU (R*T_cap*(8D+8K) + 4*T_cap*K + 4*R*NB bytes)")
 
 
 def workspace_bytes(world: int, t_cap: int, dim: int, top_k: int) -> int:
-    """Bytes of one rank's workspace (the documented formula, plus alignment)."""
+    """Bytes of one rank's workspace (the documented formula, plus alignment; the sync area of
+    comm/signals.py comes on top)."""
     return WorkspaceLayout.build(world, t_cap, dim, top_k).nbytes

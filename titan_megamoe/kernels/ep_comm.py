@@ -30,7 +30,7 @@ from titan_megamoe.kernels.jit import interpreting as _interpreting
 from titan_megamoe.kernels.jit import runnable as _runnable
 from titan_megamoe.kernels.routing import RoutingLayout
 
-__all__ = ["dispatch_push", "combine_push", "dscore_push", "combine_sum"]
+__all__ = ["dispatch_push", "dispatch_rows", "combine_push", "dscore_push", "combine_sum"]
 
 
 @triton.jit
@@ -45,11 +45,12 @@ def _dispatch_kernel(
     T, rank,                           # i32 tokens of this rank, this rank's index
     OFF_X, OFF_DY, OFF_IDS, OFF_SC,    # byte offsets of the regions
     T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E_LOCAL: tl.constexpr,
-    HAS_DY: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_DY: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEND_ROWS: tl.constexpr = True,
 ):
     """Grid (cdiv(T_cap, BT), R): program (i, d) sends tokens [i*BT, (i+1)*BT) to rank d: their slot
     ids local to d (-1 elsewhere, and for t >= T) and scores for every row < T_cap, and the x (dy)
-    rows of the tokens with at least one expert on d."""
+    rows of the tokens with at least one expert on d (not with SEND_ROWS=False: v2 sends the rows
+    with ``_dispatch_rows_kernel``)."""
     pid = tl.program_id(0)
     d = tl.program_id(1)
     tt = pid * BT + tl.arange(0, BT)
@@ -69,17 +70,63 @@ def _dispatch_kernel(
     m_st = in_cap[:, None] & k_ok[None, :]
     tl.store((base + OFF_IDS).to(tl.pointer_type(tl.int32)) + slot[:, None] * K + kk[None, :], lid, mask=m_st)
     tl.store((base + OFF_SC).to(tl.pointer_type(tl.float32)) + slot[:, None] * K + kk[None, :], sc, mask=m_st)
-    routed = tl.max(mine.to(tl.int32), axis=1) > 0
-    x_dst = (base + OFF_X).to(tl.pointer_type(tl.bfloat16))
-    dy_dst = (base + OFF_DY).to(tl.pointer_type(tl.bfloat16))
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        m = routed[:, None] & (dd < D)[None, :]
-        v = tl.load(x_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
-        tl.store(x_dst + slot[:, None] * D + dd[None, :], v, mask=m)
-        if HAS_DY:
-            g = tl.load(dy_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
-            tl.store(dy_dst + slot[:, None] * D + dd[None, :], g, mask=m)
+    if SEND_ROWS:
+        routed = tl.max(mine.to(tl.int32), axis=1) > 0
+        x_dst = (base + OFF_X).to(tl.pointer_type(tl.bfloat16))
+        dy_dst = (base + OFF_DY).to(tl.pointer_type(tl.bfloat16))
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            m = routed[:, None] & (dd < D)[None, :]
+            v = tl.load(x_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
+            tl.store(x_dst + slot[:, None] * D + dd[None, :], v, mask=m)
+            if HAS_DY:
+                g = tl.load(dy_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
+                tl.store(dy_dst + slot[:, None] * D + dd[None, :], g, mask=m)
+
+
+@triton.jit
+def _dispatch_rows_kernel(
+    x_TD, ids_TK,                      # this rank's tokens (T, D) bf16, global ids (T, K)
+    peer_bases, epoch_ptr,             # R uint64 workspace bases; (1,) int32 this rank's epoch
+    T, rank, OFF_X, OFF_FLAG,          # i32, i32, byte offsets of x and xflag
+    T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E_LOCAL: tl.constexpr,
+    R: tl.constexpr, FB: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    NPROG: tl.constexpr,               # grid size (constexpr: a runtime range() start fails in the interpreter)
+):
+    """Overlap v2. Persistent grid (P,), P <= the SM count: program i takes work items w = i, i + P,
+    ... < NB * R in block-major order (b = w // R, d = w % R, so every destination gets block 0
+    first): it stores the x rows of tokens [b*FB, (b+1)*FB) with an expert on d into d's slab rows
+    rank * T_cap + t, then (``tl.debug_barrier()``: every thread's stores are issued before the
+    flag, DESIGN.md section 7) sets d's xflag[rank, b] = epoch with a release atomic at system
+    scope. The flag is set even when no row of the block goes to d (a waiting tile never stalls on
+    an empty block). Never waits on anything: it cannot deadlock with waiting GEMM1 programs."""
+    pid = tl.program_id(0)
+    e = tl.load(epoch_ptr)
+    kk = tl.arange(0, KP)
+    for it in range(0, (NB * R + NPROG - 1) // NPROG):
+        w = pid + it * NPROG
+        if w < NB * R:
+            b = w // R
+            d = w % R
+            base = _peer_base(peer_bases, d)
+            x_dst = (base + OFF_X).to(tl.pointer_type(tl.bfloat16))
+            for c0 in range(0, FB, BT):
+                tt = b * FB + c0 + tl.arange(0, BT)
+                live = (tt < T) & (c0 + tl.arange(0, BT) < FB)
+                tt64 = tt.to(tl.int64)
+                ids = tl.load(ids_TK + tt64[:, None] * K + kk[None, :], mask=live[:, None] & (kk < K)[None, :],
+                              other=-1)
+                loc = ids - d * E_LOCAL
+                routed = tl.max(((ids >= 0) & (loc >= 0) & (loc < E_LOCAL)).to(tl.int32), axis=1) > 0
+                slot = (rank * T_CAP + tt).to(tl.int64)
+                for d0 in range(0, D, BD):
+                    dd = d0 + tl.arange(0, BD)
+                    m = routed[:, None] & (dd < D)[None, :]
+                    v = tl.load(x_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
+                    tl.store(x_dst + slot[:, None] * D + dd[None, :], v, mask=m)
+            tl.debug_barrier()
+            flag = (base + OFF_FLAG).to(tl.pointer_type(tl.int32)) + rank * NB + b
+            tl.atomic_xchg(flag, e, sem="release", scope="sys")
 
 
 @triton.jit
@@ -180,8 +227,10 @@ def _blocks(D: int) -> tuple[int, int]:
 
 
 def dispatch_push(x_TD: Tensor, dy_TD: Tensor | None, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                  ws: WorkspaceLayout, peer_bases: int, rank: int, experts_per_rank: int) -> None:
-    """Send this rank's routing metadata (all T_cap rows) and token rows to every rank.
+                  ws: WorkspaceLayout, peer_bases: int, rank: int, experts_per_rank: int,
+                  send_rows: bool = True) -> None:
+    """Send this rank's routing metadata (all T_cap rows) and token rows to every rank (only the
+    metadata with ``send_rows=False``: overlap v2 sends the x rows with ``dispatch_rows``).
 
     Args:
         x_TD: (T, D) bf16 layer input; dy_TD: optional (T, D) bf16 output gradient (backward).
@@ -198,7 +247,36 @@ def dispatch_push(x_TD: Tensor, dy_TD: Tensor | None, topk_ids_TK: Tensor, topk_
         x_TD, x_TD if dy_TD is None else dy_TD, topk_ids_TK, topk_scores_TK, peer_bases, T, rank,
         ws.offsets["x"], ws.offsets["dy"], ws.offsets["ids"], ws.offsets["scores"],
         T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank,
-        HAS_DY=dy_TD is not None, BT=bt, BD=bd, **_opts(),
+        HAS_DY=dy_TD is not None, BT=bt, BD=bd, SEND_ROWS=send_rows, **_opts(),
+    )
+
+
+def dispatch_rows(x_TD: Tensor, topk_ids_TK: Tensor, ws: WorkspaceLayout, peer_bases: int, rank: int,
+                  experts_per_rank: int, epoch: Tensor, max_programs: int) -> None:
+    """Overlap v2: push this rank's x rows (once per (token, rank holding one of its experts)) and
+    set each destination's arrival flag xflag[rank, b] = epoch per FB-token block (release).
+
+    Args:
+        x_TD: (T, D) bf16; topk_ids_TK: (T, K) int32/int64 global expert ids.
+        ws: workspace layout (FB = ws.flag_block); peer_bases, rank, experts_per_rank: as dispatch_push.
+        epoch: (1,) int32 device tensor, this rank's barrier epoch (``peers.sync.epoch``): equal on
+            every rank between two barriers, so the destination waits for flag == its own epoch.
+        max_programs: grid bound (the SM count on GPUs: all programs resident at once, launched on a
+            high-priority stream before GEMM1, so waiting GEMM1 programs cannot starve them).
+
+    Caller contract: the destination's metadata barrier has passed (every rank finished reading
+    the previous call's x slab), and the caller joins this kernel's stream before the next barrier.
+    """
+    T, D = x_TD.shape
+    K = topk_ids_TK.shape[1]
+    fb = ws.flag_block
+    nb = -(-ws.t_cap // fb)
+    bt, bd = _blocks(D)
+    grid = (max(1, min(max_programs, nb * ws.world)),)
+    _runnable(_dispatch_rows_kernel)[grid](
+        x_TD, topk_ids_TK, peer_bases, epoch, T, rank, ws.offsets["x"], ws.offsets["xflag"],
+        T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank, R=ws.world,
+        FB=fb, NB=nb, BT=min(bt, triton.next_power_of_2(fb)), BD=bd, NPROG=grid[0], **_opts(),
     )
 
 

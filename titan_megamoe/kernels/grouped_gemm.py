@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_megamoe.comm.signals import wait_flags
 from titan_megamoe.kernels.jit import grouped_tile
 from titan_megamoe.kernels.configs import GemmConfig, config_for
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
@@ -82,8 +83,24 @@ def _gemm1_swiglu_fwd_kernel(
     EVEN_K: tl.constexpr,  # D % BLOCK_K == 0: no reduction-dim mask
     USE_TMA: tl.constexpr,  # weight tiles through TMA descriptors (else pointer loads)
     UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot
+    flags_ptr=None,  # (R*NB,) int32 v2 arrival flags of the slab's token blocks (WAIT only)
+    epoch_ptr=None,  # (1,) int32 this rank's epoch (WAIT only)
+    status_ptr=None,  # (4,) int32 wait status (WAIT only, comm/signals.py)
+    max_polls=0,  # i32 poll bound (WAIT only)
+    timeout_ns=0,  # i64 wait bound (WAIT only)
+    WAIT: tl.constexpr = False,  # EP overlap v2: wait for the flag blocks of the gathered rows
+    T_CAP: tl.constexpr = 1,  # slab rows per source (WAIT only)
+    FB: tl.constexpr = 1,  # tokens per flag block (WAIT only)
+    NB: tl.constexpr = 1,  # flag blocks per source (WAIT only)
+    SITE: tl.constexpr = 0,  # wait site code for the status (WAIT only)
+    USE_TIMER: tl.constexpr = False,  # bound the wait by globaltimer (GPUs) besides max_polls
 ):
     """Gathered grouped GEMM1 with both projections and SwiGLU in the epilogue.
+
+    With WAIT (EP overlap v2, x_ptr = the receive slab, row j = src * T_CAP + t): before loading
+    any row, the program waits (``comm/signals.wait_flags``: acquire polls, bounded) until every
+    flag block from the lowest to the highest of its rows' blocks (src * NB + t // FB) holds this
+    call's epoch. Rows of a tile ascend in j, so the range is short and covers every needed block.
 
     Grid: (n_tiles_cap, cdiv(F, BLOCK_N)). Launch ids are remapped to a grouped order (GROUP_M row
     tiles sweep all column blocks before the next group) so that each program owns exactly one
@@ -112,6 +129,11 @@ def _gemm1_swiglu_fwd_kernel(
     # int64: token * D overflows int32 once T*D > 2^31 (large receive buffers).
     tok_M = tl.where(row_ok_M, pair_M // K, 0).to(tl.int64)
     x_ptrs = x_ptr + tok_M[:, None] * D + offs_k[None, :]  # (BM, BK) gathered row pointers
+    if WAIT:
+        blk_M = ((tok_M // T_CAP) * NB + (tok_M % T_CAP) // FB).to(tl.int32)
+        g_lo = tl.min(tl.where(row_ok_M, blk_M, 2147483647))
+        g_hi = tl.max(tl.where(row_ok_M, blk_M, -1))
+        wait_flags(flags_ptr, epoch_ptr, status_ptr, g_lo, g_hi, max_polls, timeout_ns, NB, SITE, USE_TIMER)
     # ---- end of row gather -----------------------------------------------------------------------
 
     w_row0 = expert * F + pid_n * BLOCK_N  # first weight row of this column block in the (E*F, D) view
@@ -387,6 +409,7 @@ def gemm1_swiglu_fwd(
     gate_up_out: Tensor | None = None,
     h_out: Tensor | None = None,
     config: GemmConfig | None = None,
+    wait=None,
 ) -> tuple[Tensor, Tensor]:
     """Fused row gather + GEMM1 (gate and up) + SwiGLU, in the padded expert-major layout.
 
@@ -405,6 +428,9 @@ def gemm1_swiglu_fwd(
         gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 contiguous output buffers (``_out``
             convention: written in place and returned); allocated with ``torch.empty`` when None.
         config: launch config; default ``config_for("gemm1", D, F, interpret)``.
+        wait: optional ``comm.signals.RowArrival`` (EP overlap v2): x_TD is the receive slab
+            (T = R * T_cap) and each program first waits for the arrival flags of its rows' token
+            blocks (bounded; a timeout goes to ``wait.status``, the host raises later).
 
     Returns:
         (gate_up_N2F, h_NF).
@@ -444,12 +470,20 @@ def gemm1_swiglu_fwd(
         _ensure_tma_allocator()
 
     grid = (layout.n_tiles_cap, triton.cdiv(F, cfg.block_n))
+    extra = {}
+    if wait is not None:
+        if T != wait.t_cap * (wait.flags.numel() // wait.n_blocks):
+            raise ValueError(f"wait: x has {T} rows, the slab of the arrival flags has "
+                             f"{wait.t_cap * (wait.flags.numel() // wait.n_blocks)}")
+        extra = dict(flags_ptr=wait.flags, epoch_ptr=wait.epoch, status_ptr=wait.status, max_polls=wait.max_polls,
+                     timeout_ns=wait.timeout_ns, WAIT=True, T_CAP=wait.t_cap, FB=wait.flag_block,
+                     NB=wait.n_blocks, SITE=wait.site, USE_TIMER=wait.use_timer)
     _kernel_variant(_gemm1_swiglu_fwd_kernel, interpret)[grid](
         x_TD, w1_EFD, w3_EFD, layout.row_pair, layout.tile_expert, gate_up_out, h_out,
         E, F, D,
         K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=D % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return gate_up_out, h_out
 

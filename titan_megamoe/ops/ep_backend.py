@@ -17,15 +17,16 @@ dscore_push, wgrads (local experts), GEMM1 dgrad, combine_push of the dx rows, b
 The layer keeps gate_up and the receive layout; x is re-dispatched in the backward (the workspace is
 shared by all layers, so the forward's slab is gone by then: AMD Primus MegaMoE does the same).
 
-v1 runs the phases back to back (no overlap of NVLink traffic with the GEMMs yet: issue 5's flags
-per block come next). The steps are generators that yield at each barrier, so one code path serves
-the GPU (``run_with_barriers``: the yield calls ``peers.barrier()``) and the CPU tests, which run R
-emulated ranks in one process in lockstep (``run_lockstep``).
+v1 runs the phases back to back. Overlap v2 step 1 (``ep_forward_steps_v2``, opt-in) streams the x
+rows into GEMM1 through per-block arrival flags; its backward is v1's. The steps are generators that
+yield the barrier's site name at each barrier, so one code path serves the GPU
+(``run_with_barriers``: the yield calls ``peers.barrier(site)``, bounded, comm/signals.py) and the CPU
+tests, which run R emulated ranks in one process in lockstep (``run_lockstep``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,10 @@ from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels import ep_comm
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
-__all__ = ["EPRank", "ep_forward_steps", "ep_backward_steps", "run_lockstep", "run_with_barriers"]
+__all__ = ["EPRank", "ep_forward_steps", "ep_forward_steps_v2", "FORWARD_STEPS", "ep_backward_steps", "run_lockstep",
+           "run_with_barriers"]
 
-Steps = Generator[None, None, tuple]
+Steps = Generator[str, None, tuple]  # yields the barrier's site name (comm/signals.py SITES)
 
 
 @dataclass
@@ -67,30 +69,141 @@ class EPRank:
         return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
+def _no_mark(label: str) -> None:
+    pass
+
+
 def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                     w1: Tensor, w2: Tensor, w3: Tensor) -> Steps:
+                     w1: Tensor, w2: Tensor, w3: Tensor, mark: Callable[[str], None] = _no_mark) -> Steps:
     """Forward of one layer on this rank; yields at each barrier.
+
+    ``mark(label)`` is called after each phase (``compare/ep_overlap.py`` records a CUDA event there;
+    the default does nothing): labels ``barrier0, dispatch, barrier1, layout, gemm1, gemm2,
+    combine_push, barrier2, combine_sum``.
 
     Returns (via StopIteration.value): (out (T, D) bf16, gate_up (N_cap', 2F) bf16, receive layout).
     """
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
 
     p, ws = ctx.peers, ctx.ws
-    yield
+    yield "fwd.before_dispatch"
+    mark("barrier0")
     ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
-    yield
+    mark("dispatch")
+    yield "fwd.after_dispatch"
+    mark("barrier1")
     layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
+    mark("layout")
     gate_up, h = gemm1_swiglu_fwd(ctx.received("x"), w1, w3, layout)
+    mark("gemm1")
     y_rows = gemm2_scatter_fwd(h, w2, ctx.received("scores"), layout, by_row=True)
+    mark("gemm2")
     ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
-    yield
+    mark("combine_push")
+    yield "fwd.after_combine_push"
+    mark("barrier2")
     out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    mark("combine_sum")
     return out, gate_up, layout
 
 
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One high-priority side stream per device for the v2 row dispatch: pending blocks of a
+    higher-priority stream are scheduled before those of GEMM1 (a second guard against starvation,
+    after the launch order)."""
+    if device not in _SIDE:
+        lo, hi = torch.cuda.Stream.priority_range()
+        _SIDE[device] = torch.cuda.Stream(device=device, priority=hi)
+    return _SIDE[device]
+
+
+def _row_programs(device: torch.device) -> int:
+    """Grid of the v2 row dispatch: a quarter of the SMs (33 on an H200). A dispatch program cannot
+    share an SM with a GEMM1 program (registers), so every SM it holds is lost to GEMM1 while the
+    rows stream; a quarter is the guess for NVLink-rate stores (to be measured). CPU: 3 programs
+    (a persistent loop with a partial last round in the tests)."""
+    if device.type != "cuda":
+        return 3
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 4)
+
+
+def ep_forward_steps_v2(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                        w1: Tensor, w2: Tensor, w3: Tensor, mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Forward of one layer, overlap v2 step 1: the x rows stream in while GEMM1 runs.
+
+        barrier -> metadata (ids / scores of all T_cap rows) to every rank -> barrier (epoch N on
+        every rank) -> [side stream, high priority] x rows pushed block by block, each FB-token block
+        flagged on its destination with epoch N (release) || [main] receive layout -> GEMM1 whose
+        programs wait (acquire, bounded) only for the flag blocks of their rows -> GEMM2 ->
+        combine_push -> main joins the side stream -> barrier -> combine_sum.
+
+    No starvation: the row kernel is launched before GEMM1 (the layout kernels sit between them on
+    the main stream), its grid is at most the SM count (a persistent loop over (block, destination)
+    items), so all its programs are resident before GEMM1's programs can take the SMs, and it never
+    waits; its stream has the highest priority. Its grid is a quarter of the SMs (``_row_programs``). A violation would not hang: GEMM1's waits are
+    bounded (PeerTimeoutError "fwd.gemm1 waiting for x rows"). Flags are never reset: each call
+    waits for its own epoch (the barrier count, equal on all ranks between two barriers).
+    In one process (emulated ranks: interpreter, or one GPU) the ``yield None`` lets every rank's row
+    dispatch be issued before any GEMM1 (lockstep point, no barrier for real peers).
+
+    ``mark`` labels: ``barrier0, dispatch_meta, barrier1, dispatch_rows (launch), layout, gemm1,
+    gemm2, combine_push, join, barrier2, combine_sum``. Returns as ``ep_forward_steps``.
+    """
+    from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
+
+    p, ws = ctx.peers, ctx.ws
+    dev = x_TD.device
+    yield "fwd.before_dispatch"
+    mark("barrier0")
+    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank,
+                          send_rows=False)
+    mark("dispatch_meta")
+    yield "fwd.after_dispatch"
+    mark("barrier1")
+    side = _side_stream(dev) if dev.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            ep_comm.dispatch_rows(x_TD, topk_ids_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank, p.sync.epoch,
+                                  _row_programs(dev))
+    else:
+        ep_comm.dispatch_rows(x_TD, topk_ids_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank, p.sync.epoch,
+                              _row_programs(dev))
+    # lockstep point for emulated ranks (CPU, or one GPU): every rank's row dispatch is issued before
+    # any GEMM1 polls; real peers: no barrier here
+    yield None
+    mark("dispatch_rows")
+    layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
+    mark("layout")
+    wait = p.sync.row_arrival(ctx.region("xflag"), ws.t_cap, ws.flag_block)
+    gate_up, h = gemm1_swiglu_fwd(ctx.received("x"), w1, w3, layout, wait=wait)
+    mark("gemm1")
+    y_rows = gemm2_scatter_fwd(h, w2, ctx.received("scores"), layout, by_row=True)
+    mark("gemm2")
+    ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
+    mark("combine_push")
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
+    mark("join")
+    yield "fwd.after_combine_push"
+    mark("barrier2")
+    out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    mark("combine_sum")
+    return out, gate_up, layout
+
+
+FORWARD_STEPS = {"v1": ep_forward_steps, "v2": ep_forward_steps_v2}
+
+
 def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                      w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor, layout: RoutingLayout) -> Steps:
-    """Backward of one layer on this rank; yields at each barrier.
+                      w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor, layout: RoutingLayout,
+                      mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Backward of one layer on this rank; yields at each barrier. ``mark`` as in the forward, labels
+    ``barrier0, dispatch, barrier1, gemm2_dgrad, dscore_push, wgrad_w2, wgrad_w13, gemm1_dgrad,
+    combine_push, barrier2, combine_sum``.
 
     Returns: (dx (T, D) bf16, dscores (T, K) fp32, dw1, dw2, dw3 of the local experts).
     """
@@ -98,37 +211,53 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
 
     p, ws = ctx.peers, ctx.ws
     T = x_TD.shape[0]
-    yield
+    yield "bwd.before_dispatch"
+    mark("barrier0")
     ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
                           ctx.experts_per_rank)
-    yield
+    mark("dispatch")
+    yield "bwd.after_dispatch"
+    mark("barrier1")
     x_r, dy_r, sc_r = ctx.received("x"), ctx.received("dy"), ctx.received("scores")
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
     dgate_up, part = gemm2_dgrad_swiglu_bwd(dy_r, w2, gate_up, sc_r, layout, hs_out=hs)
+    mark("gemm2_dgrad")
     ep_comm.dscore_push(part, layout, ws, p.ptr_table())
+    mark("dscore_push")
     dw2 = wgrad_w2(dy_r, gate_up, sc_r, layout, hs_NF=hs)
+    mark("wgrad_w2")
     dw1, dw3 = wgrad_w13(dgate_up, x_r, layout)
+    mark("wgrad_w13")
     dx_rows = gemm1_dgrad(dgate_up, w1, w3, layout)
+    mark("gemm1_dgrad")
     ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
-    yield
+    mark("combine_push")
+    yield "bwd.after_combine_push"
+    mark("barrier2")
     dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
     dscores = ctx.region("dscore")[:T].clone()
+    mark("combine_sum")
     return dx, dscores, dw1, dw2, dw3
 
 
 def run_with_barriers(steps: Steps, peers) -> tuple:
-    """Run one rank's steps, calling ``peers.barrier()`` at each yield (the GPU path)."""
+    """Run one rank's steps, calling ``peers.barrier(site)`` at each named yield (the GPU path;
+    bounded: a rank that never arrives is recorded in ``peers.sync.status``, see comm/signals.py);
+    ``yield None`` is a lockstep point of the emulated ranks only, no barrier."""
     while True:
         try:
-            next(steps)
+            site = next(steps)
         except StopIteration as done:
             return done.value
-        peers.barrier()
+        if site is not None:
+            peers.barrier(site)
 
 
-def run_lockstep(all_steps: list[Steps]) -> list[tuple]:
+def run_lockstep(all_steps: list[Steps], peers: list | None = None) -> list[tuple]:
     """Run R emulated ranks' steps in one process: every rank reaches barrier b before any rank goes
-    past it (the CPU tests' stand-in for a barrier).
+    past it (the CPU tests' stand-in for a barrier). With ``peers`` (emulated), each rank's
+    ``barrier(site)`` is called at its named yields, so its epoch advances as a real barrier's does
+    (overlap v2 tags its arrival flags with it).
 
     Raises:
         RuntimeError: the ranks yield different numbers of barriers (a real run would hang).
@@ -139,10 +268,13 @@ def run_lockstep(all_steps: list[Steps]) -> list[tuple]:
         finished = []
         for r in live:
             try:
-                next(all_steps[r])
+                site = next(all_steps[r])
             except StopIteration as done:
                 results[r] = done.value
                 finished.append(r)
+                continue
+            if peers is not None and site is not None:
+                peers[r].barrier(site)
         if finished and len(finished) != len(live):
             raise RuntimeError(f"ranks {finished} finished while ranks {sorted(set(live) - set(finished))} "
                                "wait at a barrier: the steps differ between ranks")

@@ -4,10 +4,10 @@ shared-memory files (gloo group, CPU: the Triton interpreter, tests).
 
 Ops:
   megamoe::bf16_mega_moe_ep_fwd(x (T,D) bf16, topk_ids (T,K), topk_scores (T,K) fp32, w1 (E_l,F,D),
-      w2 (E_l,D,F), w3 (E_l,F,D) bf16, group_name, t_cap, max_rows, layer_name)
+      w2 (E_l,D,F), w3 (E_l,F,D) bf16, group_name, t_cap, max_rows, layer_name, overlap ("v1" | "v2"))
       -> out (T,D) bf16, gate_up (N_cap',2F) bf16, receive layout (5 int32 tensors)
   megamoe::bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, layout...,
-      group_name, t_cap, max_rows) -> dx, dscores, dw1, dw2, dw3
+      group_name, t_cap, max_rows, layer_name) -> dx, dscores, dw1, dw2, dw3
 N_cap' = layout_caps(R * t_cap, K, E_l, BM, max_rows), BM = 128 (16 in the interpreter): static, so the fakes need no data.
 
 One workspace per (process group, t_cap, D, K), created on first use (a collective: every rank's
@@ -23,9 +23,11 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.comm.capacity import CapacityMonitor
+from titan_megamoe.comm.peers import DEFAULT_TIMEOUT_MS
+from titan_megamoe.comm.signals import WaitMonitor
 from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
-from titan_megamoe.ops.ep_backend import EPRank, ep_backward_steps, ep_forward_steps, run_with_barriers
+from titan_megamoe.ops.ep_backend import FORWARD_STEPS, EPRank, ep_backward_steps, run_with_barriers
 from titan_megamoe.ops.triton_backend import _block_m
 
 __all__ = ["mega_moe_ep_triton", "CAPACITY"]
@@ -34,7 +36,19 @@ logger = logging.getLogger(__name__)
 
 #: Pending receive-capacity checks of this process (see comm/capacity.py).
 CAPACITY = CapacityMonitor()
+#: Pending checks of the bounded cross-rank waits (see comm/signals.py).
+WAITS = WaitMonitor()
 _PEERS: dict[tuple, object] = {}
+#: Bound of every cross-rank wait of workspaces created from now on (``set_timeout_ms``).
+_TIMEOUT_MS = [DEFAULT_TIMEOUT_MS]
+
+
+def set_timeout_ms(timeout_ms: int) -> None:
+    """Bound (ms, > 0) of every cross-rank wait of the EP workspaces created after this call; a peer
+    that does not arrive in time raises ``PeerTimeoutError`` (at the next EP call, no host sync)."""
+    if timeout_ms <= 0:
+        raise ValueError(f"timeout_ms must be > 0, got {timeout_ms}")
+    _TIMEOUT_MS[0] = int(timeout_ms)
 
 
 def _group(group_name: str):
@@ -50,7 +64,7 @@ def _ep_rank(group_name: str, t_cap: int, D: int, K: int, e_l: int, max_rows: in
     group = _group(group_name)
     ws = WorkspaceLayout.build(group.size(), t_cap, D, K)
     if key not in _PEERS:
-        _PEERS[key] = make_peers(group, ws.nbytes, tag=f"{t_cap}_{D}_{K}")
+        _PEERS[key] = make_peers(group, ws.nbytes, tag=f"{t_cap}_{D}_{K}", timeout_ms=_TIMEOUT_MS[0])
         if _PEERS[key].rank == 0:
             logger.info(ws.describe())
     return EPRank(_PEERS[key], ws, e_l, max_rows, _block_m())
@@ -65,19 +79,22 @@ def _layout(L: tuple, e_l: int, K: int, max_rows: int) -> RoutingLayout:
 @torch.library.custom_op("megamoe::bf16_mega_moe_ep_fwd", mutates_args=())
 def bf16_mega_moe_ep_fwd(
     x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-    group_name: str, t_cap: int, max_rows: int, layer_name: str,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str, overlap: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     K = topk_ids.shape[1]
     e_l, _, D = w1.shape
     ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
     CAPACITY.check()
-    out, gate_up, L = run_with_barriers(ep_forward_steps(ctx, x, topk_ids, topk_scores, w1, w2, w3), ctx.peers)
+    WAITS.check()
+    steps = FORWARD_STEPS[overlap](ctx, x, topk_ids, topk_scores, w1, w2, w3)
+    out, gate_up, L = run_with_barriers(steps, ctx.peers)
     CAPACITY.record(layer_name, L.counts, max_rows)
+    WAITS.record(layer_name, ctx.peers.sync)
     return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
 
 
 @bf16_mega_moe_ep_fwd.register_fake
-def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name):
+def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name, overlap):
     T, K = topk_ids.shape
     e_l, F, D = w1.shape
     R = _group(group_name).size()
@@ -92,27 +109,30 @@ def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows,
 def bf16_mega_moe_ep_bwd(
     dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
     gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
-    group_name: str, t_cap: int, max_rows: int,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     K = topk_ids.shape[1]
     e_l, _, D = w1.shape
     ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
     L = _layout((counts, offsets, row_pair, pair_row, tile_expert), e_l, K, max_rows)
+    WAITS.check()
     steps = ep_backward_steps(ctx, dout.contiguous(), x, topk_ids, topk_scores, w1, w2, w3, gate_up, L)
-    return run_with_barriers(steps, ctx.peers)
+    res = run_with_barriers(steps, ctx.peers)
+    WAITS.record(f"{layer_name} (backward)", ctx.peers.sync)
+    return res
 
 
 @bf16_mega_moe_ep_bwd.register_fake
 def _bwd_fake(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row,
-              tile_expert, group_name, t_cap, max_rows):
+              tile_expert, group_name, t_cap, max_rows, layer_name):
     return (x.new_empty(x.shape), torch.empty_like(topk_scores), w1.new_empty(w1.shape),
             w2.new_empty(w2.shape), w3.new_empty(w3.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, _ = inputs
+    x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name, _ = inputs
     _, gate_up, *layout = output
-    ctx.meta = (group_name, t_cap, max_rows)
+    ctx.meta = (group_name, t_cap, max_rows, layer_name)
     ctx.set_materialize_grads(False)  # gate_up / layout are saved state, never differentiated
     ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, gate_up, *layout)
 
@@ -124,7 +144,7 @@ def _backward(ctx, dout, *unused):
         dout = torch.zeros_like(x)
     dx, dscores, dw1, dw2, dw3 = bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up,
                                                       *layout, *ctx.meta)
-    return dx, None, dscores, dw1, dw2, dw3, None, None, None, None
+    return dx, None, dscores, dw1, dw2, dw3, None, None, None, None, None
 
 
 bf16_mega_moe_ep_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -132,7 +152,7 @@ bf16_mega_moe_ep_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
                        w3: Tensor, *, ep_group, max_tokens_per_rank: int, recv_capacity: int,
-                       layer_name: str = "moe") -> Tensor:
+                       layer_name: str = "moe", overlap: str = "v1") -> Tensor:
     """Fused bf16 MoE experts with expert parallelism over ``ep_group`` (NVLink, symmetric memory).
 
     Args:
@@ -143,6 +163,9 @@ def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor
         max_tokens_per_rank: T_cap, the workspace's rows per source rank.
         recv_capacity: (token, expert) pairs one rank may receive per call.
         layer_name: used in errors.
+        overlap: "v1" (default: barrier-separated dispatch, GEMMs, combine) or "v2" (forward: the x
+            rows stream in on a side stream while GEMM1 waits per 128-token block, see
+            ``ops/ep_backend.ep_forward_steps_v2``; backward as v1). Same results bit for bit.
 
     Returns:
         (T, D) bf16.
@@ -150,12 +173,17 @@ def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor
     Raises:
         CapacityError: T > max_tokens_per_rank now, or (a few calls later, see comm/capacity.py) an
             earlier call received more pairs than ``recv_capacity``.
+        PeerTimeoutError: (at a later call, without a host sync, see comm/signals.py) a peer rank did
+            not reach one of an earlier call's cross-rank waits within the timeout
+            (``set_timeout_ms``, default 120 s); names the layer, the phase and the ranks.
     """
     from titan_megamoe.errors import CapacityError
 
+    if overlap not in FORWARD_STEPS:
+        raise ValueError(f"{layer_name}: overlap={overlap!r}; allowed: {', '.join(FORWARD_STEPS)}")
     if x_TD.shape[0] > max_tokens_per_rank:
         raise CapacityError(f"{layer_name}: {x_TD.shape[0]} tokens in one call on this rank, more than "
                             f"max_tokens_per_rank={max_tokens_per_rank}. Raise [megamoe] max_tokens_per_rank.")
     return torch.ops.megamoe.bf16_mega_moe_ep_fwd(
         x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, ep_group.group_name, max_tokens_per_rank, recv_capacity,
-        layer_name)[0]
+        layer_name, overlap)[0]

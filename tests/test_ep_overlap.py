@@ -1,0 +1,50 @@
+"""compare.ep_overlap --tiny on CPU: 2 emulated ranks (interpreter), every measurement of the record
+present and consistent; the overlap formula and the NVLink byte model on a worked example."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compare.ep_overlap import SCHEMA, main, nvlink_bytes, overlap_fraction
+
+
+def test_tiny_emulated_run(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke run (emulated ranks, interpreter); on GPUs see scripts/gpu_ep_overlap.sh")
+    out = tmp_path / "ovl.json"
+    assert main(["--tiny", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| overlap fwd |" in text and "phases (ms" in text and "profile rank 0" in text
+    data = json.loads(out.read_text())
+    assert data["schema"] == SCHEMA
+    run = data["run"]
+    for k in ("gpu", "torch", "triton", "git_rev", "git_dirty", "date_utc", "command", "hostnames"):
+        assert k in run, k
+    assert run["command"].startswith("python -m compare.ep_overlap --tiny") and run["emulated_ranks"] == 2
+    (rec,) = data["records"]
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["ep"] == 2 and rec["emulated"] and rec["mode"] == "v1"
+    for k in ("full_fwd", "full_fwdbwd", "comm_fwd", "comm_fwdbwd", "compute_fwd", "compute_fwdbwd"):
+        assert rec[k]["ms"] > 0, k
+    assert rec["overlap_fwd"] == pytest.approx(overlap_fraction(
+        rec["full_fwd"]["ms"], rec["comm_fwd"]["ms"], rec["compute_fwd"]["ms"]))
+    fwd = [k for k in rec["phases"] if k.startswith("fwd.")]
+    bwd = [k for k in rec["phases"] if k.startswith("bwd.")]
+    assert fwd[0] == "fwd.barrier0" and fwd[-1] == "fwd.combine_sum" and len(fwd) == 9
+    assert "bwd.gemm1_dgrad" in bwd and bwd[-1] == "bwd.combine_sum"
+    assert rec["profile_rank0"]["top"] and rec["profile_rank0"]["kernel_ms"] > 0
+
+
+def test_overlap_formula_and_byte_model():
+    assert overlap_fraction(10.0, 4.0, 6.0) == 0.0  # back to back
+    assert overlap_fraction(6.0, 4.0, 6.0) == 1.0  # comm fully hidden
+    assert overlap_fraction(12.0, 4.0, 6.0) == -0.5  # slower than the parts (waits, gaps)
+    # R=2, T=2, E_l=2, K=2: rank 0's tokens -> experts {0,1} (local), {1,2} (one row to rank 1);
+    # rank 1's tokens -> {0,3} (one row to rank 0), {2,3} (local)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 3], [2, 3]])
+    nb = nvlink_bytes(ids, R=2, T=2, D=8, e_l=2)
+    # each rank sends 1 x row (bf16) and 1 combine row back (fp32); bwd: x + dy, dx back
+    assert nb == {"fwd": 8 * 2 + 8 * 4, "bwd": 8 * 4 + 8 * 4, "fwdbwd": 8 * 6 + 8 * 8}
