@@ -248,6 +248,8 @@ class WaitMonitor:
         """Raises:
             PeerTimeoutError: naming the layer, the phase, this rank and the rank that never arrived.
         """
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # cudaEventQuery is not permitted while a CUDA graph is being captured
         keep = []
         for layer, sync, host, event in self._pending:
             if event is not None and not wait and not event.query():
