@@ -2,7 +2,7 @@
 
 from titan_megamoe.config import MegaMoEConfigError
 
-__all__ = ["CapacityError", "MegaMoEConfigError", "UnsupportedModelError"]
+__all__ = ["CapacityError", "MegaMoEConfigError", "NonFiniteError", "UnsupportedModelError"]
 
 
 class CapacityError(RuntimeError):
@@ -11,3 +11,10 @@ class CapacityError(RuntimeError):
 
 class UnsupportedModelError(ValueError):
     """A model, layer or parallelism setting the fused operator cannot express."""
+
+
+class NonFiniteError(ValueError):
+    """An FP8 scaling group with a non-finite amax (inf / NaN in a tensor the FP8 path quantized).
+
+    Raised lazily (a few layer calls after the bad call, see ``ops/fp8_backend.py``), naming the layer.
+    """
