@@ -6,7 +6,9 @@
 
 Shapes: 30b D 2048 / F 768, 235b D 4096 / F 1536; E 128, K 8, near-uniform random routing (distinct
 experts per token), BM = 128 layout. Timing: ``triton.testing.do_bench`` (warm-up, L2 cleared between
-runs, median ms). FLOP model (useful work, P = T*K routed rows; the same for every implementation,
+runs, median ms). ``gemm1_fwd_quant_h/fp8`` is GEMM1 with h
+quantized in its epilogue (BN 128, 16 warps; what the op runs, ``fp8_backend.FUSE_H_QUANT``) and
+replaces ``gemm1_fwd/fp8`` + ``quant_h_1x128/fp8``. FLOP model (useful work, P = T*K routed rows; the same for every implementation,
 so ms compare directly): GEMM1 fwd 2*P*D*2F, GEMM2 fwd 2*P*F*D, GEMM2 dgrad 2*P*D*F, GEMM1 dgrad
 2*P*2F*D, wgrad w2 2*P*D*F, wgrad w13 2*P*D*2F; quantization passes report ms only.
 
@@ -110,6 +112,7 @@ def _bench_shape(name: str, T: int) -> dict:
     cases = [  # (kernel, implementation, flops, fn)
         ("gemm1_fwd", "fp8", g1, lambda: gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, L, gate_up_out=gu8, h_out=h8,
                                                               config=dataclasses.replace(fp8_config_for("gemm1", D, F, False), **bm))),
+        ("gemm1_fwd_quant_h", "fp8", g1, lambda: gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, L, quantize_h=True)),
         ("gemm1_fwd", "bf16", g1, lambda: gg.gemm1_swiglu_fwd(x, w1, w3, L, gate_up_out=gu16, h_out=h16, config=c1)),
         ("gemm2_fwd", "fp8", g2, lambda: gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, out=y8,
                                                                config=dataclasses.replace(fp8_config_for("gemm2", D, F, False), **bm))),

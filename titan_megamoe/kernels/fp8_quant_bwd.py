@@ -58,6 +58,9 @@ __all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t"]
 
 _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather pass
 _WARPS = 4
+# A whole 128 x 128 fp32 tile, two quantized copies and two pointer tiles: 8 warps spill 88 B (255
+# registers), 16 warps 72 B (128); known, tests/test_kernels_fp8_bwd.py bounds it.
+_DUAL_WARPS = 16
 
 
 @triton.jit
@@ -256,6 +259,6 @@ def quantize_dual_1x128_128x1_t(
     interpret = interpret_mode()
     _kernel_variant(_quant_dual_kernel, interpret)[(Mb, C // GROUP)](
         x, row_valid, y, s, yT, sT, count if check else s, M,
-        C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=8,
+        C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=_DUAL_WARPS,
     )
     return y, s, yT, sT

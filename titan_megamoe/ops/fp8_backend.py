@@ -6,8 +6,8 @@ scale product applied per 128-wide K block. No autograd here (``ops/library.py``
 
 Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top_k, N_cap padded rows.
 
-Forward (fp8): quantize x 1x128 -> FP8 GEMM1 (gather, SwiGLU; saves bf16 gate_up) -> quantize h 1x128
-(live rows only) -> FP8 GEMM2 (score, scatter) -> fp32 top-k sum. Forward (fp8_bwd): the bf16 kernels.
+Forward (fp8): quantize x 1x128 -> FP8 GEMM1 (gather, SwiGLU; saves bf16 gate_up; h quantized 1x128 in
+its epilogue, ``FUSE_H_QUANT``) -> FP8 GEMM2 (score, scatter) -> fp32 top-k sum. Forward (fp8_bwd): the bf16 kernels.
 Backward (both): quantize dout 1x128 (GEMM2 dgrad's A) and, gathered into layout rows, 128x1
 transposed (dw2's A) -> FP8 GEMM2 dgrad + SwiGLU bwd + d score + s*h quantized 128x1 in its epilogue
 -> dgate_up quantized 1x128 and 128x1 in one pass -> dw2, dw1 | dw3 (FP8 K-grouped wgrad; x gathered
@@ -43,6 +43,9 @@ __all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "ch
 
 #: Row block of the FP8 path's routing layout: one 128-row scale group (module docstring).
 FP8_BLOCK_M = 128
+#: Quantize h in GEMM1's epilogue (one pass less; BN = 128 at 16 warps) instead of a separate 1x128
+#: pass over a bf16 h (BN = 64 at 8 warps). Neither measured on a GPU yet: scripts/bench_fp8.py times both.
+FUSE_H_QUANT = True
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 
@@ -239,7 +242,12 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
     from titan_megamoe.kernels.configs import config_for
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
     from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
-    from titan_megamoe.kernels.grouped_gemm_fp8 import fp8_config_for, gemm1_swiglu_fwd_fp8, gemm2_scatter_fwd_fp8
+    from titan_megamoe.kernels.grouped_gemm_fp8 import (
+        HOPPER_GEMM1_FP8_QH,
+        fp8_config_for,
+        gemm1_swiglu_fwd_fp8,
+        gemm2_scatter_fwd_fp8,
+    )
 
     NONFINITE.check()  # records of earlier calls that have landed (no wait)
     T, K = topk_ids_TK.shape
@@ -254,9 +262,14 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
         w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
         count = torch.zeros(1, dtype=torch.int32, device=x_TD.device)
         xq, xs = quantize_act_1x128(x_TD.contiguous(), nonfinite_count=count, name=f"{layer_name} x")
-        c1 = dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
-        gate_up, h = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1)
-        hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
+        if FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
+            c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
+            gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
+                                                   nonfinite_count=count)
+        else:  # bf16 h, then a 1x128 pass over the live rows
+            c1 = dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
+            gate_up, h = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1)
+            hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
         c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
         y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, config=c2)
         NONFINITE.record(f"{layer_name} forward activations", count)
