@@ -3,6 +3,7 @@
 
     python scripts/bench_fp8.py                      # Qwen3-30B-A3B and 235B-A22B layer shapes, T = 16384
     python scripts/bench_fp8.py --shapes 30b --tokens 4096
+    TRITON_INTERPRET=1 python scripts/bench_fp8.py --smoke   # CPU: every call once at a tiny shape (~5 min)
 
 Shapes: 30b D 2048 / F 768, 235b D 4096 / F 1536; E 128, K 8, near-uniform random routing (distinct
 experts per token), BM = 128 layout. Timing: ``triton.testing.do_bench`` (warm-up, L2 cleared between
@@ -27,16 +28,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "0")
+if "--smoke" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "0")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
+SHAPES = {"30b": (2048, 768), "235b": (4096, 1536), "smoke": (128, 128)}
 E, K = 128, 8
+SMOKE = False  # --smoke: CPU, Triton interpreter, E = 4, each call once (checks the script, times nothing)
 FP8 = torch.float8_e4m3fn
 
 
@@ -60,8 +64,11 @@ def _bench_shape(name: str, T: int) -> dict:
     from titan_megamoe.ops.fp8_backend import quantize_weights
     from titan_megamoe.testing import rel_err
 
+    global E, K
     D, F = SHAPES[name]
-    dev = "cuda"
+    dev = "cpu" if SMOKE else "cuda"
+    if SMOKE:
+        E, K = 4, 2
     torch.manual_seed(0)
     x = torch.randn(T, D, device=dev).bfloat16()
     dout = torch.randn(T, D, device=dev).bfloat16()
@@ -77,8 +84,10 @@ def _bench_shape(name: str, T: int) -> dict:
     bm = dict(block_m=128)
     import dataclasses
 
-    c1 = dataclasses.replace(config_for("gemm1", D, F, False), **bm)
-    c2 = dataclasses.replace(config_for("gemm2", D, F, False), **bm)
+    c1 = dataclasses.replace(config_for("gemm1", D, F, SMOKE), **bm)
+    c2 = dataclasses.replace(config_for("gemm2", D, F, SMOKE), **bm)
+    f1 = dataclasses.replace(fp8_config_for("gemm1", D, F, SMOKE), **bm)
+    f2 = dataclasses.replace(fp8_config_for("gemm2", D, F, SMOKE), **bm)
 
     # ---- operands (every FP8 operand from the kernels that make it in the op) ----------------------
     w1q, w1s, w1tq, w1ts = quantize_weights(w1, transposed=True, forward=True, count=None, name="w1")
@@ -86,10 +95,10 @@ def _bench_shape(name: str, T: int) -> dict:
     w2q, w2s, w2tq, w2ts = quantize_weights(w2, transposed=True, forward=True, count=None, name="w2")
     xq, xs = quantize_act_1x128(x)
     gu16, h16 = gg.gemm1_swiglu_fwd(x, w1, w3, L, config=c1)
-    gu8, h8 = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, L, config=dataclasses.replace(fp8_config_for("gemm1", D, F, False), **bm))
+    gu8, h8 = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, L, config=f1)
     hq, hs = quantize_act_1x128(h8, live, 1)
     y16 = gg.gemm2_scatter_fwd(h16, w2, scores, L, config=c2)
-    y8 = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, config=dataclasses.replace(fp8_config_for("gemm2", D, F, False), **bm))
+    y8 = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, config=f2)
     dq, ds = quantize_act_1x128(dout)
     hs16 = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
     dgu16, part16 = gb.gemm2_dgrad_swiglu_bwd(dout, w2, gu16, scores, L, hs_out=hs16)
@@ -111,11 +120,13 @@ def _bench_shape(name: str, T: int) -> dict:
     g1, g2 = 2 * P * D * 2 * F, 2 * P * D * F
     cases = [  # (kernel, implementation, flops, fn)
         ("gemm1_fwd", "fp8", g1, lambda: gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, L, gate_up_out=gu8, h_out=h8,
-                                                              config=dataclasses.replace(fp8_config_for("gemm1", D, F, False), **bm))),
-        ("gemm1_fwd_quant_h", "fp8", g1, lambda: gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, L, quantize_h=True)),
+                                                              config=f1)),
+        ("gemm1_fwd_quant_h", "fp8", g1, lambda: gemm1_swiglu_fwd_fp8(
+            xq, xs, w1q, w1s, w3q, w3s, L, quantize_h=True,
+            config=dataclasses.replace(f1, block_n=128) if SMOKE else None)),
         ("gemm1_fwd", "bf16", g1, lambda: gg.gemm1_swiglu_fwd(x, w1, w3, L, gate_up_out=gu16, h_out=h16, config=c1)),
         ("gemm2_fwd", "fp8", g2, lambda: gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, out=y8,
-                                                               config=dataclasses.replace(fp8_config_for("gemm2", D, F, False), **bm))),
+                                                               config=f2)),
         ("gemm2_fwd", "bf16", g2, lambda: gg.gemm2_scatter_fwd(h16, w2, scores, L, out_pairs=y16, config=c2)),
         ("gemm2_dgrad", "fp8", g2, lambda: gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gu16, scores, L)),
         ("gemm2_dgrad", "bf16", g2, lambda: gb.gemm2_dgrad_swiglu_bwd(dout, w2, gu16, scores, L, hs_out=hs16)),
@@ -141,9 +152,14 @@ def _bench_shape(name: str, T: int) -> dict:
     for kernel, impl, flops, fn in cases:
         key = f"{kernel}/{impl}"
         try:
-            fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            if SMOKE:
+                t0 = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t0) * 1e3
+            else:
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
             out[key] = {"ms": round(ms, 4)}
             if flops:
                 out[key]["tflops"] = round(flops / ms / 1e9, 1)
@@ -208,6 +224,8 @@ def _scaled_grouped_mm_cases(x, dout, w1, w3, w2, L, D, F, g1, g2) -> list:
 def _provenance() -> dict:
     import triton
 
+    if SMOKE:
+        return {"gpu": None, "torch": torch.__version__, "triton": triton.__version__, "smoke": True}
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
@@ -222,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="30b,235b", help="comma list of 30b, 235b")
     p.add_argument("--tokens", type=int, default=16384, help="tokens T (routed rows P = T * 8)")
+    p.add_argument("--smoke", action="store_true", help="CPU + interpreter, tiny shape, each call once")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    global SMOKE
+    if a.smoke:
+        SMOKE = True
+        a.shapes, a.tokens = "smoke", 24
+    elif not torch.cuda.is_available():
         raise SystemExit("bench_fp8 needs a CUDA GPU (FP8 tensor cores: compute capability >= 8.9)")
     rec = {"bench": "fp8_kernels", **_provenance(), "shapes": [_bench_shape(s, a.tokens) for s in a.shapes.split(",")]}
     print(json.dumps(rec))
