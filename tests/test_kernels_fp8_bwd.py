@@ -451,13 +451,6 @@ def test_compiles_for_sm90a(label):
     r = _compile_results()[label]
     if label.startswith("quant"):  # the fp8_quant.py properties: IEEE division, RNE saturating cast
         assert r["target"] and r["satfinite"] > 0 and r["div_rn"] > 0, r
-        if label.startswith("quant_dual"):
-            # KNOWN: the dual pass holds a whole 128 x 128 tile plus two pointer tiles: 72 B of spills at
-            # 16 warps (88 B at 8). Memory-bound, so it costs little; processing the tile in two column
-            # halves after a bf16 row-amax pass would remove it. This bound catches a regression.
-            stack = int(r["usage"].split("STACK:")[1].split()[0]) if r["usage"] else 0
-            assert stack <= 128, f"{label}: {stack} B of spills ({r['usage']})"
-            return
         assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
         return
     if label.startswith("gemm1_fwd"):  # the fused h quantization: same properties

@@ -23,7 +23,7 @@ per-segment group origins with any BM, would need per-expert scale offsets in ev
     quantize_dual_1x128_128x1_t(x (M, C), row_valid (M,))
         -> x_q (M, C) e4m3 + scale (M, C // 128)        (1x128: GEMM1 dgrad's A operand)
            xT_q (C, M) e4m3 + scale (M // 128, C)       (128x1, transposed: dw1/dw3's A operand)
-        both from one read of each 128 x 128 tile (dgate_up).
+        both from one DRAM read of each 128 x 128 tile (dgate_up; the second pass hits L1 / L2).
 
 Math per group exactly as ``ops/fp8_reference.py`` (amax floored at 1e-12, scale = amax / 448, IEEE
 divisions, round to nearest even; the interpreter's inexact fp8 cast is bypassed by EXACT_ROUND as
@@ -58,9 +58,7 @@ __all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t"]
 
 _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather pass
 _WARPS = 4
-# A whole 128 x 128 fp32 tile, two quantized copies and two pointer tiles: 8 warps spill 88 B (255
-# registers), 16 warps 72 B (128); known, tests/test_kernels_fp8_bwd.py bounds it.
-_DUAL_WARPS = 16
+_DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
 
 
 @triton.jit
@@ -121,34 +119,45 @@ def _quant_dual_kernel(
     EXACT_ROUND: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    """One 128 x 128 tile: 1x128 (row) and 128x1 (column) quantization from one read.
+    """One 128 x 128 tile: 1x128 (row) and 128x1 (column) quantization.
 
     Grid: (cdiv(M, 128), C // 128); program (b, g) owns rows [128 b, 128 b + 128) x columns
     [128 g, 128 g + 128) of both outputs, s[rows, g] and sT[b, cols]. Invalid rows read as 0.
+    The tile is handled in two 64-column halves (a whole fp32 tile plus its pointer tiles spilled):
+    pass 1 quantizes each half's columns and takes the row amax; pass 2 re-reads the halves (from L1 /
+    L2: DRAM reads the tile once) and quantizes the rows with the now complete row scale.
     """
     G: tl.constexpr = 128
+    H: tl.constexpr = 64
     b = tl.program_id(0)
     g = tl.program_id(1)
     rows = b * G + tl.arange(0, G)
     row_ok = rows < M
     live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
-    cols = g * G + tl.arange(0, G)
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-
-    s_M1 = _scale_of(_amax(x, 1), EPS)  # (128, 1)
-    q = _to_e4m3(x, tl.broadcast_to(s_M1, (G, G)), EXACT_ROUND)
-    tl.store(y_ptr + rows64[:, None] * C + cols[None, :], q, mask=row_ok[:, None])
+    amax_M1 = tl.zeros((G, 1), dtype=tl.float32)
+    n_bad = 0
+    for half in tl.static_range(2):
+        cols = g * G + half * H + tl.arange(0, H)
+        x = tl.load(x_ptr + rows64[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        amax_M1 = tl.maximum(amax_M1, _amax(x, 1), propagate_nan=tl.PropagateNan.ALL)
+        s_1H = _scale_of(_amax(x, 0), EPS)  # (1, 64)
+        qT = _to_e4m3(x, tl.broadcast_to(s_1H, (G, H)), EXACT_ROUND)
+        tl.store(yT_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qT, mask=row_ok[:, None])
+        s_col = tl.reshape(s_1H, (H,))
+        tl.store(sT_ptr + b.to(tl.int64) * C + cols, s_col)
+        if CHECK:
+            n_bad += tl.sum((~(s_col < float("inf"))).to(tl.int32))  # NaN < inf is False
+    s_M1 = _scale_of(amax_M1, EPS)  # (128, 1)
+    for half in tl.static_range(2):
+        cols = g * G + half * H + tl.arange(0, H)
+        x = tl.load(x_ptr + rows64[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        q = _to_e4m3(x, tl.broadcast_to(s_M1, (G, H)), EXACT_ROUND)
+        tl.store(y_ptr + rows64[:, None] * C + cols[None, :], q, mask=row_ok[:, None])
     s_row = tl.reshape(s_M1, (G,))
     tl.store(s_ptr + rows64 * (C // G) + g, s_row, mask=row_ok)
-
-    s_1C = _scale_of(_amax(x, 0), EPS)  # (1, 128)
-    qT = _to_e4m3(x, tl.broadcast_to(s_1C, (G, G)), EXACT_ROUND)
-    tl.store(yT_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qT, mask=row_ok[:, None])
-    s_col = tl.reshape(s_1C, (G,))
-    tl.store(sT_ptr + b.to(tl.int64) * C + cols, s_col)
     if CHECK:
-        n_bad = tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32)) + tl.sum((~(s_col < float("inf"))).to(tl.int32))
+        n_bad += tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32))
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
 
@@ -216,7 +225,7 @@ def quantize_dual_1x128_128x1_t(
     nonfinite_count: Tensor | None = None,
     name: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """1x128 and transposed 128x1 quantization of one tensor, each 128 x 128 tile read once.
+    """1x128 and transposed 128x1 quantization of one tensor, each 128 x 128 tile read once from DRAM.
 
     Equal bitwise to ``fp8_reference.quantize_act_1x128(xv)`` and ``quantize_act_128x1(xv).T`` with
     ``xv = where(row_valid, x, 0)``.
