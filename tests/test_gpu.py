@@ -161,9 +161,13 @@ def test_fp8_op_matches_reference_30b_shape(precision):
         pytest.skip("FP8 needs compute capability >= 8.9")
     x, ids, s, w1, w2, w3, dout = _triton_inputs(4096, 2048, 768, 128, 8)
     cache = Fp8WeightCache()
+    weights = [t.clone().requires_grad_() for t in (w1, w2, w3)]  # the same parameters for both fp8 calls
     res = []
     for impl in (precision, precision, "reference"):
-        leaves = [t.clone().requires_grad_() for t in (x, s, w1, w2, w3)]
+        for w in weights:
+            w.grad = None
+        ws = weights if impl != "reference" else [t.clone().requires_grad_() for t in (w1, w2, w3)]
+        leaves = [x.clone().requires_grad_(), s.clone().requires_grad_(), *ws]
         if impl == "reference":
             out = mega_moe_ref(leaves[0], ids, leaves[1], *leaves[2:], num_experts=128)
         else:
