@@ -165,3 +165,44 @@ def test_fp8_fwd_op_fake_matches_real():
     wq = prepare_weights(w1, w2, w3, fp8_forward=True, cache=None, layer_name="moe")
     torch.library.opcheck(torch.ops.megamoe.fp8_mega_moe_fwd.default, (x, ids, s, w1, w2, w3, wq, True, "moe"),
                           test_utils=("test_faketensor",))  # test_schema: no fp8 mul on CPU
+
+
+def test_megamoe_layer_fp8_matches_reference_layer_and_caches_per_step():
+    """The whole MegaMoE layer (router, scores, experts through ``self.experts`` with its weight cache)
+    with precision "fp8" vs the same layer on the reference backend: output, dx, expert and router
+    gradients within the FP8 bounds (fp32 parameters: fp32 gradients). After an in-place update of
+    w1 (what the optimizer does) only w1 is re-quantized."""
+    import copy
+
+    from torchtitan.models.moe.moe import MoEArgs
+
+    from titan_megamoe.layer import MegaMoE
+    from titan_megamoe.testing import build_moe_pair
+
+    args = MoEArgs(num_experts=4, top_k=2, score_func="softmax", route_norm=True, score_before_experts=False,
+                   num_shared_experts=0)
+    pair = build_moe_pair(args, 128, 128, dtype=torch.float32, seed=0)
+    fp8 = MegaMoE.from_moe(copy.deepcopy(pair.stock), config=MegaMoEConfig(backend="triton", precision="fp8"))
+    ref = pair.mega.to(DEV)
+    fp8 = fp8.to(DEV)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 24, 128, generator=g).to(DEV)
+    dy = torch.randn(1, 24, 128, generator=g).to(DEV)
+    res = []
+    for layer in (fp8, ref):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(dy)
+        e = layer.experts
+        res.append([out.detach(), xi.grad, e.w1.grad, e.w2.grad, e.w3.grad, layer.router.gate.weight.grad])
+    NONFINITE.flush()
+    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw3", "dgate"), *res):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        bound = FP8_REL_BOUNDS["fp8"]["out" if name == "out" else "grad"]
+        assert rel_err(a, b) <= bound, f"{name}: {rel_err(a, b):.4f} > {bound}"
+    cache = fp8.experts.fp8_cache
+    assert (cache.misses, cache.hits) == (3, 0)
+    with torch.no_grad():
+        fp8.experts.w1.mul_(0.5)
+        fp8(x)
+    assert (cache.misses, cache.hits) == (4, 2)
