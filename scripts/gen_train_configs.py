@@ -9,8 +9,8 @@ Name grammar: ``<model>_<size>[_<layers>L][_1gpu]_<impl>[_<backend>]_<precision>
 ``megamoe`` | ``baseline``). Every set (one row of ``MODELS``) holds the five comparison variants of
 ``VARIANTS``: stock TorchTitan bf16, stock TorchTitan FP8 (torchao rowwise grouped GEMMs), megamoe
 bf16, megamoe fp8, megamoe fp8_bwd; sets run at EP = 1 also get ``megamoe_triton_bf16``. The
-megamoe fp8 / fp8_bwd configs wait on the FP8 issue: they parse, but the converter refuses them
-("not available yet") until ``titan_megamoe.config.AVAILABLE`` lists them.
+megamoe fp8 / fp8_bwd configs run the fused Triton FP8 kernels at EP = 1 (the 1-GPU debug set); at
+EP > 1 they parse, but the converter refuses them (FP8 with expert parallelism is not built yet).
 
 ``tests/test_compare_train.py`` checks that this script's output equals the committed files: edit
 the table here and regenerate, never the TOMLs.
@@ -60,11 +60,9 @@ MODELS = {
                    "node cannot hold them, 32 H200s leave ~20 GB each for the rest; add nodes if it runs out."),
 }
 
-FP8_WAIT = ("WAITING ON THE FP8 ISSUE: [megamoe] precision = \"{p}\" is not available yet, so this config "
-            "parses but the converter refuses it (\"not available yet\") before the model is built. "
-            "Generated now so that the comparison set is complete the day FP8 lands.")
-FP8_WAIT_EP = (" At EP = {ep} it also waits on the triton backend's expert parallelism (the converter refuses "
-               "backend = \"triton\" with EP > 1 today).")
+FP8_WAIT_EP = ("WAITING ON FP8 WITH EXPERT PARALLELISM: [megamoe] precision = \"{p}\" runs at EP = 1 only "
+               "today, so at EP = {ep} this config parses but the converter refuses it (MegaMoEConfigError) "
+               "before the model is built. Generated now so that the comparison set is complete the day it lands.")
 
 VARIANTS = {
     "baseline_bf16": dict(
@@ -88,10 +86,12 @@ VARIANTS = {
              "TITAN_MEGAMOE_EP_TRITON=1 in the environment, else the converter refuses EP > 1 with triton"),
     "megamoe_fp8": dict(
         converters=["megamoe"], megamoe=True, backend="triton", precision="fp8",
-        note="megamoe FP8 forward and backward (blockwise)", waiting=FP8_WAIT.format(p="fp8")),
+        note="megamoe FP8 forward and backward (blockwise: 1x128 activations, 128x128 weights, fused Triton "
+             "kernels; needs compute capability >= 8.9 and dims multiples of 128)"),
     "megamoe_fp8_bwd": dict(
         converters=["megamoe"], megamoe=True, backend="triton", precision="fp8_bwd",
-        note="megamoe bf16 forward, FP8 backward", waiting=FP8_WAIT.format(p="fp8_bwd")),
+        note="megamoe bf16 forward, FP8 backward (blockwise, fused Triton kernels; needs compute "
+             "capability >= 8.9 and dims multiples of 128)"),
 }
 
 #: the variants every set holds (tests check it)
@@ -111,7 +111,7 @@ def _comment(text: str, width: int = 100) -> list[str]:
 
 def _backend_comment(m: dict, v: dict) -> str:
     if v.get("precision", "bf16") != "bf16":
-        return "  # where FP8 is being built (fused kernels)"
+        return "  # the fused FP8 kernels (EP = 1 only for now)"
     if v["backend"] == "reference" and m["ep"] > 1:
         return (f"  # what runs at EP = {m['ep']} today: the converter refuses backend = \"triton\" "
                 "with EP > 1")
@@ -126,8 +126,9 @@ def render(stem: str, m: dict, variant: str, v: dict) -> str:
     lines = _comment(f"{m['eval_note']}.") + _comment(f"Variant {variant}: {v['note']}.")
     if m.get("extra_note"):
         lines += _comment(m["extra_note"])
-    if v.get("waiting"):
-        lines += _comment(v["waiting"] + (FP8_WAIT_EP.format(ep=m["ep"]) if m["ep"] > 1 else ""))
+    waiting = v.get("precision", "bf16") != "bf16" and m["ep"] > 1
+    if waiting:
+        lines += _comment(FP8_WAIT_EP.format(p=v["precision"], ep=m["ep"]))
     lines += [
         f"# Run: python -m titan_megamoe.launch --config train_configs/{stem}_{variant}.toml --ngpu {ngpu}",
         *(["# (per node: multi-node needs torchrun with --nnodes)"] if m["gpus"] > 8 else []),
@@ -163,7 +164,7 @@ def render(stem: str, m: dict, variant: str, v: dict) -> str:
         lines += [
             "[megamoe]",
             f'backend = "{v["backend"]}"' + _backend_comment(m, v),
-            f'precision = "{v["precision"]}"' + ("  # not available yet (FP8 issue)" if v.get("waiting") else ""),
+            f'precision = "{v["precision"]}"' + ("  # EP = 1 only for now: refused here" if waiting else ""),
             "max_tokens_per_rank = 0  # 0: local_batch_size * seq_len",
             "capacity_factor = 2.0",
             "",

@@ -245,9 +245,12 @@ def test_generated_config_parses_and_converts(name):
     assert cfg.model.converters == ["megamoe"]
     precision = variant.split("megamoe_", 1)[1].replace("triton_", "").replace("ep_", "")
     assert cfg.megamoe.precision == precision
-    if precision not in AVAILABLE[cfg.megamoe.backend]:  # the FP8 ones: waiting on the FP8 issue
-        assert "WAITING ON THE FP8 ISSUE" in text
-        with pytest.raises(NotImplementedError, match="not available yet"):
+    assert precision in AVAILABLE[cfg.megamoe.backend]
+    if precision != "bf16" and m["ep"] > 1:  # FP8 runs at EP = 1 only: refused before the model is built
+        from titan_megamoe.config import MegaMoEConfigError
+
+        assert "WAITING ON FP8 WITH EXPERT PARALLELISM" in text
+        with pytest.raises(MegaMoEConfigError, match=r"EP = 1.*expert_parallel_degree"):
             MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
         return
     if variant == "megamoe_triton_ep_bf16":  # opt-in: refused without the flag, accepted with it

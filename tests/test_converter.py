@@ -14,6 +14,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
 import titan_megamoe  # noqa: F401  registers the converter
+from titan_megamoe.config import MegaMoEConfigError
 from titan_megamoe.converter import MegaMoEConverter
 from titan_megamoe.errors import UnsupportedModelError
 from titan_megamoe.layer import MegaMoE
@@ -148,13 +149,15 @@ def test_refuses_grouped_mm_quantization_and_unbuilt_backend():
     jc.model.converters = ["quantize.grouped_mm.float8", "megamoe"]
     with pytest.raises(UnsupportedModelError, match="grouped_mm"):
         MegaMoEConverter(jc, dims())
-    with pytest.raises(NotImplementedError, match="not available yet.*reference/bf16, triton/bf16"):
-        MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8_bwd"), dims())
+    MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8_bwd"), dims())  # EP = 1
+    with pytest.raises(MegaMoEConfigError, match=r"precision = 'fp8'.*EP = 1.*expert_parallel_degree=2"):
+        MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8"),
+                         SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
     with pytest.raises(NotImplementedError, match="triton backend runs without expert parallelism"):
         MegaMoEConverter(job_config("--megamoe.backend", "triton"), SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
     MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims())  # EP = 1: accepted
-    with pytest.raises(NotImplementedError, match="precision='fp8'"):
-        MegaMoEConverter(job_config("--megamoe.precision", "fp8"), dims())
+    with pytest.raises(NotImplementedError, match="not available yet.*reference/bf16, triton/bf16, triton/fp8"):
+        MegaMoEConverter(job_config("--megamoe.precision", "fp8"), dims())  # the reference has no FP8
 
 
 def test_refuses_gpt_oss_experts_naming_the_layer():
@@ -242,3 +245,17 @@ def test_triton_backend_registers_its_op_for_selective_ac():
     assert torch.ops.megamoe.bf16_mega_moe_fwd.default in _op_sac_save_list
     assert torch.ops.megamoe.bf16_mega_moe_ep_fwd.default in _op_sac_save_list
     assert model.layers["0"].moe.experts.config.backend == "triton"
+
+
+def test_fp8_refuses_dims_not_multiple_of_128_naming_the_layer():
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from titan_megamoe.config import MegaMoEConfig
+    from titan_megamoe.converter import check_fp8_dims
+
+    args = MoEArgs(num_experts=4, top_k=2, score_func="softmax", route_norm=True, num_shared_experts=0)
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([MoE(args, dim=128, hidden_dim=96)])})
+    check_fp8_dims(model, MegaMoEConfig(backend="triton", precision="bf16"))  # bf16: any dims
+    with pytest.raises(MegaMoEConfigError, match=r"layers\.0.*precision = 'fp8'.*moe hidden dim=96.*'bf16'"):
+        check_fp8_dims(model, MegaMoEConfig(backend="triton", precision="fp8"))

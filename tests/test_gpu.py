@@ -144,3 +144,43 @@ def test_ep_triton_two_gpus():
                            str(worker)], env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0 and "EP_TRITON\nPASS" in proc.stdout, tail
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_op_matches_reference_30b_shape(precision):
+    """Blockwise FP8 fused op at the Qwen3-30B-A3B layer shape (D 2048, F 768, E 128, K 8, T 4096) vs
+    the bf16 reference, within ``FP8_REL_BOUNDS`` (+ the bf16 tolerance: the reference is bf16 here);
+    the second call hits the weight cache and gives the same bits; no non-finite scale reported."""
+    from titan_megamoe.ops import mega_moe
+    from titan_megamoe.ops.fp8_backend import NONFINITE, Fp8WeightCache
+    from titan_megamoe.ops.reference import mega_moe_ref
+    from titan_megamoe.testing import FP8_REL_BOUNDS, TOLERANCES, rel_err
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    x, ids, s, w1, w2, w3, dout = _triton_inputs(4096, 2048, 768, 128, 8)
+    cache = Fp8WeightCache()
+    weights = [t.clone().requires_grad_() for t in (w1, w2, w3)]  # the same parameters for both fp8 calls
+    res = []
+    for impl in (precision, precision, "reference"):
+        for w in weights:
+            w.grad = None
+        ws = weights if impl != "reference" else [t.clone().requires_grad_() for t in (w1, w2, w3)]
+        leaves = [x.clone().requires_grad_(), s.clone().requires_grad_(), *ws]
+        if impl == "reference":
+            out = mega_moe_ref(leaves[0], ids, leaves[1], *leaves[2:], num_experts=128)
+        else:
+            out = mega_moe(leaves[0], ids, leaves[1], *leaves[2:], num_experts=128, backend="triton",
+                           precision=precision, fp8_cache=cache, layer_name="gpu.moe")
+        out.backward(dout)
+        res.append([out.detach()] + [t.grad for t in leaves])
+    NONFINITE.flush()
+    assert (cache.misses, cache.hits) == (3, 3)
+    bounds = FP8_REL_BOUNDS[precision]
+    for name, a, a2, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), *res):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, a2), f"{name}: not bitwise repeatable"
+        bound = (bounds["out"] if name == "out" else bounds["grad"]) + TOLERANCES[torch.bfloat16]
+        err = rel_err(a.float(), b.float())
+        assert err <= bound, f"{precision} {name}: relative error {err:.4f} > {bound}"

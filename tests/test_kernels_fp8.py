@@ -557,7 +557,7 @@ def _compile_one(kind: str, D: int, F: int, out: str, block_n: int | None) -> di
         fn = _kernel_variant(g8._gemm1_swiglu_fwd_fp8_kernel, False)
         sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_ptr": "*fp8e4nv", "w1s_ptr": "*fp32",
                "w3_ptr": "*fp8e4nv", "w3s_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
-               "gate_up_ptr": f"*{out}", "h_ptr": f"*{out}"}
+               "gate_up_ptr": f"*{out}", "h_ptr": f"*{out}", "hs_ptr": "*fp32", "count_ptr": "*i32"}
         cx = dict(F=F, D=D, K=8, EVEN_N=F % cfg.block_n == 0, **tile)
     else:
         fn = _kernel_variant(g8._gemm2_scatter_fwd_fp8_kernel, False)

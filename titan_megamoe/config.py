@@ -32,7 +32,7 @@ Precision = Literal["bf16", "fp8", "fp8_bwd"]
 #: What each backend can run today. Anything else raises "not available yet" (no silent fallback).
 AVAILABLE: dict[str, tuple[str, ...]] = {
     "reference": ("bf16",),
-    "triton": ("bf16",),
+    "triton": ("bf16", "fp8", "fp8_bwd"),  # fp8 / fp8_bwd: EP = 1 only (check_parallelism)
 }
 
 

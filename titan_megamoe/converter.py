@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.tools.logging import logger
 
-from titan_megamoe.config import MegaMoEConfig
+from titan_megamoe.config import MegaMoEConfig, MegaMoEConfigError
 from titan_megamoe.errors import UnsupportedModelError
 from titan_megamoe.layer import MegaMoE
 from titan_megamoe.parallelize import register_sac_save_ops
 
-__all__ = ["MegaMoEConverter", "convert_moe_layers", "check_parallelism"]
+__all__ = ["MegaMoEConverter", "convert_moe_layers", "check_parallelism", "check_fp8_setup", "check_fp8_dims"]
 
 
 def check_parallelism(parallel_dims) -> None:
@@ -80,6 +81,43 @@ def convert_moe_layers(
     return converted
 
 
+FP8_PRECISIONS = ("fp8", "fp8_bwd")
+
+
+def check_fp8_setup(config: MegaMoEConfig, ep: int) -> None:
+    """Refuse FP8 where it cannot run, before the model is built.
+
+    Raises:
+        MegaMoEConfigError: FP8 with expert parallelism (not built), or a visible GPU without FP8
+            tensor cores (compute capability < 8.9). Dims are checked per layer in ``convert``.
+    """
+    if config.precision not in FP8_PRECISIONS:
+        return
+    if ep > 1:
+        raise MegaMoEConfigError(
+            f"megamoe: [megamoe] precision = '{config.precision}' runs without expert parallelism only "
+            f"(EP = 1) for now, got expert_parallel_degree={ep}; set parallelism.expert_parallel_degree = 1 "
+            "or [megamoe] precision = 'bf16'")
+    if torch.cuda.is_available():
+        from titan_megamoe.ops.fp8_backend import check_fp8_supported
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        check_fp8_supported(dev, 128, 128, "megamoe", config.precision)  # dims: per layer in convert()
+
+
+def check_fp8_dims(model: nn.Module, config: MegaMoEConfig) -> None:
+    """Raise MegaMoEConfigError naming the first MoE layer whose dims are not multiples of 128 (FP8)."""
+    if config.precision not in FP8_PRECISIONS:
+        return
+    for fqn, module in model.named_modules():
+        if isinstance(module, MoE):
+            E, F, D = module.experts.w1.shape
+            if D % 128 or F % 128:
+                from titan_megamoe.ops.fp8_backend import check_fp8_supported
+
+                check_fp8_supported(torch.device("meta"), D, F, fqn, config.precision)
+
+
 class MegaMoEConverter:
     """TorchTitan ``ModelConverter`` registered as "megamoe".
 
@@ -100,6 +138,7 @@ class MegaMoEConverter:
         config.validate()
         config.check_available()
         check_parallelism(parallel_dims)
+        check_fp8_setup(config, getattr(parallel_dims, "ep", 1))
         # EP inside the fused operator (v1) is opt-in (TITAN_MEGAMOE_EP_TRITON=1) until its 2-GPU tests ran
         if (config.backend == "triton" and getattr(parallel_dims, "ep", 1) > 1
                 and os.environ.get("TITAN_MEGAMOE_EP_TRITON") != "1"):
@@ -122,6 +161,7 @@ class MegaMoEConverter:
 
     def convert(self, model: nn.Module) -> None:
         """Swap every MoE layer of the (meta-device) model in place."""
+        check_fp8_dims(model, self.config)
         converted = convert_moe_layers(model, self.config, max_tokens_per_rank=self.max_tokens_per_rank)
         if self.config.backend == "triton":
             register_sac_save_ops()
@@ -131,5 +171,18 @@ class MegaMoEConverter:
         )
 
     def post_optimizer_hook(self, model) -> None:
-        """Nothing to do after the optimizer step (weight caches arrive with FP8)."""
+        """After each optimizer step (FP8 only): drop the FP8 weight caches (the weights changed; the
+        caches would notice through ``_version`` too, except for writes that bypass it) and raise for
+        non-finite FP8 scales whose counters have landed (``ops/fp8_backend.py``, no wait)."""
+        if self.config.precision not in FP8_PRECISIONS:
+            return None
+        from titan_megamoe.ops.fp8_backend import NONFINITE
+
+        models = model if isinstance(model, (list, tuple)) else [model]
+        for m in models:
+            for module in m.modules():
+                cache = getattr(module, "fp8_cache", None)
+                if cache is not None:
+                    cache.invalidate()
+        NONFINITE.check()
         return None

@@ -40,6 +40,12 @@ class MegaMoEExperts(GroupedExperts):
         self.top_k = top_k
         self.max_tokens_per_rank = max_tokens_per_rank
         self.layer_name = layer_name
+        # FP8 weights quantized once per optimizer step (ops/fp8_backend.py); None for bf16
+        self.fp8_cache = None
+        if self.config.precision in ("fp8", "fp8_bwd"):
+            from titan_megamoe.ops.fp8_backend import Fp8WeightCache
+
+            self.fp8_cache = Fp8WeightCache()
 
     def forward(self, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor) -> Tensor:  # type: ignore[override]
         """x (T, D), topk_ids (T, K) int, topk_scores (T, K) fp32 -> (T, D) in x's dtype.
@@ -64,7 +70,7 @@ class MegaMoEExperts(GroupedExperts):
             score_before_experts=self.score_before_experts,
             backend=self.config.backend, precision=self.config.precision,
             recv_capacity=capacity, max_tokens_per_rank=self.max_tokens_per_rank or None,
-            layer_name=self.layer_name,
+            layer_name=self.layer_name, fp8_cache=self.fp8_cache,
         )
 
     def extra_repr(self) -> str:

@@ -46,9 +46,9 @@ Data flow and written rows: as ``grouped_gemm.py`` (rows of the padded expert-ma
     rows of h (and of h_scale) may hold anything, NaN included: a row's output reads only that row.
 
 Outputs are bf16 by default; ``out_dtype=torch.float32`` keeps the fp32 accumulators (the tests use it
-to check the main loop to fp32 rounding). The FP8 quantization of h between the GEMMs is the caller's
-(``fp8_quant.py``); fusing it into GEMM1's epilogue is possible when BN = 128 (one program owns a
-whole 1 x 128 scale group of h) but the Hopper GEMM1 default is BN = 64 (registers, see below).
+to check the main loop to fp32 rounding). The FP8 quantization of h between the GEMMs is either a
+separate pass (``fp8_quant.py``) or GEMM1's epilogue (``quantize_h=True``: BN = 128 so one program
+owns whole 1 x 128 groups of h; 16 warps, ``HOPPER_GEMM1_FP8_QH``, because BN = 128 spills at 8).
 
 Launch configs (``GemmConfig`` of ``configs.py``; ``fp8_config_for`` picks one). Why the Hopper
 defaults, reasoned from the bf16 ones (128 x 128 x 64, 8 warps, 4 stages = 48 KiB per stage for GEMM1;
@@ -102,6 +102,7 @@ from torch import Tensor
 
 from titan_megamoe.kernels.jit import grouped_tile
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
+from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.grouped_gemm import _check_layout, _kernel_variant, interpret_mode
 from titan_megamoe.kernels.routing import RoutingLayout
 
@@ -124,6 +125,9 @@ SCALE_BLOCK = 128  # channels per activation scale, rows / columns per weight sc
 #: Hopper defaults (module docstring: registers bound GEMM1 to BN = 64 per operand).
 HOPPER_GEMM1_FP8 = GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=4, group_m=1)
 HOPPER_GEMM2_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)
+#: GEMM1 with h quantized in its epilogue (``quantize_h=True``): BN = 128 per operand owns whole 1 x 128
+#: groups of h; 16 warps keep the two accumulators + partials at 128 registers, no spills (sm_90a build).
+HOPPER_GEMM1_FP8_QH = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=16, num_stages=4, group_m=1)
 
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -144,7 +148,9 @@ def _gemm1_swiglu_fwd_fp8_kernel(
     row_pair_ptr,  # (N_cap,) int32, pair t*K + k of each padded row, -1 for padding
     tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
     gate_up_ptr,  # (N_cap, 2F) bf16 | fp32 out, [gate | up] pre-activations
-    h_ptr,  # (N_cap, F) bf16 | fp32 out, silu(gate) * up
+    h_ptr,  # (N_cap, F) bf16 | fp32 out, silu(gate) * up; QUANT_H: (N_cap, F) e4m3 out
+    hs_ptr,  # QUANT_H: (N_cap, F // 128) fp32 out, h's 1x128 scales
+    count_ptr,  # QUANT_H: (1,) int32, += non-finite h groups
     F: tl.constexpr,  # expert hidden dim (output columns)
     D: tl.constexpr,  # model dim (reduction), a multiple of 128
     K: tl.constexpr,  # top_k
@@ -153,6 +159,8 @@ def _gemm1_swiglu_fwd_fp8_kernel(
     BLOCK_K: tl.constexpr,  # 128 = the scale block
     GROUP_M: tl.constexpr,
     EVEN_N: tl.constexpr,  # F % BLOCK_N == 0: no column mask
+    QUANT_H: tl.constexpr = False,  # h quantized 1x128 in the epilogue (BLOCK_N == 128, F % 128 == 0)
+    EXACT_ROUND: tl.constexpr = False,  # QUANT_H in the interpreter (fp8_quant.py)
 ):
     """Gathered blockwise-FP8 grouped GEMM1 (gate and up) with SwiGLU in the epilogue.
 
@@ -222,8 +230,17 @@ def _gemm1_swiglu_fwd_fp8_kernel(
     rows64 = offs_m.to(tl.int64)  # int64: row * 2F overflows int32 for N_cap * 2F > 2^31
     gu_ptrs = gate_up_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
     h_ptrs = h_ptr + rows64[:, None] * F + offs_n[None, :]
-    out_ty = h_ptr.dtype.element_ty
-    if EVEN_N:
+    out_ty = gate_up_ptr.dtype.element_ty
+    if QUANT_H:  # the program owns whole 1 x 128 groups of h: quantize the fp32 h, no bf16 h written
+        tl.store(gu_ptrs, acc_gate.to(out_ty))
+        tl.store(gu_ptrs + F, acc_up.to(out_ty))
+        s_M1 = _scale_of(_amax(h, 1), 1e-12)  # (BM, 1), AMAX_EPS of fp8_reference
+        tl.store(h_ptrs, _to_e4m3(h, tl.broadcast_to(s_M1, (BLOCK_M, BLOCK_N)), EXACT_ROUND))
+        sc = tl.reshape(s_M1, (BLOCK_M,))
+        tl.store(hs_ptr + rows64 * (F // BLOCK_N) + pid_n, sc)
+        n_bad = tl.sum((~(sc < float("inf"))).to(tl.int32))  # NaN < inf is False
+        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+    elif EVEN_N:
         tl.store(gu_ptrs, acc_gate.to(out_ty))
         tl.store(gu_ptrs + F, acc_up.to(out_ty))
         tl.store(h_ptrs, h.to(out_ty))
@@ -407,8 +424,16 @@ def gemm1_swiglu_fwd_fp8(
     gate_up_out: Tensor | None = None,
     h_out: Tensor | None = None,
     config: GemmConfig | None = None,
-) -> tuple[Tensor, Tensor]:
+    quantize_h: bool = False,
+    nonfinite_count: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """Fused row gather + blockwise-FP8 GEMM1 (gate and up) + SwiGLU, in the padded expert-major layout.
+
+    With ``quantize_h=True`` the epilogue quantizes the fp32 h 1x128 (``fp8_reference`` math, bitwise)
+    and returns ``(gate_up, h_fp8 (N_cap, F) e4m3, h_scale (N_cap, F // 128) fp32)`` instead of a bf16
+    h: GEMM2's operands without a separate pass. Needs BN = 128 (default config
+    ``HOPPER_GEMM1_FP8_QH`` on GPU) and F % 128 == 0; ``nonfinite_count`` (optional (1,) int32) counts
+    non-finite h groups. Rows of tiles with expert -1 are left unwritten (GEMM2 skips those tiles).
 
     Math, for each padded row r with pair p = row_pair[r] >= 0, t = p // K, e = tile_expert[r // BM],
     with xq, w1q, w3q the dequantized operands (module docstring):
@@ -449,8 +474,19 @@ def gemm1_swiglu_fwd_fp8(
     _check_reduction_dim("D", D, "model dim, GEMM1's reduction")
     _check_output_dim("F", F, "expert hidden dim, GEMM1's output columns")
     _check_out_dtype(out_dtype)
-    cfg = config if config is not None else fp8_config_for("gemm1", D, F, interpret)
+    if config is not None:
+        cfg = config
+    elif quantize_h and not interpret:
+        cfg = HOPPER_GEMM1_FP8_QH
+    else:
+        cfg = fp8_config_for("gemm1", D, F, interpret)
+        cfg = dataclasses.replace(cfg, block_n=SCALE_BLOCK, block_m=layout.block_m) if quantize_h else cfg
     _check_config(cfg, "gemm1")
+    if quantize_h:
+        _check_reduction_dim("F", F, "expert hidden dim, quantized 1x128 in GEMM1's epilogue")
+        if cfg.block_n != SCALE_BLOCK:
+            raise ValueError(f"gemm1 fp8 quantize_h: config.block_n={cfg.block_n} must be {SCALE_BLOCK} (one program "
+                             "per 1 x 128 group of h)")
     KB, NB = D // SCALE_BLOCK, _nb(F)
     _check_tensor("x_fp8", x_fp8, (T, D), FP8_DTYPE, dev)
     _check_tensor("x_scale", x_scale, (T, KB), torch.float32, dev)
@@ -461,22 +497,27 @@ def gemm1_swiglu_fwd_fp8(
     N = layout.n_cap
     if gate_up_out is None:
         gate_up_out = torch.empty((N, 2 * F), dtype=out_dtype, device=dev)
+    h_dtype = FP8_DTYPE if quantize_h else out_dtype
     if h_out is None:
-        h_out = torch.empty((N, F), dtype=out_dtype, device=dev)
+        h_out = torch.empty((N, F), dtype=h_dtype, device=dev)
     _check_tensor("gate_up_out", gate_up_out, (N, 2 * F), out_dtype, dev)
-    _check_tensor("h_out", h_out, (N, F), out_dtype, dev)
+    _check_tensor("h_out", h_out, (N, F), h_dtype, dev)
+    hs = torch.empty((N, F // SCALE_BLOCK), dtype=torch.float32, device=dev) if quantize_h else h_out
+    if nonfinite_count is None:
+        nonfinite_count = torch.zeros(1, dtype=torch.int32, device=dev) if quantize_h else h_out
+    res = (gate_up_out, h_out, hs) if quantize_h else (gate_up_out, h_out)
     if layout.n_tiles_cap == 0:
-        return gate_up_out, h_out
+        return res
 
     grid = (layout.n_tiles_cap, triton.cdiv(F, cfg.block_n))
     _kernel_variant(_gemm1_swiglu_fwd_fp8_kernel, interpret)[grid](
         x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout.row_pair, layout.tile_expert,
-        gate_up_out, h_out,
+        gate_up_out, h_out, hs, nonfinite_count,
         F=F, D=D, K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, EVEN_N=F % cfg.block_n == 0,
+        GROUP_M=cfg.group_m, EVEN_N=F % cfg.block_n == 0, QUANT_H=quantize_h, EXACT_ROUND=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return gate_up_out, h_out
+    return res
 
 
 def gemm2_scatter_fwd_fp8(

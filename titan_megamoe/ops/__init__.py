@@ -34,6 +34,7 @@ def mega_moe(
     recv_capacity: int | None = None,
     max_tokens_per_rank: int | None = None,
     layer_name: str = "moe",
+    fp8_cache=None,
 ) -> Tensor:
     """Routed-expert path of an MoE layer: EP dispatch + SwiGLU experts + weighted combine.
 
@@ -50,12 +51,17 @@ def mega_moe(
         recv_capacity: largest number of routed rows a rank accepts (CapacityError beyond).
         max_tokens_per_rank: T_cap of the expert-parallel Triton path's workspace (needed there).
         layer_name: name used in error messages.
+        fp8_cache: an ``ops.fp8_backend.Fp8WeightCache`` keeping the FP8 weights between calls
+            (precision "fp8" / "fp8_bwd"); None quantizes the weights on every call.
 
     Returns:
         (T, D) output in x's dtype; the fp32 weighted sum over top_k is done in a fixed order.
 
     Raises:
         NotImplementedError: the (backend, precision) pair is not built yet.
+        MegaMoEConfigError: FP8 on a GPU without FP8 tensor cores, D or F not multiples of 128, or FP8
+            with expert parallelism (not built).
+        NonFiniteError: an earlier FP8 call quantized inf / NaN (reported lazily, ops/fp8_backend.py).
         ValueError: inconsistent shapes or expert ids out of range.
         CapacityError: routed rows beyond ``recv_capacity``.
     """
@@ -63,6 +69,10 @@ def mega_moe(
         raise NotImplementedError(
             f"mega_moe: backend={backend!r}, precision={precision!r} is not available yet"
         )
+    if backend == "triton" and precision in ("fp8", "fp8_bwd"):
+        return _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD, ep_group=ep_group,
+                             score_before_experts=score_before_experts, precision=precision,
+                             layer_name=layer_name, fp8_cache=fp8_cache)
     if backend == "triton":
         if ep_group is not None and os.environ.get("TITAN_MEGAMOE_EP_TRITON") == "1":
             # Expert parallelism inside the fused operator (v1, ops/ep_backend.py): opt-in until its
@@ -104,3 +114,30 @@ def mega_moe(
         num_experts=num_experts, ep_group=ep_group, score_before_experts=score_before_experts,
         recv_capacity=recv_capacity, layer_name=layer_name,
     )
+
+
+def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, score_before_experts, precision,
+                  layer_name, fp8_cache):
+    """precision "fp8" / "fp8_bwd" on the triton backend (EP = 1): checks, then ops/library.py."""
+    from titan_megamoe.config import MegaMoEConfigError
+    from titan_megamoe.ops.fp8_backend import check_fp8_supported
+    from titan_megamoe.ops.library import mega_moe_triton_fp8
+    from titan_megamoe.ops.triton_backend import check_triton_inputs
+
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        raise MegaMoEConfigError(
+            f"{layer_name}: [megamoe] precision = '{precision}' runs without expert parallelism only (EP = 1) "
+            "for now; set parallelism.expert_parallel_degree = 1 or [megamoe] precision = 'bf16'")
+    if score_before_experts:
+        raise NotImplementedError(
+            f"{layer_name}: the triton backend applies the routing score after the experts (Qwen3 style); "
+            "score_before_experts models (DeepSeek-V3, Llama4) need backend = 'reference' for now")
+    check_triton_inputs(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, layer_name)
+    check_fp8_supported(x_TD.device, x_TD.shape[1], w1.shape[1], layer_name, precision)
+    # Weights keep their dtype (fp32 master weights quantize straight from fp32 and get fp32
+    # gradients); other dtypes (fp16) go through bf16.
+    ok = (torch.bfloat16, torch.float32)
+    w1, w2, w3 = (w if w.dtype in ok else w.to(torch.bfloat16) for w in (w1, w2, w3))
+    out = mega_moe_triton_fp8(x_TD.to(torch.bfloat16), topk_ids_TK, topk_scores_TK.to(torch.float32), w1, w2, w3,
+                              fp8_forward=precision == "fp8", cache=fp8_cache, layer_name=layer_name)
+    return out.to(x_TD.dtype)

@@ -1,0 +1,208 @@
+"""The blockwise-FP8 fused operator end to end (precision "fp8" and "fp8_bwd", triton backend, EP = 1):
+custom ops + autograd against the unquantized reference (``FP8_REL_BOUNDS``), the weight cache,
+the lazy non-finite report, and the early errors (dims, GPU capability, expert parallelism).
+
+Kernel-level checks against the dequantized-operand reference are in tests/test_kernels_fp8.py
+(forward) and tests/test_kernels_fp8_bwd.py (backward). On CPU the kernels run in Triton's
+interpreter; tests/test_gpu.py runs the op at the Qwen3-30B-A3B shape.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from titan_megamoe.config import MegaMoEConfig, MegaMoEConfigError  # noqa: E402
+from titan_megamoe.errors import NonFiniteError  # noqa: E402
+from titan_megamoe.ops import mega_moe  # noqa: E402
+from titan_megamoe.ops.fp8_backend import NONFINITE, Fp8WeightCache, check_fp8_supported  # noqa: E402
+from titan_megamoe.ops.reference import mega_moe_ref  # noqa: E402
+from titan_megamoe.testing import FP8_REL_BOUNDS, make_routing, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = [
+    # (precision, routing, T, D, F, E, K, weight dtype): the edge each row covers
+    ("fp8", "uniform", 37, 256, 128, 4, 2, torch.bfloat16),  # T not a multiple of the block; two D blocks
+    ("fp8", "one_expert", 24, 128, 128, 4, 1, torch.float32),  # top_k = 1, all on expert 0; fp32 params -> fp32 grads
+    ("fp8_bwd", "zero_expert", 40, 128, 128, 4, 2, torch.bfloat16),  # experts with no token
+]
+
+
+def _inputs(routing, T, D, F, E, K, wdt, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, generator=g) / D**0.5).bfloat16().to(wdt)
+    w3 = (torch.randn(E, F, D, generator=g) / D**0.5).bfloat16().to(wdt)
+    w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16().to(wdt)
+    s = torch.softmax(torch.randn(T, K, generator=g), -1)
+    dout = torch.randn(T, D, generator=g).bfloat16()
+    ids = make_routing(routing, T, E, K, seed=seed)
+    return [t.to(DEV) for t in (x, ids, s, w1, w2, w3, dout)]
+
+
+def _fwd_bwd(precision, x, ids, s, w1, w2, w3, dout, cache=None):
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w2, w3)]
+    if precision == "reference":  # the same bf16-valued operands, computed in fp32
+        f32 = [t.float() for t in leaves]
+        out = mega_moe_ref(f32[0], ids, f32[1], *f32[2:], num_experts=w1.shape[0])
+    else:
+        out = mega_moe(leaves[0], ids, leaves[1], *leaves[2:], num_experts=w1.shape[0], backend="triton",
+                       precision=precision, layer_name="layers.0.moe", fp8_cache=cache)
+    out.backward(dout.to(out.dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-K{c[6]}" for c in CASES])
+def test_fp8_op_matches_reference_within_bounds(case):
+    precision, *shape, wdt = case
+    inputs = _inputs(*shape, wdt)
+    cache = Fp8WeightCache()
+    got = _fwd_bwd(precision, *inputs, cache=cache)
+    ref = _fwd_bwd("reference", *inputs)
+    NONFINITE.flush()  # nothing non-finite in these inputs
+    assert cache.misses == 3 and cache.hits == 0
+    bounds = FP8_REL_BOUNDS[precision]
+    for name, a, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got, ref):
+        want = {"out": torch.bfloat16, "dx": torch.bfloat16, "dscores": torch.float32}.get(name, wdt)
+        assert a.dtype == want, (name, a.dtype)
+        assert torch.isfinite(a).all(), name
+        err = rel_err(a.float(), b.float())
+        bound = bounds["out"] if name == "out" else bounds["grad"]
+        assert err <= bound, f"{precision} {name}: relative error {err:.4f} > {bound}"
+
+
+def test_weight_cache_hits_until_the_weight_changes():
+    from titan_megamoe.ops import fp8_reference as R
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16())
+    cache = Fp8WeightCache()
+    q, s, qT, sT = cache.get("w1", w, forward=True)
+    rq, rs = R.quantize_weight_128x128(w.detach())
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    # the transposed copy equals the quantization of w^T (a block's amax ignores the orientation)
+    tq, ts = R.quantize_weight_128x128(w.detach().transpose(1, 2).contiguous())
+    assert torch.equal(qT.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(sT, ts)
+    assert cache.get("w1", w, forward=True)[0] is q and (cache.hits, cache.misses) == (1, 1)
+    assert cache.get("w1", w, forward=False)[2] is qT  # the bwd-only request reuses the entry
+    with torch.no_grad():
+        w.mul_(2.0)  # what the optimizer does: in place, bumps w._version
+    q2, s2, _, _ = cache.get("w1", w, forward=True)
+    assert cache.misses == 2 and torch.equal(s2, 2 * s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    cache.invalidate()
+    cache.get("w1", w, forward=True)
+    assert cache.misses == 3
+    # a bwd-only entry (fp8_bwd) is recomputed when the forward copy is asked for
+    c2 = Fp8WeightCache()
+    assert c2.get("w", w, forward=False)[0] is None and c2.get("w", w, forward=True)[0] is not None
+    assert c2.misses == 2
+
+
+def test_converter_hook_invalidates_caches_and_experts_own_one():
+    from titan_megamoe.converter import MegaMoEConverter
+    from titan_megamoe.experts import MegaMoEExperts
+
+    experts = MegaMoEExperts(128, 128, 2, config=MegaMoEConfig(backend="triton", precision="fp8_bwd"), top_k=1)
+    assert isinstance(experts.fp8_cache, Fp8WeightCache)
+    assert MegaMoEExperts(128, 128, 2, config=MegaMoEConfig(backend="triton")).fp8_cache is None
+    experts.fp8_cache._entries["x"] = ((), ())
+    MegaMoEConverter.post_optimizer_hook(SimpleNamespace(config=experts.config), torch.nn.Sequential(experts))
+    assert experts.fp8_cache._entries == {}
+
+
+def test_nonfinite_is_reported_with_the_layer_name():
+    x, ids, s, w1, w2, w3, _ = _inputs("uniform", 16, 128, 128, 2, 2, torch.bfloat16)
+    NONFINITE.flush()
+    x[3, 7] = float("inf")
+    with torch.no_grad():
+        mega_moe(x, ids, s, w1, w2, w3, num_experts=2, backend="triton", precision="fp8", layer_name="layers.5.moe")
+    with pytest.raises(NonFiniteError, match=r"layers\.5\.moe forward activations: \d+ FP8 scaling groups"):
+        NONFINITE.flush()
+    NONFINITE.flush()  # reported once
+    # a broken weight is named too (reported by the next fp8 call's check, or at the end of the step)
+    from titan_megamoe.ops.fp8_backend import prepare_weights
+
+    w1[0, 0, 0] = float("nan")
+    prepare_weights(w1, w2, w3, fp8_forward=False, cache=None, layer_name="layers.6.moe")
+    with pytest.raises(NonFiniteError, match=r"layers\.6\.moe expert weights"):
+        NONFINITE.check()
+
+
+def test_early_errors(monkeypatch):
+    from titan_megamoe.converter import check_fp8_setup
+
+    x, ids, s, w1, w2, w3, _ = _inputs("uniform", 8, 128, 128, 2, 2, torch.bfloat16)
+    odd = torch.zeros(2, 96, 128, dtype=torch.bfloat16, device=x.device)
+    with pytest.raises(MegaMoEConfigError, match=r"layers\.1\.moe.*multiples of 128.*moe hidden dim=96.*'bf16'"):
+        mega_moe(x, ids, s, odd, odd.transpose(1, 2).contiguous(), odd, num_experts=2, backend="triton",
+                 precision="fp8", layer_name="layers.1.moe")
+    with pytest.raises(MegaMoEConfigError, match=r"EP = 1.*expert_parallel_degree=2"):
+        check_fp8_setup(MegaMoEConfig(backend="triton", precision="fp8"), ep=2)
+    check_fp8_setup(MegaMoEConfig(backend="triton", precision="bf16"), ep=2)  # not FP8: not this check's business
+    # a GPU without FP8 tensor cores (A100, sm_80), refused by the op and by the converter up front
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(MegaMoEConfigError, match=r"FP8 tensor cores.*A100.*sm_80.*precision = 'bf16'"):
+        check_fp8_supported(torch.device("cuda", 0), 2048, 768, "layers.0.moe", "fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(MegaMoEConfigError, match="sm_80"):
+        check_fp8_setup(MegaMoEConfig(backend="triton", precision="fp8_bwd"), ep=1)
+
+
+def test_fp8_fwd_op_fake_matches_real():
+    x, ids, s, w1, w2, w3, _ = _inputs("uniform", 8, 128, 128, 2, 2, torch.bfloat16)
+    from titan_megamoe.ops.fp8_backend import prepare_weights
+
+    wq = prepare_weights(w1, w2, w3, fp8_forward=True, cache=None, layer_name="moe")
+    torch.library.opcheck(torch.ops.megamoe.fp8_mega_moe_fwd.default, (x, ids, s, w1, w2, w3, wq, True, "moe"),
+                          test_utils=("test_faketensor",))  # test_schema: no fp8 mul on CPU
+
+
+def test_megamoe_layer_fp8_matches_reference_layer_and_caches_per_step():
+    """The whole MegaMoE layer (router, scores, experts through ``self.experts`` with its weight cache)
+    with precision "fp8" vs the same layer on the reference backend: output, dx, expert and router
+    gradients within the FP8 bounds (fp32 parameters: fp32 gradients). After an in-place update of
+    w1 (what the optimizer does) only w1 is re-quantized."""
+    import copy
+
+    from torchtitan.models.moe.moe import MoEArgs
+
+    from titan_megamoe.layer import MegaMoE
+    from titan_megamoe.testing import build_moe_pair
+
+    args = MoEArgs(num_experts=4, top_k=2, score_func="softmax", route_norm=True, score_before_experts=False,
+                   num_shared_experts=0)
+    pair = build_moe_pair(args, 128, 128, dtype=torch.float32, seed=0)
+    fp8 = MegaMoE.from_moe(copy.deepcopy(pair.stock), config=MegaMoEConfig(backend="triton", precision="fp8"))
+    ref = pair.mega.to(DEV)
+    fp8 = fp8.to(DEV)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 24, 128, generator=g).to(DEV)
+    dy = torch.randn(1, 24, 128, generator=g).to(DEV)
+    res = []
+    for layer in (fp8, ref):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(dy)
+        e = layer.experts
+        res.append([out.detach(), xi.grad, e.w1.grad, e.w2.grad, e.w3.grad, layer.router.gate.weight.grad])
+    NONFINITE.flush()
+    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw3", "dgate"), *res):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        bound = FP8_REL_BOUNDS["fp8"]["out" if name == "out" else "grad"]
+        assert rel_err(a, b) <= bound, f"{name}: {rel_err(a, b):.4f} > {bound}"
+    cache = fp8.experts.fp8_cache
+    assert (cache.misses, cache.hits) == (3, 0)
+    with torch.no_grad():
+        fp8.experts.w1.mul_(0.5)
+        fp8(x)
+    assert (cache.misses, cache.hits) == (4, 2)

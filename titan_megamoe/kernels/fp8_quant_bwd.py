@@ -1,0 +1,273 @@
+"""FP8 quantizers of the backward's operands (DeepSeek-V3 recipe, arXiv 2412.19437, section 3.3):
+one fused pass per operand that reads the bf16 source once and writes e4m3 values + fp32 scales
+straight in the layout the FP8 backward GEMMs read (no bf16 gathered copy, no transpose pass).
+
+Shape legend:
+    T   tokens      D   model dim      F   expert hidden dim      K   top_k
+    N_cap  rows of the padded expert-major layout (``routing.py``), a multiple of 128 here
+    C   columns of the quantized tensor      G = 128 (group edge)
+
+Why these layouts. The weight gradients reduce over the rows of each expert's segment
+(dW[e] = A_e^T B_e), so both operands are scaled per (128 consecutive rows, column) ("128x1",
+the transposed activation scaling of DeepSeek-V3), and Hopper's FP8 wgmma wants both operands
+K-major, i.e. contiguous along the rows: the 128x1 operands are stored *transposed*, (C, N_cap).
+Scale groups must not straddle two experts: the FP8 path builds its routing layout with BM = 128
+(``ops/fp8_backend.py``), so every expert segment starts on a multiple of 128 and the global
+128-row groups are per-expert groups (the choice "BM = 128 segments"; the alternative,
+per-segment group origins with any BM, would need per-expert scale offsets in every kernel).
+
+    quantize_gather_128x1_t(x (T, C), row_index (N_cap,), K)
+        -> xT_q (C, N_cap) e4m3, scale (N_cap // 128, C) fp32
+        row r of the (virtual) gathered tensor is x[row_index[r] // K] (zero where row_index < 0):
+        x for dw1/dw3 and dout for dw2, gathered into layout rows inside the pass.
+    quantize_dual_1x128_128x1_t(x (M, C), row_valid (M,))
+        -> x_q (M, C) e4m3 + scale (M, C // 128)        (1x128: GEMM1 dgrad's A operand)
+           xT_q (C, M) e4m3 + scale (M // 128, C)       (128x1, transposed: dw1/dw3's A operand)
+        both from one DRAM read of each 128 x 128 tile (dgate_up; the second pass hits L1 / L2).
+
+Math per group exactly as ``ops/fp8_reference.py`` (amax floored at 1e-12, scale = amax / 448, IEEE
+divisions, round to nearest even; the interpreter's inexact fp8 cast is bypassed by EXACT_ROUND as
+in ``fp8_quant.py``), so the results equal the reference bitwise:
+``quantize_gather_128x1_t == quantize_act_128x1(gathered x).T`` and the dual's two halves equal
+``quantize_act_1x128(x)`` and ``quantize_act_128x1(x, row_valid).T`` (invalid rows read as 0).
+
+Non-finite groups are counted into an optional (1,) int32 device counter (``nonfinite_count``, as
+``fp8_quant.py``): no host sync. Dims are constexpr; row counts runtime; offsets int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from titan_megamoe.kernels.fp8_quant import (
+    _INPUT_DTYPES,
+    _amax,
+    _check_tensor,
+    _count_arg,
+    _out_buffer,
+    _scale_of,
+    _to_e4m3,
+)
+from titan_megamoe.kernels.grouped_gemm import _kernel_variant, interpret_mode
+from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP, check_group_dim
+
+__all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t"]
+
+_T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather pass
+_WARPS = 4
+_DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
+
+
+@triton.jit
+def _quant_gather_128x1_t_kernel(
+    x_ptr,  # (T, C) fp32 / bf16, source rows
+    row_index_ptr,  # (M,) int32, source index (// TOP_K) of each output row, < 0 -> zero row
+    yT_ptr,  # (C, M) fp8e4nv out, transposed
+    scale_ptr,  # (cdiv(M, 128), C) fp32 out
+    count_ptr,  # (1,) int32, += non-finite groups; CHECK only
+    M,  # i32, output rows (N_cap)
+    C: tl.constexpr,
+    TOP_K: tl.constexpr,
+    CHECK: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    EPS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Gathered 128x1 quantization with a transposed store.
+
+    Grid: (cdiv(M, 128), cdiv(C, BLOCK_C)); program (b, j) owns output rows [128 b, 128 b + 128) x
+    columns [j BC, (j+1) BC): it gathers those rows of x, takes the per-column amax over the 128 rows,
+    stores the e4m3 values at yT[col, row] and scale[b, col].
+    """
+    G: tl.constexpr = 128
+    b = tl.program_id(0)
+    rows = b * G + tl.arange(0, G)
+    row_ok = rows < M
+    idx = tl.load(row_index_ptr + rows, mask=row_ok, other=-1)
+    live = idx >= 0
+    src = tl.where(live, idx // TOP_K, 0).to(tl.int64)  # int64: src * C can pass 2^31
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=live[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)
+    scale_1C = _scale_of(_amax(x, 0), EPS)  # (1, BC)
+    q = _to_e4m3(x, tl.broadcast_to(scale_1C, (G, BLOCK_C)), EXACT_ROUND)
+    scale = tl.reshape(scale_1C, (BLOCK_C,))
+    # int64: col * M passes 2^31 at full shapes (2048 x 147k)
+    tl.store(yT_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(scale_ptr + b.to(tl.int64) * C + cols, scale, mask=col_ok)
+    if CHECK:
+        n_bad = tl.sum((col_ok & ~(scale < float("inf"))).to(tl.int32))  # NaN < inf is False
+        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+
+
+@triton.jit
+def _quant_dual_kernel(
+    x_ptr,  # (M, C) fp32 / bf16
+    valid_ptr,  # (M,) uint8, nonzero = valid row
+    y_ptr,  # (M, C) fp8e4nv out, 1x128
+    s_ptr,  # (M, C // 128) fp32 out
+    yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed
+    sT_ptr,  # (cdiv(M, 128), C) fp32 out
+    count_ptr,  # (1,) int32; CHECK only
+    M,  # i32 rows
+    C: tl.constexpr,  # a multiple of 128
+    CHECK: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """One 128 x 128 tile: 1x128 (row) and 128x1 (column) quantization.
+
+    Grid: (cdiv(M, 128), C // 128); program (b, g) owns rows [128 b, 128 b + 128) x columns
+    [128 g, 128 g + 128) of both outputs, s[rows, g] and sT[b, cols]. Invalid rows read as 0.
+    The tile is handled in two 64-column halves (a whole fp32 tile plus its pointer tiles spilled):
+    pass 1 quantizes each half's columns and takes the row amax; pass 2 re-reads the halves (from L1 /
+    L2: DRAM reads the tile once) and quantizes the rows with the now complete row scale.
+    """
+    G: tl.constexpr = 128
+    H: tl.constexpr = 64
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = b * G + tl.arange(0, G)
+    row_ok = rows < M
+    live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+    rows64 = rows.to(tl.int64)
+    amax_M1 = tl.zeros((G, 1), dtype=tl.float32)
+    n_bad = 0
+    for half in tl.static_range(2):
+        cols = g * G + half * H + tl.arange(0, H)
+        x = tl.load(x_ptr + rows64[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        amax_M1 = tl.maximum(amax_M1, _amax(x, 1), propagate_nan=tl.PropagateNan.ALL)
+        s_1H = _scale_of(_amax(x, 0), EPS)  # (1, 64)
+        qT = _to_e4m3(x, tl.broadcast_to(s_1H, (G, H)), EXACT_ROUND)
+        tl.store(yT_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qT, mask=row_ok[:, None])
+        s_col = tl.reshape(s_1H, (H,))
+        tl.store(sT_ptr + b.to(tl.int64) * C + cols, s_col)
+        if CHECK:
+            n_bad += tl.sum((~(s_col < float("inf"))).to(tl.int32))  # NaN < inf is False
+    s_M1 = _scale_of(amax_M1, EPS)  # (128, 1)
+    for half in tl.static_range(2):
+        cols = g * G + half * H + tl.arange(0, H)
+        x = tl.load(x_ptr + rows64[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        q = _to_e4m3(x, tl.broadcast_to(s_M1, (G, H)), EXACT_ROUND)
+        tl.store(y_ptr + rows64[:, None] * C + cols[None, :], q, mask=row_ok[:, None])
+    s_row = tl.reshape(s_M1, (G,))
+    tl.store(s_ptr + rows64 * (C // G) + g, s_row, mask=row_ok)
+    if CHECK:
+        n_bad += tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32))
+        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+
+
+def quantize_gather_128x1_t(
+    x: Tensor,
+    row_index: Tensor,
+    top_k: int,
+    *,
+    nonfinite_count: Tensor | None = None,
+    out: Tensor | None = None,
+    scale_out: Tensor | None = None,
+    name: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Gather token rows into layout order and quantize them 128x1, stored transposed.
+
+    Virtual source ``xg[r] = x[row_index[r] // top_k]`` (zero row where ``row_index[r] < 0``); result
+    equals ``fp8_reference.quantize_act_128x1(xg)`` transposed, bitwise.
+
+    Grid: (cdiv(M, 128), cdiv(C, BC)); one program per 128 output rows x BC columns.
+
+    Args:
+        x: (T, C) fp32 / bf16 / fp16 contiguous (x, or dout).
+        row_index: (M,) int32 contiguous, e.g. ``layout.row_pair`` with ``top_k = K``; indices are not
+            checked on the host (no sync): the caller guarantees row_index // top_k < T.
+        top_k: divisor of row_index (>= 1).
+        nonfinite_count: optional (1,) int32 device counter (+= groups with a non-finite scale).
+        out, scale_out: optional (C, M) float8_e4m3fn / (cdiv(M, 128), C) fp32 contiguous buffers.
+        name: named in error messages.
+
+    Returns:
+        (xT_fp8 (C, M) float8_e4m3fn, scale (cdiv(M, 128), C) fp32): ``xg[r, c] ~= xT_fp8[c, r] *
+        scale[r // 128, c]``.
+
+    Raises:
+        ValueError: wrong dtype / shape / device / contiguity, top_k < 1.
+
+    Host syncs: none.
+    """
+    fn = "quantize_gather_128x1_t"
+    _check_tensor(fn, name or "x", x, 2, _INPUT_DTYPES)
+    _check_tensor(fn, "row_index", row_index, 1, (torch.int32,), x.device)
+    if top_k < 1:
+        raise ValueError(f"{fn}: top_k={top_k} must be >= 1")
+    C = x.shape[1]
+    M = row_index.shape[0]
+    dev = x.device
+    count, check = _count_arg(fn, nonfinite_count, dev)
+    out = _out_buffer(fn, "out", out, (C, M), FP8_DTYPE, dev)
+    scale_out = _out_buffer(fn, "scale_out", scale_out, (triton.cdiv(M, GROUP), C), torch.float32, dev)
+    if M == 0 or C == 0:
+        return out, scale_out
+    interpret = interpret_mode()
+    bc = _T_BLOCK_C[interpret]
+    _kernel_variant(_quant_gather_128x1_t_kernel, interpret)[(triton.cdiv(M, GROUP), triton.cdiv(C, bc))](
+        x, row_index, out, scale_out, count if check else scale_out, M,
+        C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc, num_warps=_WARPS,
+    )
+    return out, scale_out
+
+
+def quantize_dual_1x128_128x1_t(
+    x: Tensor,
+    row_valid: Tensor,
+    *,
+    nonfinite_count: Tensor | None = None,
+    name: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """1x128 and transposed 128x1 quantization of one tensor, each 128 x 128 tile read once from DRAM.
+
+    Equal bitwise to ``fp8_reference.quantize_act_1x128(xv)`` and ``quantize_act_128x1(xv).T`` with
+    ``xv = where(row_valid, x, 0)``.
+
+    Grid: (cdiv(M, 128), C // 128); one program per 128 x 128 tile.
+
+    Args:
+        x: (M, C) fp32 / bf16 / fp16 contiguous, C a multiple of 128 (dgate_up: C = 2F).
+        row_valid: (M,) bool / uint8 contiguous mask (``layout.row_pair >= 0``); invalid rows read as
+            zero in both outputs (rows past the last expert may hold anything).
+        nonfinite_count: optional (1,) int32 device counter.
+        name: named in error messages.
+
+    Returns:
+        (x_fp8 (M, C), scale (M, C // 128), xT_fp8 (C, M), scaleT (cdiv(M, 128), C)).
+
+    Raises:
+        ValueError: C not a multiple of 128 (use precision = 'bf16'), wrong dtype / shape / device.
+
+    Host syncs: none.
+    """
+    fn = "quantize_dual_1x128_128x1_t"
+    _check_tensor(fn, name or "x", x, 2, _INPUT_DTYPES)
+    M, C = x.shape
+    check_group_dim(C, "channel dim (last dim)", fn, name)
+    dev = x.device
+    if row_valid.dtype == torch.bool:
+        row_valid = row_valid.view(torch.uint8)
+    _check_tensor(fn, "row_valid", row_valid, 1, (torch.uint8,), dev)
+    if row_valid.shape[0] != M:
+        raise ValueError(f"{fn}: row_valid must have shape ({M},), got {tuple(row_valid.shape)}")
+    count, check = _count_arg(fn, nonfinite_count, dev)
+    Mb = triton.cdiv(M, GROUP)
+    y = torch.empty((M, C), dtype=FP8_DTYPE, device=dev)
+    s = torch.empty((M, C // GROUP), dtype=torch.float32, device=dev)
+    yT = torch.empty((C, M), dtype=FP8_DTYPE, device=dev)
+    sT = torch.empty((Mb, C), dtype=torch.float32, device=dev)
+    if M == 0:
+        return y, s, yT, sT
+    interpret = interpret_mode()
+    _kernel_variant(_quant_dual_kernel, interpret)[(Mb, C // GROUP)](
+        x, row_valid, y, s, yT, sT, count if check else s, M,
+        C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=_DUAL_WARPS,
+    )
+    return y, s, yT, sT

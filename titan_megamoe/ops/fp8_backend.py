@@ -1,0 +1,314 @@
+"""Host glue of the blockwise-FP8 Triton backend (EP = 1): precision "fp8" (FP8 forward and backward)
+and "fp8_bwd" (bf16 forward, FP8 backward). DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3):
+e4m3 everywhere, activations / gradients scaled per 1x128 tile, weights per 128x128 block, the
+weight-gradient operands per 128x1 (128 rows of the reduction = tokens); fp32 accumulation with the
+scale product applied per 128-wide K block. No autograd here (``ops/library.py``).
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top_k, N_cap padded rows.
+
+Forward (fp8): quantize x 1x128 -> FP8 GEMM1 (gather, SwiGLU; saves bf16 gate_up; h quantized 1x128 in
+its epilogue, ``FUSE_H_QUANT``) -> FP8 GEMM2 (score, scatter) -> fp32 top-k sum. Forward (fp8_bwd): the bf16 kernels.
+Backward (both): quantize dout 1x128 (GEMM2 dgrad's A) and, gathered into layout rows, 128x1
+transposed (dw2's A) -> FP8 GEMM2 dgrad + SwiGLU bwd + d score + s*h quantized 128x1 in its epilogue
+-> dgate_up quantized 1x128 and 128x1 in one pass -> dw2, dw1 | dw3 (FP8 K-grouped wgrad; x gathered
+and quantized 128x1 in one pass) -> FP8 GEMM1 dgrad -> fp32 per-token dx sum. Every quantization is
+one pass reading the bf16 source once (``fp8_quant.py``, ``fp8_quant_bwd.py``).
+
+Routing layout: BM = 128 in both modes (also under the interpreter), so each expert segment starts
+on a 128-row boundary and the wgrad's 128-row scale groups never straddle two experts.
+
+Weights: :class:`Fp8WeightCache` quantizes each expert weight once per optimizer step (128x128, and
+transposed copies for the dgrad GEMMs, whose B operand must be K-major for Hopper's FP8 wgmma).
+
+Non-finite scales (inf / NaN in x, h, dout, s*h, dgate_up or a weight): every quantization adds the
+count of its non-finite groups to a device counter; :data:`NONFINITE` copies it to pinned host memory
+without waiting, and the next fp8 op call (or ``MegaMoEConverter.post_optimizer_hook``, once per
+step) raises :class:`~titan_megamoe.errors.NonFiniteError` naming the layer, for records that have
+landed (``torch.cuda.Event.query``): no host sync per call; the error arrives a few layer calls
+late, when the step's result is garbage anyway. ``NONFINITE.flush()`` waits (tests, debugging).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.config import MegaMoEConfigError
+from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
+
+__all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "check_fp8_supported",
+           "fp8_fwd", "fp8_bwd", "quantize_weights"]
+
+#: Row block of the FP8 path's routing layout: one 128-row scale group (module docstring).
+FP8_BLOCK_M = 128
+#: Quantize h in GEMM1's epilogue (one pass less; BN = 128 at 16 warps) instead of a separate 1x128
+#: pass over a bf16 h (BN = 64 at 8 warps). Neither measured on a GPU yet: scripts/bench_fp8.py times both.
+FUSE_H_QUANT = True
+#: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
+MIN_FP8_CAPABILITY = (8, 9)
+
+
+# --------------------------------------------------------------------------------------------------
+# Early checks
+# --------------------------------------------------------------------------------------------------
+
+
+def check_fp8_supported(device: torch.device, D: int, F: int, layer_name: str, precision: str) -> None:
+    """Raise :class:`MegaMoEConfigError` if ``precision`` (fp8 / fp8_bwd) cannot run here.
+
+    Checks: a CUDA device of compute capability >= 8.9 (FP8 tensor cores; CPU is accepted: the
+    Triton interpreter, tests only), and D, F multiples of 128 (the scale block).
+    """
+    if D % 128 or F % 128:
+        raise MegaMoEConfigError(
+            f"{layer_name}: [megamoe] precision = '{precision}' needs the model dim and the MoE hidden dim to "
+            f"be multiples of 128 (blockwise FP8 scales 128-channel groups); got dim={D}, moe hidden dim={F}. "
+            "Set [megamoe] precision = 'bf16' for this model.")
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if tuple(cap) < MIN_FP8_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            raise MegaMoEConfigError(
+                f"{layer_name}: [megamoe] precision = '{precision}' needs a GPU with FP8 tensor cores (compute "
+                f"capability >= 8.9: Ada, Hopper or newer); {name} is sm_{cap[0]}{cap[1]}. Set [megamoe] "
+                "precision = 'bf16'.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite monitor
+# --------------------------------------------------------------------------------------------------
+
+
+class NonfiniteMonitor:
+    """Pending (name, device count) records of non-finite FP8 scale groups, checked lazily."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, Tensor, object]] = []
+
+    def record(self, name: str, count: Tensor) -> None:
+        """Queue the check of a (1,) int32 device counter (no wait)."""
+        if count.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return  # inside a CUDA graph no host copy can be queued; the eager warm-up checked
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = count, None
+        self._pending.append((name, host, event))
+
+    def check(self, wait: bool = False) -> None:
+        """Raise for the first landed nonzero record; keep the ones not landed yet.
+
+        Raises:
+            NonFiniteError: naming the layer / tensor and the number of bad groups.
+        """
+        from titan_megamoe.errors import NonFiniteError
+        from titan_megamoe.ops.fp8_reference import nonfinite_message
+
+        keep = []
+        for name, host, event in self._pending:
+            if event is not None and not wait and not event.query():
+                keep.append((name, host, event))
+                continue
+            if event is not None:
+                event.synchronize()  # landed already (query) or wait=True
+            n = int(host[0])
+            if n:
+                self._pending = []
+                raise NonFiniteError(nonfinite_message(name, n, where=" (FP8 path, found after the call)"))
+        self._pending = keep
+
+    def flush(self) -> None:
+        """Wait for every pending record and check it."""
+        self.check(wait=True)
+
+
+#: Pending non-finite checks of this process (module docstring).
+NONFINITE = NonfiniteMonitor()
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight cache
+# --------------------------------------------------------------------------------------------------
+
+
+def quantize_weights(w: Tensor, *, transposed: bool, forward: bool, count: Tensor | None, name: str):
+    """128x128 quantization of one (E, N, Kd) expert weight.
+
+    Returns (q, s, qT, sT): q (E, N, Kd) e4m3 + s (E, N/128, Kd/128) fp32 when ``forward``, else None;
+    qT (E, Kd, N) e4m3 + sT (E, Kd/128, N/128) when ``transposed``, else None. The transposed copy is
+    the transpose of q (a 128x128 block's amax does not depend on the orientation, so it equals the
+    quantization of w.transpose(1, 2) bitwise), made contiguous: the K-major B operand of the dgrad.
+    """
+    from titan_megamoe.kernels.fp8_quant import quantize_weight_128x128
+
+    q, s = quantize_weight_128x128(w.contiguous(), nonfinite_count=count, name=name)
+    qT = sT = None
+    if transposed:
+        qT, sT = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+    return (q, s, qT, sT) if forward else (None, None, qT, sT)
+
+
+class Fp8WeightCache:
+    """FP8 copies of one layer's expert weights, recomputed only when a weight changed.
+
+    Key per weight: ``(data_ptr, _version, shape, stride, dtype, device)`` of the tensor handed to
+    ``mega_moe`` (the parameter itself, before any dtype cast: a fresh cast would have a fresh
+    version counter and possibly a recycled address). The optimizer's in-place update bumps
+    ``_version``, so the first forward after each step re-quantizes and every later call of that step
+    (forward, recomputation under activation checkpointing) hits. Writes that bypass the version
+    counter (``p.data.copy_(...)``, a checkpoint load into ``.data``) are not seen:
+    ``MegaMoEConverter.post_optimizer_hook`` calls :meth:`invalidate` after every step as well, and
+    code that rewrites weights outside the optimizer should too. Under FSDP the unsharded weight is
+    re-gathered every forward (a new version or address): the cache then re-quantizes each forward
+    (correct, not faster) while keeping one FP8 copy per layer alive: memory E*F*D*3 bytes per copy.
+
+    Memory: precision "fp8" keeps the forward copy and the transposed copy (2 x 3 x E*F*D bytes per
+    layer, 1.2 GB at the Qwen3-30B-A3B layer shape); "fp8_bwd" only the transposed one.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[tuple, tuple]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(w: Tensor) -> tuple:
+        return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+    def get(self, name: str, w: Tensor, *, forward: bool, count: Tensor | None = None) -> tuple:
+        """(q, s, qT, sT) of ``w`` (see :func:`quantize_weights`); recomputed on a key change."""
+        key = self.key(w)
+        ent = self._entries.get(name)
+        if ent is not None and ent[0] == key and (ent[1][0] is not None or not forward):
+            self.hits += 1
+            return ent[1]
+        self.misses += 1
+        val = quantize_weights(w.detach(), transposed=True, forward=forward, count=count, name=name)
+        self._entries[name] = (key, val)
+        return val
+
+    def invalidate(self) -> None:
+        """Drop every cached copy (after an optimizer step, a weight load)."""
+        self._entries.clear()
+
+
+@torch.compiler.disable  # reads _version / data_ptr and launches Triton directly: never traced
+def prepare_weights(w1: Tensor, w2: Tensor, w3: Tensor, *, fp8_forward: bool, cache: Fp8WeightCache | None,
+                    layer_name: str) -> list[Tensor]:
+    """The op's weight operand list: [w1t_q, w1t_s, w3t_q, w3t_s, w2t_q, w2t_s] (+ [w1_q, w1_s, w3_q,
+    w3_s, w2_q, w2_s] when ``fp8_forward``), from the cache when given (else quantized now)."""
+    dev = w1.device
+    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    out_bwd, out_fwd = [], []
+    for nm, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        name = f"{layer_name}.{nm}"
+        if cache is not None:
+            q, s, qT, sT = cache.get(name, w, forward=fp8_forward, count=count)
+        else:
+            q, s, qT, sT = quantize_weights(w.detach(), transposed=True, forward=fp8_forward, count=count, name=name)
+        out_bwd += [qT, sT]
+        if fp8_forward:
+            out_fwd += [q, s]
+    NONFINITE.record(f"{layer_name} expert weights", count)
+    return out_bwd + out_fwd
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward and backward
+# --------------------------------------------------------------------------------------------------
+
+
+def _interp() -> bool:
+    from titan_megamoe.kernels.grouped_gemm import interpret_mode
+
+    return interpret_mode()
+
+
+def _live_rows(layout: RoutingLayout) -> Tensor:
+    """(N_cap,) int32: the row itself where it holds a pair, -1 elsewhere (gather index of the h quant)."""
+    rows = torch.arange(layout.n_cap, dtype=torch.int32, device=layout.row_pair.device)
+    return torch.where(layout.row_pair >= 0, rows, -1)
+
+
+def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+            wq: list[Tensor], fp8_forward: bool, layer_name: str):
+    """Forward: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``wq`` from
+    :func:`prepare_weights`; w1..w3 (any float dtype) are read only by the bf16 forward (fp8_bwd)."""
+    from titan_megamoe.kernels.configs import config_for
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
+    from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
+    from titan_megamoe.kernels.grouped_gemm_fp8 import (
+        HOPPER_GEMM1_FP8_QH,
+        fp8_config_for,
+        gemm1_swiglu_fwd_fp8,
+        gemm2_scatter_fwd_fp8,
+    )
+
+    NONFINITE.check()  # records of earlier calls that have landed (no wait)
+    T, K = topk_ids_TK.shape
+    E, F, D = w1.shape
+    interp = _interp()
+    layout = build_routing_layout(topk_ids_TK, E, FP8_BLOCK_M)
+    bm = dict(block_m=FP8_BLOCK_M)
+    if interp:  # the interpreter pays per program and per K step: 128-wide blocks (D, F multiples of 128)
+        bm.update(block_n=128, block_k=128)
+    scores = topk_scores_TK.contiguous()
+    if fp8_forward:
+        w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
+        count = torch.zeros(1, dtype=torch.int32, device=x_TD.device)
+        xq, xs = quantize_act_1x128(x_TD.contiguous(), nonfinite_count=count, name=f"{layer_name} x")
+        if FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
+            c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
+            gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
+                                                   nonfinite_count=count)
+        else:  # bf16 h, then a 1x128 pass over the live rows
+            c1 = dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
+            gate_up, h = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1)
+            hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
+        c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
+        y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, config=c2)
+        NONFINITE.record(f"{layer_name} forward activations", count)
+    else:
+        bf = torch.bfloat16
+        c1 = dataclasses.replace(config_for("gemm1", D, F, interp), **bm)
+        gate_up, h = gemm1_swiglu_fwd(x_TD.contiguous(), w1.to(bf).contiguous(), w3.to(bf).contiguous(), layout,
+                                      config=c1)
+        c2 = dataclasses.replace(config_for("gemm2", D, F, interp), **bm)
+        y = gemm2_scatter_fwd(h, w2.to(bf).contiguous(), scores, layout, config=c2)
+    return combine_topk(y, T, K), gate_up, layout
+
+
+def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
+            layout: RoutingLayout, w_dtype: torch.dtype, layer_name: str):
+    """FP8 backward: returns (dx (T, D) bf16, dscores (T, K) fp32, dw1, dw2, dw3 in ``w_dtype``
+    (bf16 or fp32))."""
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
+    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+    from titan_megamoe.kernels.grouped_gemm_bwd import reduce_dscore, scatter_dx
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm1_dgrad_fp8, gemm2_dgrad_swiglu_bwd_fp8, wgrad_fp8
+
+    w1tq, w1ts, w3tq, w3ts, w2tq, w2ts = wq_bwd[:6]
+    T, K = topk_scores_TK.shape
+    F = gate_up.shape[1] // 2
+    count = torch.zeros(1, dtype=torch.int32, device=dout_TD.device)
+    dout = dout_TD.contiguous()
+    dq, ds = quantize_act_1x128(dout, nonfinite_count=count, name=f"{layer_name} dout")
+    dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, topk_scores_TK.contiguous(), layout,
+                                                      nonfinite_count=count)
+    dscores = reduce_dscore(part, layout, T, K)
+    dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
+                                                           name=f"{layer_name} dgate_up")
+    doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout")  # counted above
+    (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype)
+    xTq, xTs = quantize_gather_128x1_t(x_TD.contiguous(), layout.row_pair, K, nonfinite_count=count,
+                                       name=f"{layer_name} x")
+    dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype)
+    dx_rows = gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
+    dx = scatter_dx(dx_rows, layout, T, K)
+    NONFINITE.record(f"{layer_name} backward", count)
+    return dx, dscores, dw1, dw2, dw3
