@@ -54,7 +54,8 @@ def main() -> int:
             x, s, g, w1, w2, w3, ids = _case(routing, T, D, F, E, K, R, rank, seed=1)
             got = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap)
             again = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap)
-            full = [t.float().requires_grad_() for t in (x, s, w1, w2, w3)]
+            # clone: s is fp32 already, so s.float() is s itself and requires_grad_ would leak into later calls
+            full = [t.detach().float().clone().requires_grad_() for t in (x, s, w1, w2, w3)]
             ref = mega_moe_ref(full[0], ids, full[1], *full[2:], num_experts=E)
             ref.backward(g.float())
             e_l, sl = E // R, slice(rank * T, (rank + 1) * T)
