@@ -123,20 +123,6 @@ def main() -> int:
                 rec["error"] = repr(err)[:200]
             print(json.dumps(rec), flush=True)
             rows.append(rec)
-        if kind == "gemm2_dgrad":  # same-run A/B of the epilogue prefetch (v2) at the default config
-            B.PREFETCH_EPILOGUE = False
-            try:
-                fn, nflop = run(kind, base)
-                rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(base), "default": False,
-                       "variant": "PREFETCH_EPILOGUE=False (v1)", "rel_err_vs_default": rel_err(fn().float(), ref)}
-                ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-                rec.update(ms=round(ms, 4), tflops=round(nflop / ms / 1e9, 1))
-            except Exception as err:  # noqa: BLE001
-                rec = {"shape": args.shape, "kind": kind, "variant": "PREFETCH_EPILOGUE=False", "error": repr(err)[:200]}
-            finally:
-                B.PREFETCH_EPILOGUE = True
-            print(json.dumps(rec), flush=True)
-            rows.append(rec)
     best = {}
     for r in rows:
         if "ms" in r and r["rel_err_vs_default"] < 1e-2 and (r["kind"] not in best or r["ms"] < best[r["kind"]]["ms"]):

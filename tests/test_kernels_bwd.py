@@ -334,7 +334,7 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                 sig = {"dout_TD": "*bf16", "w2_EDF": desc([1, bk, bn]) if tma else "*bf16", "gate_up_N2F": "*bf16",
                        "scores_P": "*fp32", "row_pair_N": "*i32", "tile_expert_M": "*i32", "dgate_up_N2F": "*bf16",
                        "dscore_part_NB": "*fp32", "hs_NF": "*bf16", "n_tiles": "i32"}
-                cx = dict(D=D, F=F, K=K, NB=-(-F // bn), STORE_HS=True, PREFETCH_EPI=True, **tile)
+                cx = dict(D=D, F=F, K=K, NB=-(-F // bn), STORE_HS=True, **tile)
             elif kind == "gemm1_dgrad":
                 kern = B._gemm1_dgrad_kernel
                 sig = {"dgate_up_N2F": desc([bm, 1, bk]) if tma else "*bf16",

@@ -43,9 +43,7 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
     benchmarks/results/sweep_kernels_30b_1xh200_20261130.json): gemm1_dgrad 3 stages 1.34 vs 4 stages
     1.45 ms; wider (BN 256) or deeper (BK 128) wgrad tiles were 8-40 % slower; TMA for gemm2_dgrad
     1.10 vs 1.14 and wgrad_w2 1.00 vs 1.10. wgrad_w13 (v2, two accumulators sharing the x gather,
-    48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54). wgrad v3
-    (row index loaded one iteration ahead): the pipeliner now gives the data loads num_stages buffers
-    (v2 had num_stages - 2), so 4 stages = 4 x 48 KiB = 192 KiB (5 would not fit in 227 KiB).
+    48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54).
     """
     interp = _interpreting()
     if kind == "gemm2_dgrad":
@@ -61,7 +59,7 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
         m_dim, n_dim = (D, F) if kind == "wgrad_w2" else (F, D)
         return dataclasses.replace(base, block_m=_pow2_at_most(m_dim, 128), block_n=_pow2_at_most(n_dim, 128),
                                    block_k=64, group_m=1, use_tma=kind == "wgrad_w2",
-                                   num_stages=4)
+                                   num_stages=4 if kind == "wgrad_w2" else 5)
     raise ValueError(f"unknown backward kernel kind {kind!r}; choose gemm2_dgrad, gemm1_dgrad, "
                      "wgrad_w2 or wgrad_w13")
 

@@ -76,10 +76,6 @@ __all__ = [
 ]
 
 
-#: gemm2_dgrad loads the lower half of its epilogue's gate / up tile before the main loop (v2); module
-#: level so that scripts/sweep_kernel_configs.py can time both in one run.
-PREFETCH_EPILOGUE = True
-
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
@@ -99,7 +95,7 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     n_tiles,          # i32 row tiles of the layout
     D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,  # NB = cdiv(F, BN)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, STORE_HS: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH_EPI: tl.constexpr,
+    USE_TMA: tl.constexpr, STORE_HS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """g = dout[t] @ w2[e]; SwiGLU backward; d score partials; optionally hs = s * h for wgrad_w2.
 
@@ -130,15 +126,6 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     valid = pair >= 0
     tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
     w_base = e.to(tl.int64) * D * F  # int64: E * D * F passes 2^31 at 235B shapes
-    # The epilogue's gate / up tiles (bf16) are loaded before the main loop, so their HBM latency hides
-    # under the GEMM instead of stalling the SM after it (one CTA per SM: nothing else would run) (v2).
-    hc_lo = pid_n * BN + tl.arange(0, BN // 2)
-    hc_hi = hc_lo + BN // 2
-    off_lo = rows64[:, None] * (2 * F) + hc_lo[None, :]
-    off_hi = rows64[:, None] * (2 * F) + hc_hi[None, :]
-    if PREFETCH_EPI:  # the lower half only: both halves take 255 registers and spill
-        gate_lo = tl.load(gate_up_N2F + off_lo, mask=(hc_lo < F)[None, :], other=0.0)
-        up_lo = tl.load(gate_up_N2F + off_lo + F, mask=(hc_lo < F)[None, :], other=0.0)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
         ks = k0 + tl.arange(0, BK)
@@ -161,15 +148,11 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     dscore = tl.zeros((BM,), dtype=tl.float32)
     for half in tl.static_range(2):
         g = g_lo if half == 0 else g_hi
-        hc = hc_lo if half == 0 else hc_hi
+        hc = pid_n * BN + half * (BN // 2) + tl.arange(0, BN // 2)
         hc_ok = hc < F
-        off = off_lo if half == 0 else off_hi
-        if half == 0 and PREFETCH_EPI:
-            gate = gate_lo.to(tl.float32)
-            up = up_lo.to(tl.float32)
-        else:
-            gate = tl.load(gate_up_N2F + off_hi, mask=hc_ok[None, :], other=0.0).to(tl.float32)
-            up = tl.load(gate_up_N2F + off_hi + F, mask=hc_ok[None, :], other=0.0).to(tl.float32)
+        off = rows64[:, None] * (2 * F) + hc[None, :]
+        gate = tl.load(gate_up_N2F + off, mask=hc_ok[None, :], other=0.0).to(tl.float32)
+        up = tl.load(gate_up_N2F + off + F, mask=hc_ok[None, :], other=0.0).to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-gate))  # not tl.sigmoid: a jit library function (interpreter pitfall)
         silu = gate * sig
         keep = valid[:, None] & hc_ok[None, :]
@@ -360,7 +343,7 @@ def gemm2_dgrad_swiglu_bwd(
             dout_TD, w2_arg, gate_up_N2F, scores_TK, layout.row_pair, layout.tile_expert, dgate_up,
             dscore_part, dgate_up if hs_out is None else hs_out, n_tiles, D, F, K, nb,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
-            STORE_HS=hs_out is not None, PREFETCH_EPI=PREFETCH_EPILOGUE, **_launch_opts(cfg),
+            STORE_HS=hs_out is not None, **_launch_opts(cfg),
         )
     return dgate_up, dscore_part
 

@@ -65,15 +65,12 @@ def _wgrad_w2_kernel(
     start = tl.load(offsets_E1 + e)
     end = tl.load(offsets_E1 + e + 1)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    # Row -> pair index loaded one iteration ahead (loop-carried), as in _wgrad_w13_kernel (v3).
-    first = start + tl.arange(0, BK)
-    pair = tl.load(row_pair_N + first, mask=first < end, other=-1)
     # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
     # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
     for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
         rows = r0 + tl.arange(0, BK)
         rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31
-        in_seg = rows < end
+        pair = tl.load(row_pair_N + rows, mask=rows < end, other=-1)
         valid = pair >= 0
         tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
         # dout^T tile (BM, BK): token rows gathered, transposed by the pointer layout.
@@ -82,8 +79,7 @@ def _wgrad_w2_kernel(
             if USE_TMA:
                 b = hs_NF.load([r0, pid_n * BN])
             else:
-                # hs rows are written on every row (zeros on padding rows): segment bound only
-                b = tl.load(hs_NF + rows64[:, None] * F + ff[None, :], mask=in_seg[:, None] & f_ok[None, :], other=0.0)
+                b = tl.load(hs_NF + rows64[:, None] * F + ff[None, :], mask=valid[:, None] & f_ok[None, :], other=0.0)
         else:
             s = tl.load(scores_P + pair, mask=valid, other=0.0)
             if USE_TMA:
@@ -96,8 +92,6 @@ def _wgrad_w2_kernel(
                 up = tl.load(gate_up_N2F + gu_off + F, mask=gmask, other=0.0).to(tl.float32)
             hs = gate / (1.0 + tl.exp(-gate)) * up * s[:, None]
             b = tl.where(valid[:, None], hs, 0.0).to(dout_TD.dtype.element_ty)
-        nxt = rows + BK
-        pair = tl.load(row_pair_N + nxt, mask=nxt < end, other=-1)
         if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -138,33 +132,24 @@ def _wgrad_w13_kernel(
     end = tl.load(offsets_E1 + e + 1)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    # The row -> pair index of a chunk is loaded one iteration ahead (loop-carried): a gather whose
-    # index is loaded in the same iteration makes Triton's pipeliner give the data loads num_stages - 2
-    # buffers (3 of 5 here, read from the sm_90a TTGIR), a carried index gives them num_stages (v3).
-    first = start + tl.arange(0, BK)
-    pair = tl.load(row_pair_N + first, mask=first < end, other=-1)
     # The expert's rows [start, end), bounds read on device (no host sync). Interpreter: range() over a
     # runtime scalar fails with numpy >= 2.3, so the bounds go through _interp_int there.
     for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
         rows = r0 + tl.arange(0, BK)
-        in_seg = rows < end
+        pair = tl.load(row_pair_N + rows, mask=rows < end, other=-1)
         valid = pair >= 0
         tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
-        # dgate_up is written on every row (zeros on padding rows), so its loads need no data-dependent
-        # mask: only the segment bound, which is loop-invariant.
         if USE_TMA:
             g_t = dgate_up_N2F.load([r0, 0, pid_m * BM]).reshape(BK, BM)
             u_t = dgate_up_N2F.load([r0, 1, pid_m * BM]).reshape(BK, BM)
-            a_g = tl.trans(tl.where(in_seg[:, None], g_t, 0.0))
-            a_u = tl.trans(tl.where(in_seg[:, None], u_t, 0.0))
+            a_g = tl.trans(tl.where(valid[:, None], g_t, 0.0))
+            a_u = tl.trans(tl.where(valid[:, None], u_t, 0.0))
         else:
             a_off = rows.to(tl.int64)[None, :] * (2 * F) + ff[:, None]  # int64: N_cap * 2F
-            a_mask = in_seg[None, :] & f_ok[:, None]
+            a_mask = valid[None, :] & f_ok[:, None]
             a_g = tl.load(dgate_up_N2F + a_off, mask=a_mask, other=0.0)
             a_u = tl.load(dgate_up_N2F + a_off + F, mask=a_mask, other=0.0)
         b = tl.load(x_TD + tok64[:, None] * D + dd[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-        nxt = rows + BK
-        pair = tl.load(row_pair_N + nxt, mask=nxt < end, other=-1)
         if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
             bf = b.to(tl.float32)
             acc_g = tl.dot(a_g.to(tl.float32), bf, acc_g, input_precision="ieee")
