@@ -156,8 +156,7 @@ def build_layer(impl: str, precision: str, shape: LayerShape, device: torch.devi
 
     Call inside :func:`stock_layer_context` for stock layers (token-group alignment, CPU patches).
     ``max_tokens``: tokens per call on each rank (megamoe's ``max_tokens_per_rank``; 0 = unchecked);
-    the triton backend at EP > 1 needs it (its workspace size) and is switched on here through its
-    opt-in flag (TITAN_MEGAMOE_EP_TRITON=1, see titan_megamoe/ops/__init__.py).
+    the triton backend at EP > 1 needs it (its workspace size).
     """
     spec = IMPLS[impl]
     dtype = model_dtype(precision)
@@ -187,9 +186,6 @@ def build_layer(impl: str, precision: str, shape: LayerShape, device: torch.devi
     cfg = MegaMoEConfig(backend=spec.backend, precision=_megamoe_precision(precision))
     mega = MegaMoE.from_moe(moe, config=cfg, max_tokens_per_rank=max_tokens)
     if spec.backend == "triton" and mesh is not None and mesh.size() > 1:
-        import os
-
-        os.environ["TITAN_MEGAMOE_EP_TRITON"] = "1"
         notes.append("EP triton v1: symmetric-memory dispatch/combine, phases separated by barriers (no overlap yet)")
     if precision == "fp32":
         notes.append("fp32 operands through the reference (config precision bf16)")

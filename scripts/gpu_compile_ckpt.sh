@@ -15,7 +15,7 @@ for impl in baseline megamoe; do
   echo "loaded into $impl:"; grep -E "step: +[123] " "$OUT/ckpt_load_${impl}.log"
 done
 for ac in full selective; do
-  $L --config train_configs/qwen3_debugmoe_megamoe_bf16.toml --steps 30 -- --compile.enable \
+  $L --config train_configs/qwen3_debugmoe_megamoe_reference_bf16.toml --steps 30 -- --compile.enable \
     --activation_checkpoint.mode $ac > "$OUT/compile_ac_${ac}.log" 2>&1 || tail -30 "$OUT/compile_ac_${ac}.log"
   echo "megamoe compile + AC $ac:"; grep -E "step: +(1|2|10|30) " "$OUT/compile_ac_${ac}.log"
 done

@@ -5,8 +5,8 @@
 source scripts/gpu_env.sh
 export TITAN_MEGAMOE_GIT_REV=$REV
 set +e
-TITAN_MEGAMOE_EP_TRITON=1 timeout 430 python3 -m compare.train --ngpu 2 --steps 50 --skip 10 \
-  --configs train_configs/qwen3_30b_a3b_8L_megamoe_triton_ep_bf16.toml train_configs/qwen3_30b_a3b_8L_baseline_bf16.toml \
+timeout 430 python3 -m compare.train --ngpu 2 --steps 50 --skip 10 \
+  --configs train_configs/qwen3_30b_a3b_8L_megamoe_bf16.toml train_configs/qwen3_30b_a3b_8L_baseline_bf16.toml \
             train_configs/qwen3_30b_a3b_8L_baseline_fp8.toml \
   --labels megamoe-triton-ep torchtitan-bf16 torchtitan-fp8 \
   --out "$OUT/train_30b8L_2xh200_ep2.json" 2>&1 | tail -14

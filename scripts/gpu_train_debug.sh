@@ -13,4 +13,4 @@ done
 python3 -m compare.trainlog "$OUT/train_debug_megamoe.log" "$OUT/train_debug_baseline.log" \
   --labels "megamoe-reference-ep2" "torchtitan-baseline-ep2" --skip 10 \
   --out-json "$OUT/train_debug_h200x2.json" --out-png "$OUT/train_debug_h200x2.png" \
-  --meta "{\"date\": \"$(date -u +%FT%TZ)\", \"git_rev\": \"$REV\", \"gpu\": \"$(head -2 $OUT/gpu.txt | tail -1)\", \"command\": \"bash scripts/gpu_train_debug.sh\", \"configs\": [\"train_configs/qwen3_debugmoe_megamoe_bf16.toml\", \"train_configs/qwen3_debugmoe_baseline_bf16.toml\"]}"
+  --meta "{\"date\": \"$(date -u +%FT%TZ)\", \"git_rev\": \"$REV\", \"gpu\": \"$(head -2 $OUT/gpu.txt | tail -1)\", \"command\": \"bash scripts/gpu_train_debug.sh\", \"configs\": [\"train_configs/qwen3_debugmoe_megamoe_reference_bf16.toml\", \"train_configs/qwen3_debugmoe_baseline_bf16.toml\"]}"

@@ -98,7 +98,7 @@ def test_two_configs(tmp_path, fake, capsys):
         assert k in run
     assert "compare.train" in run["command"] and run["options"]["seed"] == 42
     assert a["config"] == str(CFG_A)
-    assert b["toml"]["model"]["converters"] == ["megamoe"] and b["toml"]["megamoe"]["backend"] == "reference"
+    assert b["toml"]["model"]["converters"] == ["megamoe"] and b["toml"]["megamoe"]["backend"] == "triton"
     assert "parallelism" in a["toml"] and "megamoe" not in a["toml"]["model"].get("converters", [])
     # table rows with the numbers; PNG exists
     assert ea["final_loss_mean10"] == 7.25 and ea["median_mfu_pct"] == pytest.approx(2.65)
@@ -205,10 +205,10 @@ def test_every_set_has_the_five_variants():
     for stem in sets:
         for v in GEN.FIVE:
             assert f"{stem}_{v}.toml" in GENERATED, (stem, v)
-    # the triton backend has its own variant: EP = 1 in the 1-GPU set, the opt-in EP triton path elsewhere
+    # the oracle in every set; the GPU CI baseline's file name in the 1-GPU set; no opt-in EP variant left
+    assert sorted(n for n in GENERATED if "reference_bf16" in n) == sorted(f"{stem}_megamoe_reference_bf16.toml" for stem in sets)
     assert [n for n in GENERATED if "triton_bf16" in n] == ["qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml"]
-    assert sorted(n for n in GENERATED if "triton_ep_bf16" in n) == sorted(
-        f"{stem}_megamoe_triton_ep_bf16.toml" for stem, ep in sets.items() if GEN.MODELS[stem]["ep"] > 1)
+    assert not [n for n in GENERATED if "triton_ep" in n]
 
 
 def _parallel_dims(ep):
@@ -243,7 +243,7 @@ def test_generated_config_parses_and_converts(name):
         assert cfg.model.converters == (["quantize.grouped_mm.float8"] if variant == "baseline_fp8" else [])
         return
     assert cfg.model.converters == ["megamoe"]
-    precision = variant.split("megamoe_", 1)[1].replace("triton_", "").replace("ep_", "")
+    precision = variant.split("megamoe_", 1)[1].replace("triton_", "").replace("reference_", "")
     assert cfg.megamoe.precision == precision
     assert precision in AVAILABLE[cfg.megamoe.backend]
     if precision != "bf16" and m["ep"] > 1:  # FP8 runs at EP = 1 only: refused before the model is built
@@ -253,20 +253,9 @@ def test_generated_config_parses_and_converts(name):
         with pytest.raises(MegaMoEConfigError, match=r"EP = 1.*expert_parallel_degree"):
             MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
         return
-    if variant == "megamoe_triton_ep_bf16":  # opt-in: refused without the flag, accepted with it
-        assert cfg.megamoe.backend == "triton" and "TITAN_MEGAMOE_EP_TRITON=1" in text
-        with pytest.raises(NotImplementedError, match="EP = 1"):
-            MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
-        os.environ["TITAN_MEGAMOE_EP_TRITON"] = "1"
-        try:
-            MegaMoEConverter(cfg, _parallel_dims(m["ep"]))
-        finally:
-            del os.environ["TITAN_MEGAMOE_EP_TRITON"]
-        return
-    if precision == "bf16":  # what runs today: triton at EP = 1, the reference at EP > 1 (triton refuses EP > 1)
-        assert cfg.megamoe.backend == ("triton" if "triton" in variant else "reference")
-        if m["ep"] > 1:
-            assert "refuses backend = \"triton\" with EP > 1" in text
+    if precision == "bf16":  # the fused kernels (EP inside the operator at EP > 1), or the named oracle
+        assert cfg.megamoe.backend == ("reference" if "reference" in variant else "triton")
+        assert "TITAN_MEGAMOE_EP_TRITON" not in text  # no opt-in flag any more
     MegaMoEConverter(cfg, _parallel_dims(m["ep"]))  # accepted
 
 

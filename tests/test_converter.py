@@ -153,8 +153,8 @@ def test_refuses_grouped_mm_quantization_and_unbuilt_backend():
     with pytest.raises(MegaMoEConfigError, match=r"precision = 'fp8'.*EP = 1.*expert_parallel_degree=2"):
         MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8"),
                          SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
-    with pytest.raises(NotImplementedError, match="triton backend runs without expert parallelism"):
-        MegaMoEConverter(job_config("--megamoe.backend", "triton"), SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
+    # bf16 triton at EP > 1: expert parallelism inside the fused operator, accepted without any flag
+    MegaMoEConverter(job_config("--megamoe.backend", "triton"), SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
     MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims())  # EP = 1: accepted
     with pytest.raises(NotImplementedError, match="not available yet.*reference/bf16, triton/bf16, triton/fp8"):
         MegaMoEConverter(job_config("--megamoe.precision", "fp8"), dims())  # the reference has no FP8

@@ -345,15 +345,14 @@ def _layer_ep_worker(rank, R):
         assert_close_rel(gw, single.router.gate.weight.grad, torch.bfloat16, "dgate")
 
 
-def test_layer_ep2_in_gloo_processes(monkeypatch):
-    """The whole layer at EP = 2 through the custom ops, the converter's opt-in flag and TorchTitan's
+def test_layer_ep2_in_gloo_processes():
+    """The whole layer at EP = 2 through the custom ops, the converter and TorchTitan's
     EP plan, in two processes whose workspaces are shared-memory files (the Triton interpreter's
     stand-in for symmetric memory)."""
     from titan_megamoe.testing import run_gloo
 
     if torch.cuda.is_available():
         pytest.skip("CPU test (gloo + interpreter); the GPU run is tests/test_gpu.py::test_ep_triton_two_gpus")
-    monkeypatch.setenv("TITAN_MEGAMOE_EP_TRITON", "1")
     run_gloo(_layer_ep_worker, 2, timeout_s=300)
 
 

@@ -8,7 +8,6 @@ parallelism up front so an unsupported combination fails before anything is allo
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
@@ -139,13 +138,6 @@ class MegaMoEConverter:
         config.check_available()
         check_parallelism(parallel_dims)
         check_fp8_setup(config, getattr(parallel_dims, "ep", 1))
-        # EP inside the fused operator (v1) is opt-in (TITAN_MEGAMOE_EP_TRITON=1) until its 2-GPU tests ran
-        if (config.backend == "triton" and getattr(parallel_dims, "ep", 1) > 1
-                and os.environ.get("TITAN_MEGAMOE_EP_TRITON") != "1"):
-            raise NotImplementedError(
-                f"megamoe: the triton backend runs without expert parallelism only (EP = 1) for now, got "
-                f"expert_parallel_degree={parallel_dims.ep}; set it to 1 or use [megamoe] backend = 'reference'"
-            )
         others = [c for c in job_config.model.converters if c != "megamoe"]
         grouped = [c for c in others if "grouped_mm" in c]
         if grouped:

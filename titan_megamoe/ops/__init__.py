@@ -6,7 +6,6 @@ e = E // R local experts, R the expert-parallel group size.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -74,9 +73,9 @@ def mega_moe(
                              score_before_experts=score_before_experts, precision=precision,
                              layer_name=layer_name, fp8_cache=fp8_cache)
     if backend == "triton":
-        if ep_group is not None and os.environ.get("TITAN_MEGAMOE_EP_TRITON") == "1":
-            # Expert parallelism inside the fused operator (v1, ops/ep_backend.py): opt-in until its
-            # 2-GPU tests have run (tests/test_gpu.py::test_ep_triton_two_gpus).
+        if ep_group is not None:
+            # Expert parallelism inside the fused operator (ops/ep_backend.py; 2-GPU test:
+            # tests/test_gpu.py::test_ep_triton_two_gpus, training: benchmarks/results/train_30b8L_*).
             from titan_megamoe.ops.ep_library import mega_moe_ep_triton
 
             if score_before_experts or not max_tokens_per_rank or recv_capacity is None:
@@ -89,11 +88,6 @@ def mega_moe(
                                      max_tokens_per_rank=max_tokens_per_rank, recv_capacity=recv_capacity,
                                      layer_name=layer_name)
             return out.to(x_TD.dtype)
-        if ep_group is not None:
-            raise NotImplementedError(
-                f"{layer_name}: the triton backend runs without expert parallelism only (EP = 1) for now; "
-                "set parallelism.expert_parallel_degree = 1 or [megamoe] backend = 'reference'"
-            )
         if score_before_experts:
             raise NotImplementedError(
                 f"{layer_name}: the triton backend applies the routing score after the experts (Qwen3 style); "
