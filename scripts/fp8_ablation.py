@@ -124,7 +124,8 @@ def acc_probe(shape: str, dev: str) -> list[dict]:
         x, ids, s, w1, w2, w3, dout = _inputs(T, D, F, E, K, routing, "gauss", dev)
         L = build_routing_layout(ids, E, 128)
         aT, aTs = quantize_gather_128x1_t(dout, L.row_pair, K)
-        bT, bTs = quantize_gather_128x1_t(x[:, :F].contiguous(), L.row_pair, K)  # any 128x1 (F, N_cap) operand
+        h = torch.randn(T, F, generator=torch.Generator().manual_seed(5)).bfloat16().to(dev)  # an (F, N_cap) operand
+        bT, bTs = quantize_gather_128x1_t(h, L.row_pair, K)
         a = R.dequantize_act_128x1(aT.T.contiguous(), aTs)
         b = R.dequantize_act_128x1(bT.T.contiguous(), bTs)
         off = L.offsets.tolist()
