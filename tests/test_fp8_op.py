@@ -79,6 +79,32 @@ def test_fp8_op_matches_reference_within_bounds(case):
         assert err <= bound, f"{precision} {name}: relative error {err:.4f} > {bound}"
 
 
+def test_wgrad_diagnosis_switch(monkeypatch):
+    """fp8_backend._WGRAD (private ablation switch): "bf16" takes dw1..dw3 from the bf16 wgrad kernels
+    (errors vs the reference drop to the FP8 dgrad's dgate_up error), "fp8_acc32" is the FP8 wgrad with
+    finer fp32 promotion (the interpreter's dot is fp32: bitwise the default); dx and d scores untouched."""
+    from titan_megamoe.ops import fp8_backend
+
+    inputs = _inputs("uniform", 24, 128, 128, 4, 2, torch.bfloat16)
+    base = _fwd_bwd("fp8_bwd", *inputs)
+    ref = _fwd_bwd("reference", *inputs)
+    for variant in ("bf16", "fp8_acc32"):
+        monkeypatch.setattr(fp8_backend, "_WGRAD", variant)
+        got = _fwd_bwd("fp8_bwd", *inputs)
+        for i in (0, 1, 2):  # out, dx, dscores
+            assert torch.equal(got[i], base[i]), (variant, i)
+        for i in (3, 4, 5):  # dw1, dw2, dw3
+            assert got[i].dtype == torch.bfloat16 and torch.isfinite(got[i]).all()
+            if variant == "fp8_acc32" and DEV == "cpu":
+                assert torch.equal(got[i], base[i])
+            assert rel_err(got[i].float(), ref[i].float()) <= FP8_REL_BOUNDS["fp8_bwd"]["grad"]
+        if variant == "bf16":  # no 128x1 quantization of the wgrad operands left
+            assert rel_err(got[4].float(), ref[4].float()) < rel_err(base[4].float(), ref[4].float())
+    monkeypatch.setattr(fp8_backend, "_WGRAD", "bogus")
+    with pytest.raises(ValueError, match="TITAN_MEGAMOE_FP8_WGRAD"):
+        _fwd_bwd("fp8_bwd", *inputs)
+
+
 def test_weight_cache_hits_until_the_weight_changes():
     from titan_megamoe.ops import fp8_reference as R
 

@@ -8,8 +8,10 @@ Bounds (norm-wise relative, ``rel_err``):
   operands: ``BF16_OUT_REL`` = 5e-3 (one bf16 rounding of the fp32 result: <= 2^-9 relative per element
   on the GPU, < 2^-8 with the interpreter's truncating cast; norm-wise ~2e-3);
 * fp32 outputs (wgrad with ``out_dtype=fp32``, d score): fp32 rounding, ``TOLERANCES[float32]`` (2e-5)
-  for the wgrad; d score = <g, bf16(h)> gets ``BF16_OUT_REL``: the interpreter's fp32 -> bf16 cast
-  truncates where torch rounds, so its h is up to one bf16 ulp off the reference's;
+  for the wgrad in the interpreter (fp32 dot); compiled on sm_90 ``FP8_ACC_REL_SM90`` (2e-3): the
+  wgmma accumulator of an fp8 dot is not fp32 (see FP8_ACC_REL_SM90); d score = <g, bf16(h)> gets
+  ``BF16_OUT_REL``: the interpreter's fp32 -> bf16 cast truncates where torch rounds, so its h is up
+  to one bf16 ulp off the reference's;
 * every GEMM also vs the unquantized operands (the bf16 kernels' math in fp32): ``FP8_GEMM_REL`` = 5 %
   (two e4m3 operands, 2.5 % each, in quadrature);
 * the fused s*h quantization: its scales equal the oracle's to fp32 rounding, its values are the
@@ -61,6 +63,18 @@ FP8_GEMM_REL = 0.05
 U8 = torch.uint8
 # compiled kernels on a GPU (TRITON_INTERPRET=0 there, tests/conftest.py), the interpreter on CPU
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+#: fp32-output FP8 GEMMs (the wgrad with out_dtype=fp32) vs the fp32 math on their dequantized operands,
+#: compiled for sm_90. Triton leaves all 128 products of a K step in the wgmma accumulator
+#: (``max_num_imprecise_acc`` defaults to 2^30 on sm_90; the kernels promote to fp32 once per 128, the
+#: DeepSeek-V3 recipe, section 3.3.2), and Hopper's fp8 wgmma accumulator keeps ~13-14 mantissa bits
+#: and truncates (DeepSeek-V3: "around 14 bits"; SageAttention2: "FP22"). An emulation of that
+#: accumulator predicts 5e-5 .. 7e-4 norm-wise on these cases, above the fp32 bound 2e-5 on which the
+#: compiled wgrad tests most likely failed on the H200 (test_fp8_acc_bound_covers_hopper_accumulator;
+#: scripts/gpu_fp8_debug.sh measures it): bound 2e-3,
+#: still ~100x below a wrong scale group or a dropped 128-row step (order-1 errors).
+FP8_ACC_REL_SM90 = 2e-3
+#: the wgrad's fp32-output bound here: the interpreter's dot is fp32 (fp32 rounding only)
+FP8_ACC_REL = TOLERANCES[torch.float32] if DEV == "cpu" else FP8_ACC_REL_SM90
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,13 +326,16 @@ def test_wgrad_matches_dequantized(name, _poison_empty):
     doT, doTs = quantize_gather_128x1_t(d["dout"], L.row_pair, c.K)
     (dw2,) = wgrad_fp8(doT, doTs, k["hsT"], k["hsTs"], L, out_dtype=torch.float32)
     ref2 = _wgrad_ref(doT, doTs, k["hsT"], k["hsTs"], L.offsets)
-    assert rel_err(dw2, ref2) <= TOLERANCES[torch.float32]
     xT, xTs = quantize_gather_128x1_t(d["x"], L.row_pair, c.K)
     _, _, gT, gTs = quantize_dual_1x128_128x1_t(k["dgu"], d["valid"])
     dw1, dw3 = wgrad_fp8(gT, gTs, xT, xTs, L, split=c.F, out_dtype=torch.float32)
     ref13 = _wgrad_ref(gT, gTs, xT, xTs, L.offsets)
-    assert rel_err(dw1, ref13[:, :c.F]) <= TOLERANCES[torch.float32]
-    assert rel_err(dw3, ref13[:, c.F:]) <= TOLERANCES[torch.float32]
+    errs = dict(dw2=rel_err(dw2, ref2), dw1=rel_err(dw1, ref13[:, :c.F]), dw3=rel_err(dw3, ref13[:, c.F:]))
+    msg = f"{name} ({DEV}): rel err vs the dequantized fp32 math {errs}, bound {FP8_ACC_REL}"
+    print(msg)  # the numbers, also when it passes (pytest -s, or the GPU script's -rA)
+    for w in (dw1, dw2, dw3):
+        assert torch.isfinite(w).all(), msg
+    assert max(errs.values()) <= FP8_ACC_REL, msg
     # vs the unquantized operands: dout rows x fp32 s*h, dgate_up rows x x rows (the bf16 math)
     r, t, e = _rows(d)
     _, _, _, hs_f32 = _gemm2_dgrad_math(d, R.dequantize_act_1x128(k["dq"], k["ds"]),
@@ -326,13 +343,57 @@ def test_wgrad_matches_dequantized(name, _poison_empty):
     dgu_f = k["dgu"][r].float()
     dw2_16 = torch.stack([(d["dout"].float()[t][e == i]).T @ hs_f32[e == i] for i in range(c.E)])
     dw13_16 = torch.stack([dgu_f[e == i].T @ d["x"].float()[t][e == i] for i in range(c.E)])
-    assert rel_err(dw2, dw2_16) <= FP8_GEMM_REL
-    assert rel_err(torch.cat([dw1, dw3], 1), dw13_16) <= FP8_GEMM_REL
+    e2, e13 = rel_err(dw2, dw2_16), rel_err(torch.cat([dw1, dw3], 1), dw13_16)
+    assert e2 <= FP8_GEMM_REL and e13 <= FP8_GEMM_REL, f"{name}: vs unquantized dw2 {e2:.4f} dw13 {e13:.4f}"
     empty = (L.counts == 0).nonzero().squeeze(1)
     for w in (dw1, dw2, dw3):
         assert (w[empty] == 0).all(), "experts without rows get exact zeros"
     (dw2_bf16,) = wgrad_fp8(doT, doTs, k["hsT"], k["hsTs"], L)
     assert dw2_bf16.dtype == torch.bfloat16 and rel_err(dw2_bf16.float(), ref2) <= BF16_OUT_REL
+
+
+def _hopper_acc_wgrad(aTq, aTs, bTq, bTs, offsets, chunk=4):
+    """The wgrad with a model of Hopper's fp8 wgmma accumulator: per 128-row step a fresh partial,
+    ``chunk`` exact products at a time added into it and the sum truncated to 13 mantissa bits
+    (round toward zero; DeepSeek-V3's "around 14 bits"), then scaled and added in fp32 (the kernel).
+    chunk = 4 is the pessimistic end (a truncation every 4 products; 32 = once per k32 wgmma)."""
+    a, b = aTq.float(), bTq.float()
+    off = offsets.tolist()
+    out = []
+    for e in range(len(off) - 1):
+        acc = torch.zeros(a.shape[0], b.shape[0], device=a.device)
+        for r0 in range(off[e], off[e + 1], 128):
+            part = torch.zeros_like(acc)
+            for c0 in range(r0, r0 + 128, chunk):
+                part = (part + a[:, c0:c0 + chunk] @ b[:, c0:c0 + chunk].T).view(torch.int32)
+                part = (part & ~0x3FF).view(torch.float32)  # keep 13 of 23 mantissa bits
+            acc += part * aTs[r0 // 128][:, None] * bTs[r0 // 128][None, :]
+        out.append(acc)
+    return torch.stack(out)
+
+
+def test_fp8_acc_bound_covers_hopper_accumulator():
+    """Why the compiled wgrad tests most likely failed on the H200 with the fp32 bound (2e-5): a wgrad computed
+    with a 13-bit truncating accumulator per 128-row step (what Hopper's fp8 wgmma does under Triton's
+    sm_90 default) is 5e-5 .. 7e-4 off the fp32 math on the same dequantized operands. The compiled
+    bound FP8_ACC_REL_SM90 must cover that and still catch real defects (a wrong 128-row scale group,
+    a dropped step)."""
+    from titan_megamoe.kernels.fp8_quant_bwd import quantize_gather_128x1_t
+
+    d, k = _case("one_expert_k1"), _run_gemm2_dgrad("one_expert_k1")  # 256-row segment: two steps
+    L, K = d["layout"], d["c"].K
+    aT, aTs = quantize_gather_128x1_t(d["dout"], L.row_pair, K)
+    args = (aT, aTs, k["hsT"], k["hsTs"])
+    ref = _wgrad_ref(*args, L.offsets)
+    for chunk in (4, 32):
+        err = rel_err(_hopper_acc_wgrad(*args, L.offsets, chunk), ref)
+        assert TOLERANCES[torch.float32] < err <= FP8_ACC_REL_SM90 / 2, (chunk, err)
+    # defects of the kind the test exists for stay far above the bound
+    swapped = aTs.flip(0).contiguous()  # each 128-row step scaled with the other step's scales
+    assert rel_err(_wgrad_ref(aT, swapped, k["hsT"], k["hsTs"], L.offsets), ref) > 50 * FP8_ACC_REL_SM90
+    dropped = aT.clone()
+    dropped[:, 128:256] = 0  # the second 128-row step of expert 0 lost
+    assert rel_err(_wgrad_ref(dropped, aTs, k["hsT"], k["hsTs"], L.offsets), ref) > 50 * FP8_ACC_REL_SM90
 
 
 # ------------------------------------------------------------------------------------------------
@@ -436,7 +497,8 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
         sig = dict(aT_ptr="*fp8e4nv", as_ptr="*fp32", bT_ptr="*fp8e4nv", bs_ptr="*fp32", offsets_ptr="*i32",
                    out1_ptr="*fp32", out2_ptr="*fp32", N_cap="i32")
         MA, NC, M1 = (D, F, D) if kind == "wgrad_w2" else (2 * F, D, F)
-        cx = dict(MA=MA, M1=M1, NC=NC, NBM=MA // cfg.block_m, NBN=NC // cfg.block_n, INTERPRET=False, **t)
+        cx = dict(MA=MA, M1=M1, NC=NC, NBM=MA // cfg.block_m, NBN=NC // cfg.block_n, INTERPRET=False,
+                  MAX_IMPRECISE=None, **t)
     if kind.startswith("quant"):
         from titan_megamoe.kernels import fp8_quant_bwd as QB
 

@@ -31,9 +31,19 @@ Scale groups along the rows never straddle two experts because the layout of the
 BM = 128: every expert segment starts on a multiple of 128 and is padded to one (``routing.py``);
 padding rows are exact zeros in every quantized operand. The launchers check ``layout.block_m == 128``.
 
-What is exact: each kernel equals the fp32 math on the dequantized operands up to fp32 rounding
-(tests/test_kernels_fp8_bwd.py checks it with the kernels' own quantized operands), except the
-fused hs quantization, which is bitwise the 128x1 quantization of the fp32 s * h values.
+What is exact: in the interpreter each kernel equals the fp32 math on the dequantized operands up to
+fp32 rounding (tests/test_kernels_fp8_bwd.py checks it with the kernels' own quantized operands),
+except the fused hs quantization, which is bitwise the 128x1 quantization of the fp32 s * h values.
+
+Accumulation precision (compiled, sm_90): ``tl.dot`` of two fp8 operands keeps all 128 products of a
+K step in the wgmma accumulator (Triton's ``max_num_imprecise_acc`` default on sm_90 is 2^30; the PTX
+chains the four k32 wgmmas of a step), which on Hopper keeps ~13-14 mantissa bits and truncates
+(DeepSeek-V3 section 3.3.2); the promotion to fp32 happens once per 128 (the scaled partial added to
+the fp32 accumulator), exactly the DeepSeek-V3 recipe (N_C = 128). So against the fp32 math the
+compiled kernels are ~1e-4 off (a model of that accumulator: 5e-5 .. 7e-4 on the test cases), not
+fp32-exact: the most likely reason the wgrad tests' former fp32 bound (2e-5) failed on the H200
+(hypothesis; scripts/gpu_fp8_debug.sh measures it, with and without the promotion below).
+``wgrad_fp8(..., _max_imprecise_acc=32)`` promotes after every k32 wgmma (diagnosis only).
 
 Deterministic (no atomics except the non-finite counter, fixed orders), no host sync. Dims are
 constexpr; the interpreter (``TRITON_INTERPRET=1``) runs fp8 ``tl.dot`` natively, and the in-epilogue
@@ -232,6 +242,7 @@ def _wgrad_fp8_kernel(
     N_cap,  # i32
     MA: tl.constexpr, M1: tl.constexpr, NC: tl.constexpr, NBM: tl.constexpr, NBN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
 ):
     """dW[e][m, n] = sum_{r in e} aT[m, r] bT[n, r] with 128x1 scales, K-grouped over the expert's rows.
 
@@ -260,7 +271,10 @@ def _wgrad_fp8_kernel(
         g = r0 // BK  # the scale group of these 128 rows (N_cap / 128 * MA < 2^31: int32 is enough)
         a_s = tl.load(as_ptr + g * MA + mm, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptr + g * NC + nn, mask=n_ok, other=0.0)
-        acc += (tl.dot(a, b) * a_s[:, None]) * b_s[None, :]  # no (BM, BN) scale tile in registers
+        # MAX_IMPRECISE None: sm_90's default, all 128 products of the step in the wgmma accumulator
+        # (~13-bit mantissa, not fp32: module docstring "Accumulation precision"); 32: fp32 promotion
+        # after every k32 wgmma (diagnosis only, scripts/fp8_ablation.py)
+        acc += (tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE) * a_s[:, None]) * b_s[None, :]
     msk = m_ok[:, None] & n_ok[None, :]
     if pid_m * BM < M1:
         o = out1_ptr + (e.to(tl.int64) * M1 + mm[:, None]) * NC + nn[None, :]  # int64: E * M1 * NC
@@ -429,7 +443,7 @@ def gemm1_dgrad_fp8(
 
 def wgrad_fp8(
     aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout: RoutingLayout, *, split: int | None = None,
-    out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig | None = None,
+    out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig | None = None, _max_imprecise_acc: int | None = None,
 ) -> tuple[Tensor, ...]:
     """FP8 weight gradient, K-grouped over each expert's rows: dW[e] = sum_{r in e} aT[:, r] outer bT[:, r].
 
@@ -444,6 +458,9 @@ def wgrad_fp8(
             multiple of the config's BM; dw1 / dw3 from the stacked dgate_up).
         out_dtype: bf16 or fp32 (fp32 master gradients); accumulation is fp32 either way.
         config: default ``fp8_bwd_config_for("wgrad_w2" or "wgrad_w13", ...)``.
+        _max_imprecise_acc: diagnosis only: ``tl.dot``'s ``max_num_imprecise_acc`` (None = Triton's
+            sm_90 default, the whole 128-row step in the wgmma accumulator; 32 = fp32 promotion after
+            each k32 wgmma; ignored by the interpreter, whose dot is fp32).
 
     Returns:
         (dW,) or (dW_top, dW_bottom); experts without rows get exact zeros.
@@ -476,6 +493,7 @@ def wgrad_fp8(
         _kernel_variant(_wgrad_fp8_kernel, interpret)[(nbm * nbn, E)](
             aT_q, aT_s, bT_q, bT_s, layout.offsets, out1, out2, N,
             MA=MA, M1=M1, NC=NC, NBM=nbm, NBN=nbn, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-            GROUP_M=cfg.group_m, INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP_M=cfg.group_m, INTERPRET=interpret, MAX_IMPRECISE=_max_imprecise_acc, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return (out1,) if split is None else (out1, out2)

@@ -31,6 +31,7 @@ late, when the step's result is garbage anyway. ``NONFINITE.flush()`` waits (tes
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 from torch import Tensor
@@ -48,6 +49,13 @@ FP8_BLOCK_M = 128
 FUSE_H_QUANT = True
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
+#: Private diagnosis switch (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from the bf16
+#: wgrad kernels (bf16 dout, x, gate_up and the FP8 dgrad's bf16 dgate_up); "fp8_acc32": the FP8 wgrad
+#: with fp32 promotion after every k32 wgmma instead of every 128 rows. The FP8 dgrads, dx and d scores
+#: are unchanged. Read from TITAN_MEGAMOE_FP8_WGRAD at import (training ablations), or set directly
+#: (scripts/fp8_ablation.py). Not a config option: for telling where the FP8 loss gap comes from.
+_WGRAD = os.environ.get("TITAN_MEGAMOE_FP8_WGRAD", "fp8")
+_WGRAD_CHOICES = ("fp8", "bf16", "fp8_acc32")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,11 +311,25 @@ def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[
     dscores = reduce_dscore(part, layout, T, K)
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
                                                            name=f"{layer_name} dgate_up")
-    doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout")  # counted above
-    (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype)
-    xTq, xTs = quantize_gather_128x1_t(x_TD.contiguous(), layout.row_pair, K, nonfinite_count=count,
-                                       name=f"{layer_name} x")
-    dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype)
+    if _WGRAD not in _WGRAD_CHOICES:
+        raise ValueError(f"TITAN_MEGAMOE_FP8_WGRAD / fp8_backend._WGRAD={_WGRAD!r}: choose one of {_WGRAD_CHOICES}")
+    if _WGRAD == "bf16":  # diagnosis: the bf16 wgrad kernels (s * h recomputed from gate_up in the loader)
+        from titan_megamoe.kernels._bwd_common import default_bwd_config
+        from titan_megamoe.kernels.grouped_gemm_bwd import wgrad_w2, wgrad_w13
+
+        bf, D = torch.bfloat16, dout.shape[1]
+        cfg = {k: default_bwd_config(k, layout, D, F) for k in ("wgrad_w2", "wgrad_w13")}
+        if _interp():  # 16-wide interpreter defaults take minutes; D, F are multiples of 128 here
+            cfg = {k: dataclasses.replace(c, block_m=128, block_n=128, block_k=128) for k, c in cfg.items()}
+        dw2 = wgrad_w2(dout.to(bf), gate_up, topk_scores_TK.contiguous(), layout, cfg["wgrad_w2"], out_dtype=w_dtype)
+        dw1, dw3 = wgrad_w13(dgu, x_TD.to(bf).contiguous(), layout, cfg["wgrad_w13"], out_dtype=w_dtype)
+    else:
+        acc = 32 if _WGRAD == "fp8_acc32" else None
+        doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout")  # counted above
+        (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype, _max_imprecise_acc=acc)
+        xTq, xTs = quantize_gather_128x1_t(x_TD.contiguous(), layout.row_pair, K, nonfinite_count=count,
+                                           name=f"{layer_name} x")
+        dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype, _max_imprecise_acc=acc)
     dx_rows = gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
     dx = scatter_dx(dx_rows, layout, T, K)
     NONFINITE.record(f"{layer_name} backward", count)
