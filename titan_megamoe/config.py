@@ -47,9 +47,10 @@ class MegaMoEConfig:
     backend: Backend = "reference"
     """Implementation of the fused operator. "reference": pure PyTorch (all-to-all dispatch with one
     copy per (token, destination rank), per-rank partial sums, fp32 combine); the oracle every
-    kernel is tested against. "triton": fused Triton grouped-GEMM kernels, forward and backward;
-    bf16, EP = 1 and scores applied after the experts (Qwen3) for now; the symmetric-memory NVLink
-    dispatch/combine for EP > 1 is not available yet."""
+    kernel is tested against. "triton": fused Triton grouped-GEMM kernels, forward and backward,
+    scores applied after the experts (Qwen3); bf16 at any EP size that divides the expert count
+    (EP > 1: dispatch / combine through PyTorch symmetric memory inside the operator), fp8 / fp8_bwd
+    at EP = 1 only for now."""
 
     precision: Precision = "bf16"
     """Arithmetic of the expert GEMMs. "bf16"; "fp8": blockwise FP8 forward and backward (1x128
