@@ -22,21 +22,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "0" if __name__ == "__main__" else "1")
 
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 if __name__ == "__main__":
-    _ROOT = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(_ROOT))  # this checkout, not an installed copy
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
-        # A bare GPU machine has no torchtitan: skip the package's registration imports.
-        import types
-
-        for _name in ("titan_megamoe", "titan_megamoe.ops"):
-            _mod = types.ModuleType(_name)
-            _mod.__path__ = [str(_ROOT.joinpath(*_name.split(".")))]
-            sys.modules[_name] = _mod
+    import _script_setup  # noqa: F401  (this checkout first; registration stubs on a bare GPU machine)
 
 import functools  # noqa: E402
 import json  # noqa: E402
