@@ -26,9 +26,8 @@ from titan_megamoe.kernels import grouped_gemm as gg  # noqa: E402
 from titan_megamoe.kernels import grouped_gemm_bwd as B  # noqa: E402
 from titan_megamoe.kernels.configs import GemmConfig, config_for  # noqa: E402
 from titan_megamoe.kernels.routing import build_routing_layout  # noqa: E402
-from titan_megamoe.testing import rel_err  # noqa: E402
+from titan_megamoe.testing import BENCH_SHAPES as SHAPES, bench_layer_inputs, rel_err  # noqa: E402
 
-SHAPES = {"30b": (16384, 128, 8, 2048, 768), "235b": (16384, 128, 8, 4096, 1536)}
 
 
 def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
@@ -68,16 +67,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="only the default config and the 64-row (two CTAs per SM) wgrad tiles: one compile each")
     args = ap.parse_args()
-    T, E, K, D, F = SHAPES[args.shape]
+    v = bench_layer_inputs(args.shape, "cuda")
+    T, E, K, D, F = v.T, v.E, v.K, v.D, v.F
     dev = "cuda"
-    torch.manual_seed(0)
-    x = torch.randn(T, D, device=dev).bfloat16()
-    w1 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, F, device=dev) / F**0.5).bfloat16()
-    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices
-    s = torch.softmax(torch.randn(T, K, device=dev), -1).float()
-    dout = torch.randn(T, D, device=dev).bfloat16()
+    x, w1, w2, w3, ids, s, dout = v.x, v.w1, v.w2, v.w3, v.ids, v.scores, v.dout
     lay = build_routing_layout(ids, E, 128)
     gu, h = gg.gemm1_swiglu_fwd(x, w1, w3, lay)
     hs = torch.empty(lay.n_cap, F, device=dev, dtype=torch.bfloat16)

@@ -40,7 +40,7 @@ from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     compile_sm90,
     nvidia_backend_reason,
 )
-from titan_megamoe.testing import TOLERANCES, assert_close_rel, make_routing  # noqa: E402
+from titan_megamoe.testing import TOLERANCES, assert_close_rel, bench_layer_inputs, make_routing  # noqa: E402
 
 SMEM_LIMIT_SM90 = HOPPER_SMEM_BYTES
 TOL = torch.bfloat16  # tolerance key: bf16 operands (TOLERANCES[torch.bfloat16])
@@ -409,16 +409,10 @@ def _gpu(argv: list[str]) -> None:
 
     _gpu_correctness(verbose=True)
     shape = argv[0] if argv else "30b"
-    T, E, K, D, F = {"30b": (16384, 128, 8, 2048, 768), "235b": (16384, 128, 8, 4096, 1536)}[shape]
+    v = bench_layer_inputs(shape, "cuda")
+    T, E, K, D, F = v.T, v.E, v.K, v.D, v.F
     dev = "cuda"
-    torch.manual_seed(0)
-    x = torch.randn(T, D, device=dev).bfloat16()
-    w1 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, F, device=dev) / F**0.5).bfloat16()
-    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices
-    scores = torch.softmax(torch.randn(T, K, device=dev), -1).float()
-    dout = torch.randn(T, D, device=dev).bfloat16()
+    x, w1, w2, w3, ids, scores, dout = v.x, v.w1, v.w2, v.w3, v.ids, v.scores, v.dout
     lay = build_routing_layout(ids, E, 128)
     gate_up = torch.randn(lay.n_cap, 2 * F, device=dev).bfloat16()
     hs = torch.empty(lay.n_cap, F, device=dev, dtype=torch.bfloat16)

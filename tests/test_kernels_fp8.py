@@ -45,7 +45,7 @@ from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     compile_sm90,
     nvidia_backend_reason,
 )
-from titan_megamoe.testing import assert_close_rel, make_routing, rel_err  # noqa: E402
+from titan_megamoe.testing import assert_close_rel, bench_layer_inputs, make_routing, rel_err  # noqa: E402
 
 # silu(gate) = gate / (1 + exp(-gate)): for gate << 0 the exp overflows to inf and silu -> -0, as on
 # the GPU; numpy (the interpreter) warns about it.
@@ -610,17 +610,12 @@ def _bench(argv: list[str]) -> None:
     from titan_megamoe.kernels.routing import build_routing_layout
 
     shape = argv[0] if argv else "30b"
-    T, E, K, D, F = {"30b": (16384, 128, 8, 2048, 768), "235b": (16384, 128, 8, 4096, 1536)}[shape]
+    v = bench_layer_inputs(shape, "cuda")
+    T, E, K, D, F = v.T, v.E, v.K, v.D, v.F
     dev = "cuda"
     b1, b2 = config_for("gemm1", D, F, False), config_for("gemm2", D, F, False)  # the bf16 GPU defaults
     c1, c2 = g8.fp8_config_for("gemm1", D, F, False), g8.fp8_config_for("gemm2", D, F, False)
-    torch.manual_seed(0)
-    x = torch.randn(T, D, device=dev).bfloat16()
-    w1 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, F, D, device=dev) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, F, device=dev) / F**0.5).bfloat16()
-    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices
-    scores = torch.softmax(torch.randn(T, K, device=dev), -1).float()
+    x, w1, w2, w3, ids, scores = v.x, v.w1, v.w2, v.w3, v.ids, v.scores
     layout = build_routing_layout(ids, E, 128)
     xq, xs = _quant_act(x)
     (w1q, w1s), (w3q, w3s), (w2q, w2s) = _quant_weight(w1), _quant_weight(w3), _quant_weight(w2)

@@ -15,6 +15,8 @@ __all__ = [
     "ROUTINGS",
     "TOLERANCES",
     "FP8_REL_BOUNDS",
+    "BENCH_SHAPES",
+    "bench_layer_inputs",
     "make_routing",
     "rel_err",
     "assert_close_rel",
@@ -56,6 +58,33 @@ ROUTINGS = {
     "empty_rank": "no token routes to the last rank",
 }
 
+
+
+#: The layer shapes the kernel benches and sweeps time: (T, E, K, D, F) with 16384 tokens.
+BENCH_SHAPES = {"30b": (16384, 128, 8, 2048, 768), "235b": (16384, 128, 8, 4096, 1536)}
+
+
+def bench_layer_inputs(shape: str, device="cuda", seed: int = 0):
+    """Random inputs of one MoE layer at a bench shape ("30b" / "235b", ``BENCH_SHAPES``), drawn in a
+    fixed order after ``torch.manual_seed(seed)``: x (T, D) bf16, w1 / w3 (E, F, D) and w2 (E, D, F)
+    bf16 scaled by 1/sqrt(fan-in), ids (T, K) distinct experts per token (near-uniform), scores (T, K)
+    fp32 softmax, dout (T, D) bf16 (last, so callers' later draws follow it).
+
+    Returns:
+        SimpleNamespace(T, E, K, D, F, x, w1, w2, w3, ids, scores, dout).
+    """
+    from types import SimpleNamespace
+
+    T, E, K, D, F = BENCH_SHAPES[shape]
+    torch.manual_seed(seed)
+    x = torch.randn(T, D, device=device).bfloat16()
+    w1 = (torch.randn(E, F, D, device=device) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device=device) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, device=device) / F**0.5).bfloat16()
+    ids = torch.rand(T, E, device=device).topk(K, dim=1).indices
+    scores = torch.softmax(torch.randn(T, K, device=device), -1).float()
+    dout = torch.randn(T, D, device=device).bfloat16()
+    return SimpleNamespace(T=T, E=E, K=K, D=D, F=F, x=x, w1=w1, w2=w2, w3=w3, ids=ids, scores=scores, dout=dout)
 
 def _distinct_topk(weights_TE: Tensor, K: int, gen: torch.Generator) -> Tensor:
     # multinomial without replacement gives K distinct experts per token
