@@ -192,6 +192,70 @@ def test_grads_match_oracle(case):
         assert torch.equal(got["hs"][pad], torch.zeros_like(got["hs"][pad]))
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("case", [c for c in CASES if c.out_dtype == torch.bfloat16 and c.use_tma],
+                         ids=lambda c: f"{c.routing}-T{c.T}-E{c.E}-K{c.K}-D{c.D}-F{c.F}")
+def test_wgrad_grouped_mm_matches_oracle_and_triton(case):
+    """The sm_90 default wgrad (rows gathered with zero padding, then torch._grouped_mm over the layout's
+    padded expert segments) against the oracle and the Triton wgrad kernels; empty experts exactly 0;
+    bitwise repeatable. On CPU torch._grouped_mm runs its reference fallback."""
+    B = _bwd_module()
+    c = dataclasses.replace(case, save_hs=True)
+    t = _inputs(c, 16)
+    lay = t["layout"]
+    cfg = _configs(c, lay, c.D, c.F)
+    hs = torch.empty(lay.n_cap, c.F, dtype=torch.bfloat16, device=t["x"].device)
+    dgu, _ = B.gemm2_dgrad_swiglu_bwd(t["dout"], t["w2"], t["gate_up"], t["scores"], lay, cfg["gemm2_dgrad"],
+                                      hs_out=hs)
+    got = {}
+    for impl in ("grouped_mm", "triton"):
+        dw2 = B.wgrad_w2(t["dout"], t["gate_up"], t["scores"], lay, hs_NF=hs, impl=impl)
+        dw1, dw3 = B.wgrad_w13(dgu, t["x"], lay, impl=impl)
+        got[impl] = dict(dw1=dw1, dw2=dw2, dw3=dw3)
+    ref = _oracle_grads(t, c.E)
+    empty = (lay.counts == 0).nonzero().flatten().tolist()
+    for name in ("dw1", "dw2", "dw3"):
+        g = got["grouped_mm"][name]
+        assert g.dtype == torch.bfloat16 and g.shape == got["triton"][name].shape, name
+        assert_close_rel(g.float().cpu(), ref[name].cpu(), TOL, name=f"grouped_mm/{name}")
+        # same fp32 sums of the same bf16 products: only the summation order differs
+        assert_close_rel(g.float().cpu(), got["triton"][name].float().cpu(), TOL, name=f"grouped_mm~triton/{name}")
+        for e in empty:
+            assert torch.equal(g[e], torch.zeros_like(g[e])), f"{name}[{e}] not exactly 0"
+    again = B.wgrad_w13(dgu, t["x"], lay, impl="grouped_mm")
+    assert torch.equal(again[0], got["grouped_mm"]["dw1"]) and torch.equal(again[1], got["grouped_mm"]["dw3"])
+
+
+def test_gather_rows_padding_zero_and_tokens():
+    """gather_rows: row r < offsets[E] = x[row_pair[r] // K] or exact zeros on padding rows."""
+    from titan_megamoe.kernels import grouped_gemm_wgrad as W
+
+    c = Case("zero_expert", 33, 8, 2, 32, 32, seed=1)
+    t = _inputs(c, 16)
+    lay = t["layout"]
+    got = W.gather_rows(t["x"], lay)
+    end = int(lay.offsets[-1])
+    pair = lay.row_pair[:end].long()
+    want = torch.where((pair >= 0)[:, None], t["x"][pair.clamp(min=0) // c.K], torch.zeros_like(t["x"][:1]))
+    assert got.shape == (lay.n_cap, c.D)
+    assert torch.equal(got[:end], want)
+    assert (pair < 0).any(), "no padding rows in this case"
+
+
+def test_wgrad_impl_choice(monkeypatch):
+    from titan_megamoe.kernels import grouped_gemm_wgrad as W
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TITAN_MEGAMOE_WGRAD", raising=False)
+    assert W.wgrad_impl(cpu) == "triton"  # auto: sm_90 CUDA only
+    assert W.wgrad_impl(cpu, impl="grouped_mm") == ("grouped_mm" if hasattr(torch, "_grouped_mm") else "triton")
+    assert W.wgrad_impl(cpu, torch.float32, impl="grouped_mm") == "triton"  # fp32 gradients: Triton only
+    assert W.wgrad_impl(cpu, custom=True, impl="grouped_mm") == "triton"
+    monkeypatch.setenv("TITAN_MEGAMOE_WGRAD", "cutlass")
+    with pytest.raises(ValueError, match="TITAN_MEGAMOE_WGRAD"):
+        W.wgrad_impl(cpu)
+
+
 class _FakeLayout:
     """Just enough of a RoutingLayout for ``default_bwd_config`` (it reads block_m only)."""
 
@@ -289,6 +353,7 @@ COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D
     ("wgrad_w13_ptr", "wgrad_w13", False),
     ("reduce_dscore", "reduce_dscore", False),
     ("scatter_dx", "scatter_dx", False),
+    ("gather_rows", "gather_rows", False),
 ]
 
 
@@ -305,9 +370,14 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
 
     results = []
     for label, kind, tma in COMPILE_CASES:
-        if kind in ("reduce_dscore", "scatter_dx"):
+        if kind in ("reduce_dscore", "scatter_dx", "gather_rows"):
             opts = dict(num_warps=4, num_stages=1)
-            if kind == "reduce_dscore":
+            if kind == "gather_rows":
+                from titan_megamoe.kernels import grouped_gemm_wgrad as W
+
+                kern, sig, cx = W._gather_rows_kernel, {"src_TD": "*bf16", "row_pair_N": "*i32", "offsets_E1": "*i32",
+                                                        "out_ND": "*bf16"}, dict(D=D, K=K, E=128, BR=16, BD=512)
+            elif kind == "reduce_dscore":
                 kern, sig, cx = B._reduce_dscore_kernel, {"dscore_part_NB": "*fp32", "pair_row_P": "*i32",
                                                           "dscore_P": "*fp32", "P": "i32"}, dict(NB=6, BLOCK=128)
             else:
@@ -360,7 +430,7 @@ def test_compiles_for_sm90a(label):
         pytest.skip(reason)
     r = _compile_results()[label]
     assert r["target"], "PTX not built for sm_90a"
-    if label not in ("reduce_dscore", "scatter_dx"):
+    if label not in ("reduce_dscore", "scatter_dx", "gather_rows"):  # no GEMM in those
         assert r["wgmma"] > 0, f"{label}: no wgmma (Hopper tensor core) instruction in the PTX"
         assert (r["tma"] > 0) == label.endswith("_tma"), f"{label}: TMA loads {r['tma']}"
         if label != "gemm1_dgrad_tma":  # every other variant has a pointer-loaded (gathered) operand
@@ -429,16 +499,33 @@ def _gpu(argv: list[str]) -> None:
         return {k: dataclasses.replace(B.default_bwd_config(k, lay, D, F), use_tma=tma)
                 for k in ("gemm2_dgrad", "gemm1_dgrad", "wgrad_w2", "wgrad_w13")}
 
-    def whole(cfg, save_hs):
+    def whole(cfg, save_hs, wgrad="triton"):
         h = hs if save_hs else None
         g, p = B.gemm2_dgrad_swiglu_bwd(dout, w2, gate_up, scores, lay, cfg["gemm2_dgrad"], hs_out=h)
         B.reduce_dscore(p, lay, T, K)
         B.scatter_dx(B.gemm1_dgrad(g, w1, w3, lay, cfg["gemm1_dgrad"]), lay, T, K)
-        B.wgrad_w2(dout, gate_up, scores, lay, cfg["wgrad_w2"], hs_NF=h)
-        B.wgrad_w13(g, x, lay, cfg["wgrad_w13"])
+        if wgrad == "triton":
+            B.wgrad_w2(dout, gate_up, scores, lay, cfg["wgrad_w2"], hs_NF=h)
+            B.wgrad_w13(g, x, lay, cfg["wgrad_w13"])
+        else:
+            B.wgrad_w2(dout, gate_up, scores, lay, hs_NF=h, impl=wgrad)
+            B.wgrad_w13(g, x, lay, impl=wgrad)
 
     default = {k: B.default_bwd_config(k, lay, D, F) for k in ("gemm2_dgrad", "gemm1_dgrad", "wgrad_w2", "wgrad_w13")}
     bench("megamoe_bwd_default_hs", lambda: whole(default, True), 12 * P * D * F)
+    bench("megamoe_bwd_grouped_mm_wgrad", lambda: whole(default, True, "grouped_mm"), 12 * P * D * F)
+    from titan_megamoe.kernels.grouped_gemm_wgrad import gather_rows
+
+    g0, _ = B.gemm2_dgrad_swiglu_bwd(dout, w2, gate_up, scores, lay, default["gemm2_dgrad"], hs_out=hs)
+    bench("gather_rows", lambda: gather_rows(x, lay), 0)
+    bench("wgrad_w2_grouped_mm", lambda: B.wgrad_w2(dout, gate_up, scores, lay, hs_NF=hs, impl="grouped_mm"),
+          2 * P * D * F)
+    bench("wgrad_w13_grouped_mm", lambda: B.wgrad_w13(g0, x, lay, impl="grouped_mm"), 4 * P * D * F)
+    bench("wgrad_w2_triton_default", lambda: B.wgrad_w2(dout, gate_up, scores, lay, default["wgrad_w2"], hs_NF=hs),
+          2 * P * D * F)
+    bench("wgrad_w13_triton_default", lambda: B.wgrad_w13(g0, x, lay, default["wgrad_w13"]), 4 * P * D * F)
+    if "--wgrad-only" in sys.argv:
+        return
     ptr = configs(False)
     bench("megamoe_bwd_ptr_hs", lambda: whole(ptr, True), 12 * P * D * F)
 

@@ -63,6 +63,18 @@ def test_triton_matches_reference(case):
         assert_close_rel(a.float(), b.float(), torch.bfloat16, name)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("case", CASES[1:3], ids=[f"{c[0]}-T{c[1]}-K{c[5]}" for c in CASES[1:3]])
+def test_triton_with_grouped_mm_wgrad_matches_reference(case, monkeypatch):
+    """The op with the sm_90 default wgrad (gathered rows + torch._grouped_mm) forced on this device."""
+    monkeypatch.setenv("TITAN_MEGAMOE_WGRAD", "grouped_mm")
+    inputs = _inputs(*case)
+    got = _fwd_bwd("triton", *inputs)
+    ref = _fwd_bwd("reference", *inputs)
+    for name, a, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got, ref):
+        assert_close_rel(a.float(), b.float(), torch.bfloat16, name)
+
+
 def test_triton_deterministic_bitwise():
     inputs = _inputs("skewed", 33, 32, 32, 8, 4, seed=3)
     a = _fwd_bwd("triton", *inputs)

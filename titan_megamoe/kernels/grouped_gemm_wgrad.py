@@ -3,9 +3,24 @@
 See ``grouped_gemm_bwd.py`` for the shape legend, the data flow of the whole backward and the
 measurements; this file holds step 3 (``wgrad_w2``, ``wgrad_w13``). Deterministic: each output element
 is written once by one program that reduces over the expert's rows in row order.
+
+Two implementations, picked per call by :func:`wgrad_impl`:
+
+* ``"triton"``: our kernels below, gathering token rows inside the K loop (no extra buffer).
+* ``"grouped_mm"`` (default on sm_90): one pass gathers the token-side operand (x, or dout) into the
+  layout's row order with zero padding rows (:func:`gather_rows`), then ``torch._grouped_mm`` (PyTorch's
+  CUTLASS grouped GEMM, jagged K = each expert's padded segment of the layout). Why: at the 30B shape
+  stock TorchTitan's grouped GEMMs run ~615 TF/s on the H200 (``profile_30b_tt-compile_20261130.json``:
+  0.67 ms per 0.41 TFLOP call) while our K-grouped kernels reach 370-410 TF/s: each expert's K loop is
+  short (~1024 rows) and nothing overlaps its pipeline fill and epilogue; CUTLASS's warp-specialized
+  persistent kernel does. The extra gather pass costs one read and one write of N_cap x D bf16.
+  Zero-row experts: empty groups give exact zeros on sm_90 (pytorch/pytorch#172439 reports it wrong
+  on sm_100 only, hence the capability test). Not used for fp32 outputs or caller buffers.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -28,7 +43,83 @@ from titan_megamoe.kernels._bwd_common import (
 from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
 
-__all__ = ["wgrad_w2", "wgrad_w13"]
+__all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "WGRAD_IMPLS"]
+
+#: Implementations of the wgrads (module docstring). ``TITAN_MEGAMOE_WGRAD`` = one of them forces it
+#: (A/B benchmarks, tests); "auto" (default) picks "grouped_mm" on sm_90 CUDA devices, else "triton".
+WGRAD_IMPLS = ("auto", "triton", "grouped_mm")
+
+
+def wgrad_impl(device: torch.device, out_dtype: torch.dtype | None = None, *, custom: bool = False,
+               impl: str | None = None) -> str:
+    """"triton" or "grouped_mm" for a wgrad on ``device``.
+
+    Args:
+        device: where the operands are.
+        out_dtype: requested gradient dtype (None: bf16); fp32 outputs stay on the Triton kernels.
+        custom: a caller config or output buffer was given (Triton kernels only).
+        impl: None (read ``TITAN_MEGAMOE_WGRAD``, default "auto") or one of ``WGRAD_IMPLS``.
+
+    Raises:
+        ValueError: an unknown ``impl`` / ``TITAN_MEGAMOE_WGRAD`` value.
+    """
+    impl = impl or os.environ.get("TITAN_MEGAMOE_WGRAD", "auto")
+    if impl not in WGRAD_IMPLS:
+        raise ValueError(f"wgrad implementation {impl!r} is not one of {WGRAD_IMPLS} (TITAN_MEGAMOE_WGRAD)")
+    if custom or (out_dtype not in (None, torch.bfloat16)) or not hasattr(torch, "_grouped_mm"):
+        return "triton"
+    if impl == "auto":
+        ok = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        return "grouped_mm" if ok else "triton"
+    return impl
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_TD,           # (T, D) bf16 token rows
+    row_pair_N,       # (N_cap,) int32
+    offsets_E1,       # (E + 1,) int32; rows >= offsets[E] are left unwritten
+    out_ND,           # (N_cap, D) bf16 out
+    D: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    """out[r] = src[row_pair[r] // K] for rows with a pair, zeros for padding rows (r < offsets[E])."""
+    r0 = tl.program_id(0) * BR
+    end = tl.load(offsets_E1 + E)
+    if r0 < end:
+        rows = r0 + tl.arange(0, BR)
+        live = rows < end
+        pair = tl.load(row_pair_N + rows, mask=live, other=-1)
+        valid = pair >= 0
+        tok64 = tl.where(valid, pair // K, 0).to(tl.int64)  # int64: T * D can pass 2^31
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        c_ok = cols < D
+        v = tl.load(src_TD + tok64[:, None] * D + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+        tl.store(out_ND + rows.to(tl.int64)[:, None] * D + cols[None, :], v, mask=live[:, None] & c_ok[None, :])
+
+
+def gather_rows(src_TD: Tensor, layout: RoutingLayout) -> Tensor:
+    """Token rows in the layout's padded expert-major order, one pass.
+
+    Args:
+        src_TD: (T, D) bf16 contiguous token rows (x, or dout), T * K = the layout's pairs.
+        layout: the routing layout.
+
+    Returns:
+        (N_cap, D) bf16: row r < offsets[E] holds ``src[row_pair[r] // K]`` or zeros (padding); rows
+        from offsets[E] on are not written (no grouped GEMM reads them).
+    """
+    T, D = src_TD.shape
+    out = torch.empty((layout.n_cap, D), dtype=src_TD.dtype, device=src_TD.device)
+    BR, BD = 16, min(512, triton.next_power_of_2(D))
+    grid = (triton.cdiv(layout.n_cap, BR), triton.cdiv(D, BD))
+    _runnable(_gather_rows_kernel)[grid](src_TD, layout.row_pair, layout.offsets, out, D, layout.top_k,
+                                         layout.num_experts, BR=BR, BD=BD)
+    return out
+
+
+def _grouped_mm_wgrad(a_MN: Tensor, b_ND: Tensor, layout: RoutingLayout) -> Tensor:
+    """out[e] = a[:, s_e:t_e] @ b[s_e:t_e] over each expert's padded segment [offsets[e], offsets[e+1])."""
+    return torch._grouped_mm(a_MN, b_ND, offs=layout.offsets[1:])
 
 
 @triton.jit
@@ -173,7 +264,7 @@ def _wgrad_out(out, shape, out_dtype, dev, name):
 def wgrad_w2(
     dout_TD: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
     config: GemmConfig | None = None, *, hs_NF: Tensor | None = None, out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,
+    out: Tensor | None = None, impl: str | None = None,
 ) -> Tensor:
     """dw2[e] = sum_{rows r of e} (s[p] dout[t])^T outer h[r] = sum_r dout[t]^T outer (s[p] h[r]).
 
@@ -187,6 +278,8 @@ def wgrad_w2(
         out_dtype: bf16 (default: the weights' dtype of this bf16 operator) or fp32 (FSDP fp32 master
             gradients); accumulation is fp32 either way.
         out: optional (E, D, F) caller buffer of ``out_dtype``.
+        impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
+            needs ``hs_NF``, bf16 output and no config / out).
 
     Returns:
         (E, D, F) dw2; experts without rows get exact zeros.
@@ -209,11 +302,15 @@ def wgrad_w2(
     out_dtype = out_dtype or _ACT
     if out_dtype not in _WGRAD_DTYPES:
         raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
+    if hs_NF is not None:
+        _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
+    custom = config is not None or out is not None or hs_NF is None
+    if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
+        # dw2[e] = dout_rows[e]^T @ (s h)[e]; padding rows of the gathered dout are zeros
+        return _grouped_mm_wgrad(gather_rows(dout_TD, layout).t(), hs_NF, layout)
     cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
     dw2 = _wgrad_out(out, (E, D, F), out_dtype, dev, "out (dw2)")
     nbm, nbn = triton.cdiv(D, cfg.block_m), triton.cdiv(F, cfg.block_n)
-    if hs_NF is not None:
-        _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
     use_tma = _tma_ok(cfg, gate_up_N2F) and F % 8 == 0  # (N_cap, 2, F) view needs F*2 B aligned rows
     if use_tma:
         gu_arg = _desc(gate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_n])
@@ -231,7 +328,7 @@ def wgrad_w2(
 
 def wgrad_w13(
     dgate_up_N2F: Tensor, x_TD: Tensor, layout: RoutingLayout, config: GemmConfig | None = None, *,
-    out_dtype: torch.dtype | None = None, out: tuple[Tensor, Tensor] | None = None,
+    out_dtype: torch.dtype | None = None, out: tuple[Tensor, Tensor] | None = None, impl: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """dw1[e] = sum_{rows r of e} dgate[r]^T outer x[t], dw3[e] = sum_r dup[r]^T outer x[t].
 
@@ -242,6 +339,8 @@ def wgrad_w13(
             (gathered by token); layout: the routing layout (any block_m).
         config: BM x BN tile of dw1[e] / dw3[e] (over F x D), BK rows per reduction step.
         out_dtype: bf16 (default) or fp32; out: optional (dw1, dw3) caller buffers.
+        impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
+            needs bf16 output and no config / out).
 
     Returns:
         dw1, dw3 (E, F, D); experts without rows get exact zeros.
@@ -263,6 +362,12 @@ def wgrad_w13(
     out_dtype = out_dtype or _ACT
     if out_dtype not in _WGRAD_DTYPES:
         raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
+    custom = config is not None or out is not None
+    if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
+        # dw1[e] = dgate[e]^T @ x_rows[e], dw3 likewise: the gate / up halves as strided views, no copy
+        x_rows = gather_rows(x_TD, layout)
+        return (_grouped_mm_wgrad(dgate_up_N2F[:, :F].t(), x_rows, layout),
+                _grouped_mm_wgrad(dgate_up_N2F[:, F:].t(), x_rows, layout))
     cfg = config or default_bwd_config("wgrad_w13", layout, D, F)
     dw1 = _wgrad_out(None if out is None else out[0], (E, F, D), out_dtype, dev, "out[0] (dw1)")
     dw3 = _wgrad_out(None if out is None else out[1], (E, F, D), out_dtype, dev, "out[1] (dw3)")

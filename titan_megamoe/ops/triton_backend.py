@@ -93,6 +93,7 @@ def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor
                                                    hs_out=hs)
     dscores = reduce_dscore(dscore_part, layout, T, K)
     dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout, hs_NF=hs)
+    del hs  # 0.2 GiB at 30B back to the allocator before wgrad_w13's gathered x rows (peak memory)
     dw1, dw3 = wgrad_w13(dgate_up, x_TD.contiguous(), layout)
     dx_rows = gemm1_dgrad(dgate_up, w1.contiguous(), w3.contiguous(), layout)
     dx = scatter_dx(dx_rows, layout, T, K)

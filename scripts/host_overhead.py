@@ -1,0 +1,110 @@
+"""Host (CPU) time to enqueue one MoE layer forward, and its parts (GPU only).
+
+compare.layer times a forward from an idle device, so the host's enqueue time before GEMM1 shows up
+as device idle time (docs/NOTES.md, v2 profile: 1.2 ms host vs 3.2 ms device span at the 30B shape).
+This script measures where the host time goes: the device is first given a long ``torch.cuda._sleep``
+so no launch ever waits, then each stage is timed with ``time.perf_counter`` (median of ``--iters``).
+
+    python scripts/host_overhead.py [--shape qwen3-30b-a3b] [--iters 50] [--out host.json]
+
+Prints one JSON line per stage: {"stage", "host_us"}; writes them all to ``--out`` if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+
+def _host_us(fn, iters: int) -> float:
+    """Median host microseconds of ``fn()`` while the device is kept busy (no launch blocks)."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of device time queued ahead of fn's launches
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_overhead: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    from compare.builders import build_layer, inject_routing, stock_layer_context
+    from compare.shapes import parse_shape
+    from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.ops.library import mega_moe_triton
+    from titan_megamoe.ops import triton_backend as tb
+    from titan_megamoe.testing import make_routing
+
+    dev = torch.device("cuda")
+    shape = parse_shape(a.shape)
+    T, E, K = a.tokens, shape.experts, shape.top_k
+    ids = make_routing("uniform", T, E, K, seed=0).to(dev)
+    counts = torch.bincount(ids.view(-1), minlength=E).float()
+    x = torch.randn(T, shape.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    rows = []
+
+    def record(stage, fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        us = _host_us(fn, a.iters)
+        rows.append({"stage": stage, "host_us": round(us, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+
+    for impl in ("megamoe-triton", "tt-compile"):
+        with stock_layer_context("bf16", dev):
+            built = build_layer(impl, "bf16", shape, dev)
+            moe = built.module
+            inject_routing(moe, ids, counts)
+            xb = x.view(1, T, shape.dim)
+            record(f"{impl}: layer forward", lambda: moe(xb))
+            record(f"{impl}: router", lambda: moe.router(x, moe.expert_bias))
+    moe = None
+    built = build_layer("megamoe-triton", "bf16", shape, dev)
+    ex = built.module.experts
+    scores = torch.rand(T, K, device=dev).softmax(-1).requires_grad_()
+    record("megamoe: experts module", lambda: ex(x, ids, scores))
+    w1, w2, w3 = ex.w1, ex.w2, ex.w3
+    record("megamoe: custom op (autograd)", lambda: mega_moe_triton(x, ids, scores, w1, w2, w3))
+    with torch.no_grad():
+        record("megamoe: custom op (no grad)", lambda: mega_moe_triton(x, ids, scores, w1, w2, w3))
+        record("megamoe: triton_fwd (no op)", lambda: tb.triton_fwd(x, ids, scores, w1, w2, w3))
+        lay = build_routing_layout(ids, E, 128)
+        record("megamoe: routing layout (2 launches)", lambda: build_routing_layout(ids, E, 128))
+        gu, h = gemm1_swiglu_fwd(x, w1, w3, lay)
+        record("megamoe: gemm1 launch", lambda: gemm1_swiglu_fwd(x, w1, w3, lay, gate_up_out=gu, h_out=h))
+        y = gemm2_scatter_fwd(h, w2, scores.detach(), lay)
+        record("megamoe: gemm2 launch", lambda: gemm2_scatter_fwd(h, w2, scores.detach(), lay))
+        record("megamoe: combine launch", lambda: combine_topk(y, T, K))
+        record("torch: one elementwise op", lambda: x.detach().mul(2))
+        record("torch: empty", lambda: torch.empty((T, shape.dim), device=dev))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"shape": a.shape, "tokens": T, "iters": a.iters, "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(), "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"),
+                       "stages": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
