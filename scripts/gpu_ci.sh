@@ -18,7 +18,10 @@
 #              regress_layer.txt, regress_train.txt, gpu.txt
 #   LAYER_TOL  relative slow-down allowed for layer times and speedups (default 0.07)
 #   TRAIN_TOL  relative slow-down allowed for tokens/s/GPU and the speedup vs stock (default 0.10)
-#   LOSS_TOL   absolute change allowed for the mean loss of steps 91-100 (default 0.1)
+#   LOSS_TOL   absolute change allowed for the mean loss of steps 91-100 (default 0.25): gross errors
+#              only (divergence, NaN); see the comment at its default below
+#   EARLY_STEPS, EARLY_LOSS_TOL  the loss of each of steps 1..EARLY_STEPS must be within EARLY_LOSS_TOL
+#              (absolute) of the baseline's same step (defaults 15 and 0.002): the numerics check
 #   LAYER_BASELINE, TRAIN_BASELINE  baseline files (defaults: the committed ones below)
 #   STEPS      training steps (default 100; the baseline has 200, compared over the same steps)
 #   PYTHON     interpreter (default python3)
@@ -42,14 +45,23 @@ fi
 PY=${PYTHON:-python3}
 LAYER_TOL=${LAYER_TOL:-0.07}
 TRAIN_TOL=${TRAIN_TOL:-0.10}
-LOSS_TOL=${LOSS_TOL:-0.1}
+# Training is not bitwise reproducible run to run (nondeterministic stock kernels): with the same
+# config and seed, the losses agree to ~2e-4 over steps 1-15 and then diverge chaotically. Measured on
+# H200, the mean loss of steps 91-100 (200-step LR schedule) differed by 0.108 between two megamoe
+# triton runs (5.458 vs 5.566) and by 0.057 for stock TorchTitan; a 300-step run's final loss by 0.19
+# (5.090 vs 5.283, 3.8 %). 0.1 gave a false LOSS CHANGED; 0.25 is above that spread and still catches
+# divergence. Numerics changes are caught by the early-steps check (EARLY_STEPS, EARLY_LOSS_TOL).
+LOSS_TOL=${LOSS_TOL:-0.25}
+EARLY_STEPS=${EARLY_STEPS:-15}
+EARLY_LOSS_TOL=${EARLY_LOSS_TOL:-0.002}
 STEPS=${STEPS:-100}
 LAYER_BASELINE=${LAYER_BASELINE:-benchmarks/results/layer_1xh200_ep1_triton_20261130.json}
 TRAIN_BASELINE=${TRAIN_BASELINE:-benchmarks/results/train_debug_1xh200_triton_20261130.json}
 status=0
 note() { echo "[gpu_ci] $*"; }
 
-note "rev ${REV:-unknown}; out $OUT; tolerances: layer $LAYER_TOL, train $TRAIN_TOL, loss $LOSS_TOL"
+note "rev ${REV:-unknown}; out $OUT; tolerances: layer $LAYER_TOL, train $TRAIN_TOL, loss $LOSS_TOL," \
+  "early loss $EARLY_LOSS_TOL (steps 1-$EARLY_STEPS)"
 
 # 1. one MoE layer (exit code ignored here: a failed record is caught by compare.regress as NOT OK)
 timeout 900 "$PY" -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton --precisions bf16 \
@@ -79,7 +91,8 @@ if [ -s "$OUT/layer_ci.json" ]; then
 fi
 if [ -s "$OUT/train_ci.json" ]; then
   "$PY" -m compare.regress "$OUT/train_ci.json" --baseline "$TRAIN_BASELINE" --tolerance "$TRAIN_TOL" \
-    --loss-tolerance "$LOSS_TOL" --select label=megamoe-triton,torchtitan-baseline \
+    --loss-tolerance "$LOSS_TOL" --early-steps "$EARLY_STEPS" --early-loss-tolerance "$EARLY_LOSS_TOL" \
+    --select label=megamoe-triton,torchtitan-baseline \
     | tee "$OUT/regress_train.txt"
   rc=${PIPESTATUS[0]}; note "train regress exit $rc"; [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
 fi

@@ -303,9 +303,11 @@ def _base(tmp_path):
     return _train_file(tmp_path / "base.json", runs, 200)
 
 
-def _new(tmp_path, name="new.json", tps_scale=1.0, loss_shift=0.0, stock_scale=1.0, drop=(), **kw):
-    runs = [_run("megamoe-triton", 100, lambda s: int(_tps_triton(s) * tps_scale), lambda s: _loss(s) + loss_shift,
-                 ["megamoe"], "triton"),
+def _new(tmp_path, name="new.json", tps_scale=1.0, loss_shift=0.0, stock_scale=1.0, drop=(), shift_from=1, **kw):
+    """The CI-style 100-step file; megamoe-triton's loss is shifted by ``loss_shift`` from step
+    ``shift_from`` on (a late shift is the run-to-run divergence; from step 1 a numerics change)."""
+    runs = [_run("megamoe-triton", 100, lambda s: int(_tps_triton(s) * tps_scale),
+                 lambda s: _loss(s) + (loss_shift if s >= shift_from else 0.0), ["megamoe"], "triton"),
             _run("torchtitan-baseline", 100, lambda s: int(_tps_stock(s) * stock_scale), _loss)]
     kw.setdefault("extra", "--lr_scheduler.total_steps 200")  # the baseline's LR schedule
     return _train_file(tmp_path / name, [r for r in runs if r["label"] not in drop], 100, **kw)
@@ -318,10 +320,11 @@ def test_regress_train_pass_on_the_same_steps(tmp_path, capsys):
     from compare.regress import main
 
     base = _base(tmp_path)
-    # 3 % slower and 0.05 higher loss: within 10 % / 0.1. Over steps 11-100 the baseline's median is
-    # ~1203 tokens/s; its whole-run summary (steps 11-200, 900) would have hidden a 15 % slow-down.
-    assert main([_new(tmp_path, tps_scale=0.97, loss_shift=0.05), "--baseline", base, "--tolerance", "0.1",
-                 "--loss-tolerance", "0.1", *SEL]) == 0
+    # 3 % slower and 0.05 higher loss after step 20 (late divergence): within 10 % / 0.1. Over steps
+    # 11-100 the baseline's median is ~1203 tokens/s; its whole-run summary (steps 11-200, 900) would
+    # have hidden a 15 % slow-down.
+    assert main([_new(tmp_path, tps_scale=0.97, loss_shift=0.05, shift_from=20), "--baseline", base,
+                 "--tolerance", "0.1", "--loss-tolerance", "0.1", *SEL]) == 0
     out = capsys.readouterr().out
     assert "compare.train" in out and "PASS" in out
     assert "| megamoe-triton | median tokens/s/GPU (steps 11-100) | 1,203 | 1,166 | -3.1% | ok |" in out
@@ -351,12 +354,19 @@ def test_regress_train_fail_tps_speedup_loss(tmp_path, capsys):
     assert "| torchtitan-baseline | median tokens/s/GPU (steps 11-100) | 1,002 | 1,202 | +20.0% | faster |" in out
     assert [line for line in out.splitlines() if "REGRESSED" in line][0].startswith(
         "| megamoe-triton | speedup vs torchtitan-baseline | 1.201x | 1.001x | -16.6% | REGRESSED |")
-    # loss: either direction beyond the absolute tolerance, and a NaN
+    # final-window loss (shifted after the early steps): either direction beyond the absolute
+    # tolerance, and a NaN
     for shift in (0.3, -0.3, float("nan")):
-        assert main([_new(tmp_path, loss_shift=shift), "--baseline", base, "--loss-tolerance", "0.1", *SEL]) == 1
-        assert "LOSS CHANGED" in capsys.readouterr().out
-    assert main([_new(tmp_path, loss_shift=0.3), "--baseline", base, "--loss-tolerance", "0.5", *SEL]) == 0
-    capsys.readouterr()
+        assert main([_new(tmp_path, loss_shift=shift, shift_from=20), "--baseline", base,
+                     "--loss-tolerance", "0.1", *SEL]) == 1
+        out = capsys.readouterr().out
+        assert "| megamoe-triton | mean loss (steps 91-100) | 6.0900 |" in out and "| LOSS CHANGED |" in out
+        assert "EARLY LOSS CHANGED" not in out
+    assert main([_new(tmp_path, loss_shift=0.3, shift_from=20), "--baseline", base, "--loss-tolerance", "0.5",
+                 *SEL]) == 0
+    # the same shift from step 1 on is a numerics change: the early check fails, whatever --loss-tolerance
+    assert main([_new(tmp_path, loss_shift=0.3), "--baseline", base, "--loss-tolerance", "0.5", *SEL]) == 1
+    assert "EARLY LOSS CHANGED (15 of 15 steps beyond 0.002)" in capsys.readouterr().out
 
 
 def test_regress_train_missing_notok_and_changed(tmp_path, capsys):
@@ -421,6 +431,106 @@ def test_regress_train_bad_arguments(tmp_path, capsys):
             main(args)
         assert exc.value.code == 2
         assert msg in capsys.readouterr().err
+
+
+def _late_noise(s):
+    """Run-to-run noise as measured: ~1e-4 over the first 15 steps, then growing chaotically."""
+    return (1e-4 if s % 2 else -1e-4) if s <= 15 else 0.004 * (s - 15) ** 0.8 * (1 if s % 3 else -1)
+
+
+def test_regress_train_early_loss_passes_when_only_late_steps_differ(tmp_path, capsys):
+    from compare.regress import main
+
+    base = _base(tmp_path)
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    for r in new["runs"]:
+        for row in r["steps"]:
+            row["loss"] = _loss(row["step"]) + _late_noise(row["step"])
+    (tmp_path / "late.json").write_text(json.dumps(new))
+    # late per-step differences of up to ~0.14 (step 100) do not fail: the early steps agree to 1e-4
+    assert main([str(tmp_path / "late.json"), "--baseline", base, "--loss-tolerance", "0.25", *SEL]) == 0
+    out = capsys.readouterr().out
+    assert "| megamoe-triton | early loss (steps 1-15), worst step 1 | 7.98000 | 7.98010 | +1.00e-04 | ok |" in out
+    assert "early loss (steps 1-15) +-0.002 per step, final loss +-0.25" in out and "PASS" in out
+    # the early window is an option: at 25 steps the divergence is inside it
+    assert main([str(tmp_path / "late.json"), "--baseline", base, "--loss-tolerance", "0.25",
+                 "--early-steps", "25", *SEL]) == 1
+    assert "EARLY LOSS CHANGED (10 of 25 steps beyond 0.002)" in capsys.readouterr().out
+
+
+def test_regress_train_early_loss_fails_on_one_early_step(tmp_path, capsys):
+    from compare.regress import compare_early_losses, main
+
+    base = _base(tmp_path)
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    new["runs"][0]["steps"][2]["loss"] += 0.01  # step 3 of megamoe-triton; its final-window loss is unchanged
+    (tmp_path / "step3.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "step3.json"), "--baseline", base, *SEL]) == 1
+    out = capsys.readouterr().out
+    bad = [line for line in out.splitlines() if "EARLY LOSS CHANGED" in line]
+    assert bad == ["| megamoe-triton | early loss (steps 1-15), worst step 3 | 7.94000 | 7.95000 | +1.00e-02 "
+                   "| EARLY LOSS CHANGED (1 of 15 steps beyond 0.002) |"]
+    assert "| megamoe-triton | mean loss (steps 91-100) | 6.0900 | 6.0900 | +0.0000 | ok |" in out
+    assert "FAIL: 1 regression(s)" in out
+    # a looser per-step tolerance, or leaving the check out, passes
+    assert main([str(tmp_path / "step3.json"), "--baseline", base, "--early-loss-tolerance", "0.02", *SEL]) == 0
+    assert "worst step 3 | 7.94000 | 7.95000 | +1.00e-02 | ok |" in capsys.readouterr().out
+    assert main([str(tmp_path / "step3.json"), "--baseline", base, "--metrics", "tps,loss,speedup", *SEL]) == 0
+    assert "| early loss" not in capsys.readouterr().out
+    # a NaN in the early steps is the worst step
+    new["runs"][0]["steps"][4]["loss"] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "nan.json"), "--baseline", base, *SEL]) == 1
+    assert "worst step 5 | 7.90000 | nan | +nan | EARLY LOSS CHANGED (2 of 15 steps" in capsys.readouterr().out
+    # the docstring's example
+    row, failed = compare_early_losses(
+        {"steps": [{"step": s, "loss": v} for s, v in ((1, 8.10), (2, 7.90), (3, 7.71))]},
+        {"label": "x", "steps": [{"step": s, "loss": v} for s, v in ((1, 8.10), (2, 7.90), (3, 7.70))]}, 3, 2e-3)
+    assert failed and row[1] == "early loss (steps 1-3), worst step 3" and row[4] == "+1.00e-02"
+    assert row[5] == "EARLY LOSS CHANGED (1 of 3 steps beyond 0.002)"
+
+
+def test_regress_train_early_loss_missing_steps(tmp_path, capsys):
+    from compare.regress import compare_early_losses, main
+
+    base = _base(tmp_path)
+    # a 10-step run: steps 11-15 of the baseline are absent
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    for r in new["runs"]:
+        r["steps"] = r["steps"][:10]
+    (tmp_path / "short.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "short.json"), "--baseline", base, "--metrics", "early_loss", *SEL]) == 1
+    out = capsys.readouterr().out
+    assert ("EARLY LOSS NOT COMPARABLE (steps 11-15 of the baseline are missing from the new run, which logged "
+            "steps 1-10; run at least 15 steps or lower --early-steps)") in out
+    assert main([str(tmp_path / "short.json"), "--baseline", base, "--metrics", "early_loss",
+                 "--early-steps", "10", *SEL]) == 0
+    assert "early loss (steps 1-10), worst step 1" in capsys.readouterr().out
+    # a hole in the new run's steps
+    new = json.loads(Path(_new(tmp_path)).read_text())
+    del new["runs"][1]["steps"][6]  # step 7 of torchtitan-baseline
+    (tmp_path / "hole.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "hole.json"), "--baseline", base, *SEL]) == 1
+    bad = [line for line in capsys.readouterr().out.splitlines() if "NOT COMPARABLE" in line]
+    assert len(bad) == 1 and bad[0].startswith("| torchtitan-baseline |")
+    assert "steps 7 of the baseline are missing from the new run, which logged steps 1-6, 8-15" in bad[0]
+    # a baseline without per-step losses (summary only)
+    old = json.loads(Path(base).read_text())
+    for r in old["runs"]:
+        r["steps"] = []
+    (tmp_path / "summ.json").write_text(json.dumps(old))
+    assert main([_new(tmp_path), "--baseline", str(tmp_path / "summ.json"), "--metrics", "early_loss", *SEL]) == 1
+    assert "the baseline has no per-step loss in steps 1-15" in capsys.readouterr().out
+    # steps that neither run logged (metrics.log_freq > 1) are not asked for
+    sparse = [{"step": s, "loss": _loss(s)} for s in (1, 5, 10, 15, 20)]
+    row, failed = compare_early_losses({"steps": sparse}, {"label": "x", "steps": sparse})
+    assert not failed and row[1] == "early loss (steps 1, 5, 10, 15), worst step 1"
+    # bad values of the options
+    for args, msg in ((["--early-steps", "0"], "--early-steps: must be >= 1"),
+                      (["--early-loss-tolerance", "-1"], "--early-loss-tolerance: must be >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            main([_new(tmp_path), "--baseline", base, *args])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_regress_train_end_to_end(tmp_path, fake):
@@ -515,6 +625,8 @@ def test_gpu_ci_script_wiring(tmp_path):
     assert "PASS" in layer and "megamoe-triton/bf16 qwen3-30b-a3b random ep=1" in layer and "235b" not in layer
     assert "speedup vs tt-compile/bf16 | 1.681x | 1.681x" in layer
     assert "PASS" in train and "(steps 11-100)" in train and "speedup vs torchtitan-baseline" in train
+    assert "early loss (steps 1-15) +-0.002 per step, final loss +-0.25" in train
+    assert "| megamoe-triton | early loss (steps 1-15), worst step 1 |" in train
     assert "megamoe-reference" not in train and "[gpu_ci] PASS" in res.stdout
     # a CI result is a valid baseline for the next run (same LR schedule, labels and records)
     rec = json.loads((out / "train_ci.json").read_text())
