@@ -51,7 +51,7 @@ __all__ = ["main", "build_parser", "overlap_fraction", "SCHEMA"]
 SCHEMA = "titan_megamoe.compare.ep_overlap/1"
 TINY = dict(shapes="custom:16,16,4,2", tokens=16, iters=1, warmup=0, profile_iters=1)
 DEFAULTS = dict(shapes="qwen3-30b-a3b,qwen3-235b-a22b", tokens=16384, iters=20, warmup=5, profile_iters=3)
-MODES = ("v1", "v2")
+MODES = ("v1", "v2", "v3")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routings", default="random", help="comma list of: random, skewed (default random)")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent of 'skewed' (default 1.2)")
     p.add_argument("--modes", default="v1", help=f"comma list of: {', '.join(MODES)} (default v1; v2 = x rows "
-                   "streamed into GEMM1 through per-block arrival flags, ops/ep_backend.ep_forward_steps_v2)")
+                   "streamed into GEMM1 through per-block arrival flags, ops/ep_backend.ep_forward_steps_v2; v3 = v1's "
+                   "forward, backward with the dx / d score pushes under the wgrads, ep_backward_steps_v3)")
     p.add_argument("--iters", type=int, help="timed iterations per measurement (default 20)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default 5)")
     p.add_argument("--profile-iters", type=int, help="profiled full steps (default 3; 0 = no profile)")
@@ -151,7 +152,7 @@ def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int) -> dic
 def _full(driver: Driver, mode: str, bwd: bool, mark=None):
     from titan_megamoe.ops import ep_backend as eb
 
-    fwd_steps, bwd_steps = eb.FORWARD_STEPS[mode], eb.ep_backward_steps
+    fwd_steps, bwd_steps = eb.FORWARD_STEPS[mode], eb.BACKWARD_STEPS[mode]
 
     def make(i):
         c, d = driver.ctxs[i], driver.data[i]

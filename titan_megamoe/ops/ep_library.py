@@ -4,10 +4,10 @@ shared-memory files (gloo group, CPU: the Triton interpreter, tests).
 
 Ops:
   megamoe::bf16_mega_moe_ep_fwd(x (T,D) bf16, topk_ids (T,K), topk_scores (T,K) fp32, w1 (E_l,F,D),
-      w2 (E_l,D,F), w3 (E_l,F,D) bf16, group_name, t_cap, max_rows, layer_name, overlap ("v1" | "v2"))
+      w2 (E_l,D,F), w3 (E_l,F,D) bf16, group_name, t_cap, max_rows, layer_name, overlap ("v1" | "v2" | "v3"))
       -> out (T,D) bf16, gate_up (N_cap',2F) bf16, receive layout (5 int32 tensors)
   megamoe::bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, layout...,
-      group_name, t_cap, max_rows, layer_name) -> dx, dscores, dw1, dw2, dw3
+      group_name, t_cap, max_rows, layer_name, overlap) -> dx, dscores, dw1, dw2, dw3
 N_cap' = layout_caps(R * t_cap, K, E_l, BM, max_rows), BM = 128 (16 in the interpreter): static, so the fakes need no data.
 
 One workspace per (process group, t_cap, D, K), created on first use (a collective: every rank's
@@ -27,7 +27,7 @@ from titan_megamoe.comm.peers import DEFAULT_TIMEOUT_MS
 from titan_megamoe.comm.signals import WaitMonitor
 from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
-from titan_megamoe.ops.ep_backend import FORWARD_STEPS, EPRank, ep_backward_steps, run_with_barriers
+from titan_megamoe.ops.ep_backend import BACKWARD_STEPS, FORWARD_STEPS, EPRank, run_with_barriers
 from titan_megamoe.ops.triton_backend import _block_m
 
 __all__ = ["mega_moe_ep_triton", "CAPACITY"]
@@ -109,14 +109,14 @@ def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows,
 def bf16_mega_moe_ep_bwd(
     dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
     gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
-    group_name: str, t_cap: int, max_rows: int, layer_name: str,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str, overlap: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     K = topk_ids.shape[1]
     e_l, _, D = w1.shape
     ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
     L = _layout((counts, offsets, row_pair, pair_row, tile_expert), e_l, K, max_rows)
     WAITS.check()
-    steps = ep_backward_steps(ctx, dout.contiguous(), x, topk_ids, topk_scores, w1, w2, w3, gate_up, L)
+    steps = BACKWARD_STEPS[overlap](ctx, dout.contiguous(), x, topk_ids, topk_scores, w1, w2, w3, gate_up, L)
     res = run_with_barriers(steps, ctx.peers)
     WAITS.record(f"{layer_name} (backward)", ctx.peers.sync)
     return res
@@ -124,15 +124,15 @@ def bf16_mega_moe_ep_bwd(
 
 @bf16_mega_moe_ep_bwd.register_fake
 def _bwd_fake(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row,
-              tile_expert, group_name, t_cap, max_rows, layer_name):
+              tile_expert, group_name, t_cap, max_rows, layer_name, overlap):
     return (x.new_empty(x.shape), torch.empty_like(topk_scores), w1.new_empty(w1.shape),
             w2.new_empty(w2.shape), w3.new_empty(w3.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name, _ = inputs
+    x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name, overlap = inputs
     _, gate_up, *layout = output
-    ctx.meta = (group_name, t_cap, max_rows, layer_name)
+    ctx.meta = (group_name, t_cap, max_rows, layer_name, overlap)
     ctx.set_materialize_grads(False)  # gate_up / layout are saved state, never differentiated
     ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, gate_up, *layout)
 
@@ -165,7 +165,9 @@ def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor
         layer_name: used in errors.
         overlap: "v1" (default: barrier-separated dispatch, GEMMs, combine) or "v2" (forward: the x
             rows stream in on a side stream while GEMM1 waits per 128-token block, see
-            ``ops/ep_backend.ep_forward_steps_v2``; backward as v1). Same results bit for bit.
+            ``ops/ep_backend.ep_forward_steps_v2``; backward as v1) or "v3" (forward as v1; backward:
+            the d score and dx pushes on a side stream under the weight gradients,
+            ``ep_backward_steps_v3``). Same results bit for bit.
 
     Returns:
         (T, D) bf16.
