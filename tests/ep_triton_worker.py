@@ -3,7 +3,8 @@ single-GPU reference on the same global inputs, forward and every gradient, on t
 runs bitwise equal; repeated calls with changing routing (workspace reuse); then fwd+bwd timing of
 the 30B shape (16384 tokens/rank) beside the reference EP path. Both overlap modes: v1 (barriers
 between dispatch, GEMMs and combine) and v2 (x rows streamed into GEMM1 through per-block arrival
-flags), v2 bitwise equal to v1 on every case, in the CUDA graph too. Used by test_gpu.py; prints
+flags) and v3 (backward pushes under the wgrads), both bitwise equal to v1 on every case, in the CUDA
+graph too. Used by test_gpu.py; prints
 EP_TRITON PASS on success."""
 
 import json
@@ -62,10 +63,12 @@ def main() -> int:
             want = [ref.detach()[sl], full[0].grad[sl], full[1].grad[sl]] + [
                 w.grad[rank * e_l:(rank + 1) * e_l] for w in full[2:]]
             v2 = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap, overlap="v2")
-            for name, a, b, c, d in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got, want, again, v2):
+            v3 = _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, t_cap, overlap="v3")
+            for name, a, b, c, d, e3 in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got, want, again, v2, v3):
                 assert torch.isfinite(a).all(), f"{name} not finite"
                 assert torch.equal(a, c), f"{name}: two runs differ"
                 assert torch.equal(a, d), f"{name}: overlap v2 differs from v1"
+                assert torch.equal(a, e3), f"{name}: overlap v3 (backward pushes under the wgrads) differs from v1"
                 if b.abs().max() > 0:
                     assert_close_rel(a.float(), b.float(), torch.bfloat16, name)
             CAPACITY.flush()
@@ -74,7 +77,7 @@ def main() -> int:
             failures.append(f"rank {rank} {routing}: {type(e).__name__}: {str(e)[:300]}")
     # CUDA graph: forward + backward of the EP op captured and replayed (proof of no host sync at EP > 1;
     # v2: its side-stream fork / join and the device-side epochs survive capture and replay)
-    for overlap in ("v1", "v2"):
+    for overlap in ("v1", "v2", "v3"):
         try:
             T, D, F, E, K = 2048, 2048, 768, 128, 8
             x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=9)
@@ -101,7 +104,7 @@ def main() -> int:
     T, D, F, E, K = 16384, 2048, 768, 128, 8
     x, s, g, w1, w2, w3, ids = _case("uniform", T, D, F, E, K, R, rank, seed=5)
     times = {}
-    for name in ("triton_ep", "triton_ep_v2", "reference_ep"):
+    for name in ("triton_ep", "triton_ep_v2", "triton_ep_v3", "reference_ep"):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         samples = []
         iters = int(os.environ.get("EP_TRITON_ITERS", "13"))
@@ -110,7 +113,8 @@ def main() -> int:
             torch.cuda.synchronize()
             ev[0].record()
             if name.startswith("triton_ep"):
-                _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, T, "v2" if name.endswith("v2") else "v1")
+                _run_ep(x, s, g, w1, w2, w3, ids, T, E, K, R, rank, group, T,
+                        name[-2:] if name[-3:] in ("_v2", "_v3") else "v1")
             else:
                 e_l, sl = E // R, slice(rank * T, (rank + 1) * T)
                 leaves = [t.clone().requires_grad_() for t in (x[sl], s[sl], w1[rank * e_l:(rank + 1) * e_l],
