@@ -1,7 +1,7 @@
 """torchrun worker (2+ GPUs): the expert-parallel Triton backend over symmetric memory against the
 single-GPU reference on the same global inputs, forward and every gradient, on the edge cases; two
 runs bitwise equal; repeated calls with changing routing (workspace reuse); then fwd+bwd timing of
-the 30B shape (16384 tokens/rank) beside the reference EP path. Both overlap modes: v1 (barriers
+the 30B shape (16384 tokens/rank) beside the reference EP path. The overlap modes: v1 (barriers
 between dispatch, GEMMs and combine) and v2 (x rows streamed into GEMM1 through per-block arrival
 flags) and v3 (backward pushes under the wgrads), both bitwise equal to v1 on every case, in the CUDA
 graph too. Used by test_gpu.py; prints
