@@ -163,6 +163,29 @@ def test_nonfinite_is_reported_with_the_layer_name():
         NONFINITE.check()
 
 
+def test_nonfinite_check_queries_no_event_while_a_cuda_graph_is_captured(monkeypatch):
+    """The fp8 ops call ``NONFINITE.check()`` at every forward; inside a CUDA-graph capture it must not
+    query events (CUDA forbids cudaEventQuery while capturing, as CapacityMonitor knows): it returns and
+    the records wait for a later check."""
+    from titan_megamoe.ops.fp8_backend import NonfiniteMonitor
+
+    class NoQuery:
+        def query(self):
+            raise RuntimeError("cudaEventQuery during capture")
+
+        def synchronize(self):
+            pass
+
+    mon = NonfiniteMonitor()
+    mon._pending.append(("layers.0.moe forward activations", torch.tensor([2], dtype=torch.int32), NoQuery()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    mon.check()  # nothing queried, nothing raised
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(NonFiniteError, match=r"layers\.0\.moe forward activations: 2 FP8"):
+        mon.flush()
+
+
 def test_early_errors(monkeypatch):
     from titan_megamoe.converter import check_fp8_setup
 

@@ -121,6 +121,8 @@ class NonfiniteMonitor:
         from titan_megamoe.errors import NonFiniteError
         from titan_megamoe.ops.fp8_reference import nonfinite_message
 
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # cudaEventQuery is not permitted while a CUDA graph is being captured (as CapacityMonitor)
         keep = []
         for name, host, event in self._pending:
             if event is not None and not wait and not event.query():
