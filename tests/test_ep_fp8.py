@@ -210,7 +210,9 @@ def _op_ep_worker(rank, R):
     real gloo processes over shared-memory peers, three calls on one workspace: fp8, fp8 again (the
     layer's weight cache hits, the same bits), then fp8_bwd with another routing and fewer tokens on
     rank 0 (the first calls' finite rows left in the slab). Each: out, dx, dscores and this rank's
-    dw1-3 vs the fp32 reference within the FP8 bounds."""
+    dw1-3 vs the fp32 reference within the FP8 bounds. Then the whole MegaMoE layer at EP = 2 as
+    ``compare.builders.build_layer`` makes it for compare.layer (megamoe-triton fp8 vs
+    megamoe-reference bf16)."""
     from titan_megamoe.ops import ep_library
     from titan_megamoe.ops.fp8_backend import Fp8WeightCache
 
@@ -244,6 +246,30 @@ def _op_ep_worker(rank, R):
         if call == 1:  # the second fp8 call: cached weights, the same bits
             assert (cache.misses, cache.hits) == (3, 3), (cache.misses, cache.hits)
             assert all(torch.equal(g, f) for g, f in zip(got, first)), "a repeated call differs"
+    # the whole layer as compare.layer builds it (MegaMoE + TorchTitan's EP plan, the experts' own weight
+    # cache, DTensor weights unwrapped): megamoe-triton fp8 vs megamoe-reference bf16, same seed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compare.builders import build_layer
+    from compare.shapes import LayerShape
+
+    mesh = init_device_mesh("cpu", (R,), mesh_dim_names=("ep",))
+    shape = LayerShape("tiny-fp8", D, F, E, K)
+    gen = torch.Generator().manual_seed(11 + rank)
+    xin, gout = torch.randn(1, T, D, generator=gen).bfloat16(), torch.randn(1, T, D, generator=gen).bfloat16()
+    res = []
+    for impl, precision in (("megamoe-triton", "fp8"), ("megamoe-reference", "bf16")):
+        layer = build_layer(impl, precision, shape, torch.device("cpu"), mesh=mesh, seed=0, max_tokens=T).module
+        xi = xin.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(gout)
+        res.append([y.detach(), xi.grad] + [getattr(layer.experts, n).grad.to_local() for n in ("w1", "w2", "w3")])
+        if precision == "fp8":
+            assert layer.experts.fp8_cache.misses == 3, "the layer's weight cache was not used"
+    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw3"), *res):
+        err = rel_err(a.float(), b.float())  # the reference is bf16 here: its own rounding on top
+        bound = FP8_REL_BOUNDS["fp8"]["out" if name == "out" else "grad"] + TOLERANCES[torch.bfloat16]
+        assert err <= bound, f"layer {name}: {err:.4f} > {bound}"
     NONFINITE.flush()
     ep_library.CAPACITY.flush()
     ep_library.WAITS.flush()
