@@ -156,7 +156,7 @@ def build_layer(impl: str, precision: str, shape: LayerShape, device: torch.devi
 
     Call inside :func:`stock_layer_context` for stock layers (token-group alignment, CPU patches).
     ``max_tokens``: tokens per call on each rank (megamoe's ``max_tokens_per_rank``; 0 = unchecked);
-    the triton backend at EP > 1 needs it (its workspace size).
+    the triton backend at EP > 1 needs it (its workspace size), for every precision (bf16, fp8, fp8_bwd).
     """
     spec = IMPLS[impl]
     dtype = model_dtype(precision)
@@ -187,6 +187,8 @@ def build_layer(impl: str, precision: str, shape: LayerShape, device: torch.devi
     mega = MegaMoE.from_moe(moe, config=cfg, max_tokens_per_rank=max_tokens)
     if spec.backend == "triton" and mesh is not None and mesh.size() > 1:
         notes.append("EP triton v1: symmetric-memory dispatch/combine, phases separated by barriers (no overlap yet)")
+        if cfg.precision != "bf16":  # ops/ep_fp8_backend.py
+            notes.append("FP8 EP v1: bf16 rows dispatched, quantized on the receiving rank (no FP8 dispatch payload yet)")
     if precision == "fp32":
         notes.append("fp32 operands through the reference (config precision bf16)")
     if mesh is not None:

@@ -150,8 +150,9 @@ def test_refuses_grouped_mm_quantization_and_unbuilt_backend():
     with pytest.raises(UnsupportedModelError, match="grouped_mm"):
         MegaMoEConverter(jc, dims())
     MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8_bwd"), dims())  # EP = 1
-    with pytest.raises(MegaMoEConfigError, match=r"precision = 'fp8'.*EP = 1.*expert_parallel_degree=2"):
-        MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", "fp8"),
+    # FP8 at EP > 1: expert parallelism inside the fused operator too (ops/ep_fp8_backend.py)
+    for precision in ("fp8", "fp8_bwd"):
+        MegaMoEConverter(job_config("--megamoe.backend", "triton", "--megamoe.precision", precision),
                          SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
     # bf16 triton at EP > 1: expert parallelism inside the fused operator, accepted without any flag
     MegaMoEConverter(job_config("--megamoe.backend", "triton"), SimpleNamespace(tp=1, etp=1, pp=1, cp=1, ep=2))
@@ -244,6 +245,7 @@ def test_triton_backend_registers_its_op_for_selective_ac():
     MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims()).convert(model)
     assert torch.ops.megamoe.bf16_mega_moe_fwd.default in _op_sac_save_list
     assert torch.ops.megamoe.bf16_mega_moe_ep_fwd.default in _op_sac_save_list
+    assert torch.ops.megamoe.fp8_mega_moe_ep_fwd.default in _op_sac_save_list
     assert model.layers["0"].moe.experts.config.backend == "triton"
 
 

@@ -32,7 +32,7 @@ Precision = Literal["bf16", "fp8", "fp8_bwd"]
 #: What each backend can run today. Anything else raises "not available yet" (no silent fallback).
 AVAILABLE: dict[str, tuple[str, ...]] = {
     "reference": ("bf16",),
-    "triton": ("bf16", "fp8", "fp8_bwd"),  # fp8 / fp8_bwd: EP = 1 only (check_parallelism)
+    "triton": ("bf16", "fp8", "fp8_bwd"),  # at any EP size (EP > 1: inside the operator)
 }
 
 
@@ -48,9 +48,9 @@ class MegaMoEConfig:
     """Implementation of the fused operator. "reference": pure PyTorch (all-to-all dispatch with one
     copy per (token, destination rank), per-rank partial sums, fp32 combine); the oracle every
     kernel is tested against. "triton": fused Triton grouped-GEMM kernels, forward and backward,
-    scores applied after the experts (Qwen3); bf16 at any EP size that divides the expert count
-    (EP > 1: dispatch / combine through PyTorch symmetric memory inside the operator), fp8 / fp8_bwd
-    at EP = 1 only for now."""
+    scores applied after the experts (Qwen3); bf16, fp8 and fp8_bwd at any EP size that divides the
+    expert count (EP > 1: dispatch / combine through PyTorch symmetric memory inside the operator; FP8
+    at EP > 1 dispatches bf16 rows and runs the FP8 GEMMs on the receiving rank, CPU-tested only so far)."""
 
     precision: Precision = "bf16"
     """Arithmetic of the expert GEMMs. "bf16"; "fp8": blockwise FP8 forward and backward (1x128

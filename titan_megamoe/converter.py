@@ -86,17 +86,15 @@ FP8_PRECISIONS = ("fp8", "fp8_bwd")
 def check_fp8_setup(config: MegaMoEConfig, ep: int) -> None:
     """Refuse FP8 where it cannot run, before the model is built.
 
+    FP8 runs at any EP size on the triton backend (EP > 1: ``ops/ep_fp8_backend.py``); ``ep`` is
+    accepted for the callers' symmetry and checks nothing today.
+
     Raises:
-        MegaMoEConfigError: FP8 with expert parallelism (not built), or a visible GPU without FP8
-            tensor cores (compute capability < 8.9). Dims are checked per layer in ``convert``.
+        MegaMoEConfigError: a visible GPU without FP8 tensor cores (compute capability < 8.9). Dims
+            are checked per layer in ``convert``.
     """
     if config.precision not in FP8_PRECISIONS:
         return
-    if ep > 1:
-        raise MegaMoEConfigError(
-            f"megamoe: [megamoe] precision = '{config.precision}' runs without expert parallelism only "
-            f"(EP = 1) for now, got expert_parallel_degree={ep}; set parallelism.expert_parallel_degree = 1 "
-            "or [megamoe] precision = 'bf16'")
     if torch.cuda.is_available():
         from titan_megamoe.ops.fp8_backend import check_fp8_supported
 

@@ -40,7 +40,8 @@ class MegaMoEExperts(GroupedExperts):
         self.top_k = top_k
         self.max_tokens_per_rank = max_tokens_per_rank
         self.layer_name = layer_name
-        # FP8 weights quantized once per optimizer step (ops/fp8_backend.py); None for bf16
+        # FP8 weights (this rank's experts, at any EP size) quantized once per optimizer step
+        # (ops/fp8_backend.py); None for bf16
         self.fp8_cache = None
         if self.config.precision in ("fp8", "fp8_bwd"):
             from titan_megamoe.ops.fp8_backend import Fp8WeightCache

@@ -107,7 +107,7 @@ def register_sac_save_ops() -> None:
 
     # the EP op too: recomputing it in the backward would repeat its dispatch and combine over NVLink
     ops = (torch.ops.megamoe.bf16_mega_moe_fwd.default, torch.ops.megamoe.bf16_mega_moe_ep_fwd.default,
-           torch.ops.megamoe.fp8_mega_moe_fwd.default)
+           torch.ops.megamoe.fp8_mega_moe_fwd.default, torch.ops.megamoe.fp8_mega_moe_ep_fwd.default)
     for mod in ("torchtitan.models.qwen3.infra.parallelize", "torchtitan.models.llama4.infra.parallelize",
                 "torchtitan.models.deepseek_v3.infra.parallelize"):
         save_list = getattr(importlib.import_module(mod), "_op_sac_save_list", None)

@@ -48,7 +48,8 @@ def mega_moe(
         backend: "reference" (pure PyTorch) or "triton" (fused kernels).
         precision: "bf16", "fp8" or "fp8_bwd".
         recv_capacity: largest number of routed rows a rank accepts (CapacityError beyond).
-        max_tokens_per_rank: T_cap of the expert-parallel Triton path's workspace (needed there).
+        max_tokens_per_rank: T_cap of the expert-parallel Triton path's workspace (needed there, bf16
+            and FP8).
         layer_name: name used in error messages.
         fp8_cache: an ``ops.fp8_backend.Fp8WeightCache`` keeping the FP8 weights between calls
             (precision "fp8" / "fp8_bwd"); None quantizes the weights on every call.
@@ -58,8 +59,7 @@ def mega_moe(
 
     Raises:
         NotImplementedError: the (backend, precision) pair is not built yet.
-        MegaMoEConfigError: FP8 on a GPU without FP8 tensor cores, D or F not multiples of 128, or FP8
-            with expert parallelism (not built).
+        MegaMoEConfigError: FP8 on a GPU without FP8 tensor cores, or D or F not multiples of 128.
         NonFiniteError: an earlier FP8 call quantized inf / NaN (reported lazily, ops/fp8_backend.py).
         ValueError: inconsistent shapes or expert ids out of range.
         CapacityError: routed rows beyond ``recv_capacity``.
@@ -71,6 +71,7 @@ def mega_moe(
     if backend == "triton" and precision in ("fp8", "fp8_bwd"):
         return _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD, ep_group=ep_group,
                              score_before_experts=score_before_experts, precision=precision,
+                             recv_capacity=recv_capacity, max_tokens_per_rank=max_tokens_per_rank,
                              layer_name=layer_name, fp8_cache=fp8_cache)
     if backend == "triton":
         if ep_group is not None:
@@ -111,17 +112,12 @@ def mega_moe(
 
 
 def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, score_before_experts, precision,
-                  layer_name, fp8_cache):
-    """precision "fp8" / "fp8_bwd" on the triton backend (EP = 1): checks, then ops/library.py."""
-    from titan_megamoe.config import MegaMoEConfigError
+                  recv_capacity, max_tokens_per_rank, layer_name, fp8_cache):
+    """precision "fp8" / "fp8_bwd" on the triton backend: checks, then ops/library.py (EP = 1, or an EP
+    group of one rank) or ops/ep_library.py (EP > 1: bf16 rows dispatched, FP8 expert GEMMs)."""
     from titan_megamoe.ops.fp8_backend import check_fp8_supported
-    from titan_megamoe.ops.library import mega_moe_triton_fp8
     from titan_megamoe.ops.triton_backend import check_triton_inputs
 
-    if ep_group is not None and dist.get_world_size(ep_group) > 1:
-        raise MegaMoEConfigError(
-            f"{layer_name}: [megamoe] precision = '{precision}' runs without expert parallelism only (EP = 1) "
-            "for now; set parallelism.expert_parallel_degree = 1 or [megamoe] precision = 'bf16'")
     if score_before_experts:
         raise NotImplementedError(
             f"{layer_name}: the triton backend applies the routing score after the experts (Qwen3 style); "
@@ -132,6 +128,22 @@ def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, sc
     # gradients); other dtypes (fp16) go through bf16.
     ok = (torch.bfloat16, torch.float32)
     w1, w2, w3 = (w if w.dtype in ok else w.to(torch.bfloat16) for w in (w1, w2, w3))
-    out = mega_moe_triton_fp8(x_TD.to(torch.bfloat16), topk_ids_TK, topk_scores_TK.to(torch.float32), w1, w2, w3,
-                              fp8_forward=precision == "fp8", cache=fp8_cache, layer_name=layer_name)
+    x, scores = x_TD.to(torch.bfloat16), topk_scores_TK.to(torch.float32)
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        # Expert parallelism inside the fused operator, FP8 v1 (ops/ep_fp8_backend.py); 2-GPU check:
+        # tests/ep_triton_worker.py (fp8 / fp8_bwd cases).
+        from titan_megamoe.ops.ep_library import mega_moe_ep_triton_fp8
+
+        if not max_tokens_per_rank or recv_capacity is None:
+            raise NotImplementedError(
+                f"{layer_name}: the EP triton path needs [megamoe] max_tokens_per_rank > 0 (a static workspace "
+                "size) and a receive capacity")
+        out = mega_moe_ep_triton_fp8(x, topk_ids_TK, scores, w1, w2, w3, fp8_forward=precision == "fp8",
+                                     ep_group=ep_group, max_tokens_per_rank=max_tokens_per_rank,
+                                     recv_capacity=recv_capacity, cache=fp8_cache, layer_name=layer_name)
+        return out.to(x_TD.dtype)
+    from titan_megamoe.ops.library import mega_moe_triton_fp8
+
+    out = mega_moe_triton_fp8(x, topk_ids_TK, scores, w1, w2, w3, fp8_forward=precision == "fp8", cache=fp8_cache,
+                              layer_name=layer_name)
     return out.to(x_TD.dtype)

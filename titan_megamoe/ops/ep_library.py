@@ -8,11 +8,19 @@ Ops:
       -> out (T,D) bf16, gate_up (N_cap',2F) bf16, receive layout (5 int32 tensors)
   megamoe::bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, layout...,
       group_name, t_cap, max_rows, layer_name, overlap) -> dx, dscores, dw1, dw2, dw3
-N_cap' = layout_caps(R * t_cap, K, E_l, BM, max_rows), BM = 128 (16 in the interpreter): static, so the fakes need no data.
+  megamoe::fp8_mega_moe_ep_fwd(x (T,D) bf16, topk_ids, topk_scores (T,K) fp32, w1 (E_l,F,D), w2 (E_l,D,F),
+      w3 (E_l,F,D) (bf16 or fp32), wq (12 or 6 tensors of ``fp8_backend.prepare_weights``), fp8_forward
+      (True: "fp8", False: "fp8_bwd"), group_name, t_cap, max_rows, layer_name)
+      -> out (T,D) bf16, gate_up (N_cap',2F) bf16, receive layout (5 int32 tensors; BM = 128)
+  megamoe::fp8_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, wq_bwd (6), gate_up, layout...,
+      group_name, t_cap, max_rows, layer_name) -> dx, dscores, dw1, dw2, dw3 (w1's dtype if fp32, else bf16)
+N_cap' = layout_caps(R * t_cap, K, E_l, BM, max_rows), BM = 128 (bf16: 16 in the interpreter; FP8: 128
+always, see ops/ep_fp8_backend.py): static, so the fakes need no data.
 
 One workspace per (process group, t_cap, D, K), created on first use (a collective: every rank's
-layers run in the same order), logged with its size, shared by all layers. See ops/ep_backend.py
-for the steps and comm/workspace.py for the buffer.
+layers run in the same order), logged with its size, shared by all layers, bf16 and FP8 alike (the FP8
+path dispatches bf16 rows, v1). See ops/ep_backend.py and ops/ep_fp8_backend.py for the steps and
+comm/workspace.py for the buffer.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
 from titan_megamoe.ops.ep_backend import BACKWARD_STEPS, FORWARD_STEPS, EPRank, run_with_barriers
 from titan_megamoe.ops.triton_backend import _block_m
 
-__all__ = ["mega_moe_ep_triton", "CAPACITY"]
+__all__ = ["mega_moe_ep_triton", "mega_moe_ep_triton_fp8", "CAPACITY"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,3 +197,154 @@ def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor
     return torch.ops.megamoe.bf16_mega_moe_ep_fwd(
         x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, ep_group.group_name, max_tokens_per_rank, recv_capacity,
         layer_name, overlap)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Blockwise FP8 (precision "fp8" and "fp8_bwd") with expert parallelism, ops/ep_fp8_backend.py
+# --------------------------------------------------------------------------------------------------
+# One op pair for both precisions (a bool), as megamoe::fp8_mega_moe_fwd / bwd at EP = 1. The FP8
+# weights (this rank's experts) come from the layer's Fp8WeightCache through the wq list argument.
+
+
+def _fp8_ep_rank(group_name: str, t_cap: int, D: int, K: int, e_l: int, max_rows: int) -> EPRank:
+    import dataclasses
+
+    from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M
+
+    return dataclasses.replace(_ep_rank(group_name, t_cap, D, K, e_l, max_rows), block_m=FP8_BLOCK_M)
+
+
+def _fp8_w_dtype(w1: Tensor) -> torch.dtype:
+    return w1.dtype if w1.dtype == torch.float32 else torch.bfloat16
+
+
+@torch.library.custom_op("megamoe::fp8_mega_moe_ep_fwd", mutates_args=())
+def fp8_mega_moe_ep_fwd(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, wq: list[Tensor],
+    fp8_forward: bool, group_name: str, t_cap: int, max_rows: int, layer_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from titan_megamoe.ops.ep_fp8_backend import ep_fp8_forward_steps
+    from titan_megamoe.ops.fp8_backend import NONFINITE
+
+    K = topk_ids.shape[1]
+    e_l, _, D = w1.shape
+    ctx = _fp8_ep_rank(group_name, t_cap, D, K, e_l, max_rows)
+    CAPACITY.check()
+    WAITS.check()
+    NONFINITE.check()  # records of earlier calls that have landed (no wait)
+    steps = ep_fp8_forward_steps(ctx, x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name)
+    out, gate_up, L = run_with_barriers(steps, ctx.peers)
+    CAPACITY.record(layer_name, L.counts, max_rows)
+    WAITS.record(layer_name, ctx.peers.sync)
+    return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+
+
+@fp8_mega_moe_ep_fwd.register_fake
+def _fp8_fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, group_name, t_cap, max_rows, layer_name):
+    from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M
+
+    T, K = topk_ids.shape
+    e_l, F, D = w1.shape
+    R = _group(group_name).size()
+    n_cap, n_tiles = layout_caps(R * t_cap, K, e_l, FP8_BLOCK_M, max_rows)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((T, D)), x.new_empty((n_cap, 2 * F)), torch.empty((e_l,), **i32),
+            torch.empty((e_l + 1,), **i32), torch.empty((n_cap,), **i32), torch.empty((R * t_cap * K,), **i32),
+            torch.empty((n_tiles,), **i32))
+
+
+@torch.library.custom_op("megamoe::fp8_mega_moe_ep_bwd", mutates_args=())
+def fp8_mega_moe_ep_bwd(
+    dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, wq_bwd: list[Tensor],
+    gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from titan_megamoe.ops.ep_fp8_backend import ep_fp8_backward_steps
+    from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M
+
+    K = topk_ids.shape[1]
+    e_l, _, D = w1.shape
+    ctx = _fp8_ep_rank(group_name, t_cap, D, K, e_l, max_rows)
+    L = RoutingLayout(counts=counts, offsets=offsets, row_pair=row_pair, pair_row=pair_row, tile_expert=tile_expert,
+                      block_m=FP8_BLOCK_M, num_experts=e_l, top_k=K, max_rows=max_rows)
+    WAITS.check()
+    steps = ep_fp8_backward_steps(ctx, dout.contiguous(), x, topk_ids, topk_scores, wq_bwd, gate_up, L,
+                                  _fp8_w_dtype(w1), layer_name)
+    res = run_with_barriers(steps, ctx.peers)
+    WAITS.record(f"{layer_name} (backward)", ctx.peers.sync)
+    return res
+
+
+@fp8_mega_moe_ep_bwd.register_fake
+def _fp8_bwd_fake(dout, x, topk_ids, topk_scores, w1, wq_bwd, gate_up, counts, offsets, row_pair, pair_row,
+                  tile_expert, group_name, t_cap, max_rows, layer_name):
+    e_l, F, D = w1.shape
+    wd = _fp8_w_dtype(w1)
+    return (x.new_empty(x.shape), torch.empty_like(topk_scores), w1.new_empty((e_l, F, D), dtype=wd),
+            w1.new_empty((e_l, D, F), dtype=wd), w1.new_empty((e_l, F, D), dtype=wd))
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, group_name, t_cap, max_rows, layer_name = inputs
+    _, gate_up, *layout = output
+    ctx.meta = (group_name, t_cap, max_rows, layer_name)
+    ctx.w_dtypes = (w1.dtype, w2.dtype, w3.dtype)
+    ctx.n_wq = len(wq)
+    ctx.set_materialize_grads(False)  # gate_up / layout are saved state, never differentiated
+    # the transposed FP8 weights are the cache's tensors: saving them costs no memory
+    ctx.save_for_backward(x, topk_ids, topk_scores, w1, gate_up, *layout, *wq[:6])
+
+
+def _fp8_backward(ctx, dout, *unused):
+    x, topk_ids, topk_scores, w1, gate_up, *rest = ctx.saved_tensors
+    layout, wq_bwd = rest[:5], rest[5:]
+    if dout is None:
+        # every rank must still run the backward's barriers in step: a zero gradient, not a skip
+        dout = torch.zeros_like(x)
+    dx, dscores, dw1, dw2, dw3 = fp8_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, list(wq_bwd), gate_up,
+                                                     *layout, *ctx.meta)
+    dw1, dw2, dw3 = (g.to(d) for g, d in zip((dw1, dw2, dw3), ctx.w_dtypes))
+    return dx, None, dscores, dw1, dw2, dw3, [None] * ctx.n_wq, None, None, None, None, None
+
+
+fp8_mega_moe_ep_fwd.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+def mega_moe_ep_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
+                           w3: Tensor, *, fp8_forward: bool, ep_group, max_tokens_per_rank: int, recv_capacity: int,
+                           cache=None, layer_name: str = "moe") -> Tensor:
+    """Blockwise-FP8 MoE experts with expert parallelism over ``ep_group`` (NVLink, symmetric memory), v1:
+    bf16 rows dispatched, the FP8 kernels of EP = 1 on the receive slab (``ops/ep_fp8_backend.py``).
+
+    Args:
+        x_TD: (T, D) bf16, T <= max_tokens_per_rank; topk_ids_TK (T, K) global ids; topk_scores_TK
+            (T, K) fp32; w1 / w3 (E_l, F, D), w2 (E_l, D, F) bf16 or fp32 (fp32 master weights get fp32
+            gradients): this rank's experts [rank * E_l, (rank + 1) * E_l). D and F multiples of 128.
+        fp8_forward: True: precision "fp8" (FP8 forward and backward); False: "fp8_bwd" (bf16 forward).
+        ep_group: the expert-parallel process group (every rank calls in the same order).
+        max_tokens_per_rank: T_cap, the workspace's rows per source rank.
+        recv_capacity: (token, expert) pairs one rank may receive per call.
+        cache: an ``fp8_backend.Fp8WeightCache`` (the layer's; None: quantize every call).
+        layer_name: used in errors.
+
+    Returns:
+        (T, D) bf16.
+
+    Raises:
+        CapacityError: T > max_tokens_per_rank now, or (a few calls later, see comm/capacity.py) an
+            earlier call received more pairs than ``recv_capacity``.
+        PeerTimeoutError: (at a later call) a peer did not reach one of an earlier call's waits.
+        NonFiniteError: (at a later FP8 call, or ``post_optimizer_hook``) an earlier call quantized inf
+            / NaN (``fp8_backend.NONFINITE``).
+        ValueError: D or F not multiples of 128 (from the kernels' launchers).
+    """
+    from titan_megamoe.errors import CapacityError
+    from titan_megamoe.ops.fp8_backend import prepare_weights
+
+    if x_TD.shape[0] > max_tokens_per_rank:
+        raise CapacityError(f"{layer_name}: {x_TD.shape[0]} tokens in one call on this rank, more than "
+                            f"max_tokens_per_rank={max_tokens_per_rank}. Raise [megamoe] max_tokens_per_rank.")
+    wq = prepare_weights(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
+    return torch.ops.megamoe.fp8_mega_moe_ep_fwd(
+        x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, wq, fp8_forward, ep_group.group_name, max_tokens_per_rank,
+        recv_capacity, layer_name)[0]

@@ -1,5 +1,8 @@
-"""Host glue of the blockwise-FP8 Triton backend (EP = 1): precision "fp8" (FP8 forward and backward)
-and "fp8_bwd" (bf16 forward, FP8 backward). DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3):
+"""Host glue of the blockwise-FP8 Triton backend: precision "fp8" (FP8 forward and backward) and
+"fp8_bwd" (bf16 forward, FP8 backward). :func:`fp8_fwd` / :func:`fp8_bwd` run a layer at EP = 1; the
+local expert compute they call (:func:`fp8_experts_fwd`, :func:`fp8_experts_bwd`: everything between
+the routing layout and the per-token sums) also runs on the receive slab of the expert-parallel path
+(``ops/ep_fp8_backend.py``). DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3):
 e4m3 everywhere, activations / gradients scaled per 1x128 tile, weights per 128x128 block, the
 weight-gradient operands per 128x1 (128 rows of the reduction = tokens); fp32 accumulation with the
 scale product applied per 128-wide K block. No autograd here (``ops/library.py``).
@@ -40,7 +43,8 @@ from titan_megamoe.config import MegaMoEConfigError
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "check_fp8_supported",
-           "fp8_fwd", "fp8_bwd", "quantize_weights"]
+           "fp8_fwd", "fp8_bwd", "fp8_experts_fwd", "fp8_experts_bwd", "placed_token_rows", "prepare_weights",
+           "quantize_weights"]
 
 #: Row block of the FP8 path's routing layout: one 128-row scale group (module docstring).
 FP8_BLOCK_M = 128
@@ -117,6 +121,8 @@ class NonfiniteMonitor:
         from titan_megamoe.errors import NonFiniteError
         from titan_megamoe.ops.fp8_reference import nonfinite_message
 
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # cudaEventQuery is not permitted while a CUDA graph is being captured (as CapacityMonitor)
         keep = []
         for name, host, event in self._pending:
             if event is not None and not wait and not event.query():
@@ -243,13 +249,59 @@ def _live_rows(layout: RoutingLayout) -> Tensor:
     return torch.where(layout.row_pair >= 0, rows, -1)
 
 
-def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-            wq: list[Tensor], fp8_forward: bool, layer_name: str):
-    """Forward: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``wq`` from
-    :func:`prepare_weights`; w1..w3 (any float dtype) are read only by the bf16 forward (fp8_bwd)."""
+def placed_token_rows(layout: RoutingLayout) -> Tensor:
+    """(T',) int32: row t of the token-row source where at least one slot of t is placed in ``layout``,
+    -1 elsewhere (T' = layout's pairs / top_k).
+
+    The gather index of the 1x128 quantization of a token-row source that may hold rows nobody wrote:
+    the expert-parallel receive slab (rows of tokens routed elsewhere keep another call's data, or the
+    0xFF poison, a NaN in bf16). Quantizing such a row would count a non-finite group and raise a false
+    ``NonFiniteError``; with this index it becomes a zero row, never read by the GEMMs. Device ops, no
+    host sync.
+    """
+    K = layout.top_k
+    placed = (layout.pair_row.view(-1, K) >= 0).any(1)
+    rows = torch.arange(placed.shape[0], dtype=torch.int32, device=placed.device)
+    return torch.where(placed, rows, -1)
+
+
+def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: Tensor, w2: Tensor, w3: Tensor,
+                    wq: list[Tensor], fp8_forward: bool, layer_name: str, *, by_row: bool = False,
+                    x_rows_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Local expert compute of the forward on the rows of ``layout``: GEMM1 (+ SwiGLU) and GEMM2 (+ score),
+    FP8 ("fp8") or bf16 ("fp8_bwd": ``fp8_forward`` False). Shared by EP = 1 (:func:`fp8_fwd`) and the
+    expert-parallel path (``ops/ep_fp8_backend.py``, on the receive slab).
+
+    Args:
+        x_rows: (T', D) bf16 token rows the layout's pairs point into (pair p reads row p // K): the
+            layer input at EP = 1, the receive slab (R * T_cap rows) under expert parallelism.
+        scores: (T', K) fp32, the routing score of each pair (same row order).
+        layout: routing layout of the T' * K pairs with ``block_m == FP8_BLOCK_M`` (128, also in the
+            interpreter: the backward's 128-row scale groups must not straddle two experts).
+        w1, w3: (E, F, D), w2: (E, D, F) weights of the layout's experts (any float dtype; read only
+            by the bf16 forward); wq: from :func:`prepare_weights` (the forward copies when ``fp8_forward``).
+        fp8_forward: True for precision "fp8", False for "fp8_bwd" (the bf16 kernels, BM = 128).
+        layer_name: named in non-finite reports.
+        by_row: GEMM2 stores row r of the layout at row r of an (N_cap, D) output (the EP combine reads
+            them) instead of the pair's row of a (P, D) output.
+        x_rows_index: optional (T',) int32 gather index of the 1x128 quantization of x (``fp8``): row t
+            is quantized from x_rows[x_rows_index[t]], a zero row where it is -1
+            (:func:`placed_token_rows` for the EP slab, whose unplaced rows may hold anything). None:
+            every row of x_rows is quantized.
+
+    Returns:
+        (y, gate_up): y (P, D) bf16 by pair (P = T' * K), or (N_cap, D) bf16 by layout row with
+        ``by_row`` (padding rows unwritten); gate_up (N_cap, 2F) bf16, saved for the backward.
+
+    Raises:
+        ValueError: from the kernels' launchers (shapes, dtypes, a layout with another block_m).
+
+    Host syncs: none. Non-finite x / h scales are counted on the device and reported lazily
+    (:data:`NONFINITE`).
+    """
     from titan_megamoe.kernels.configs import config_for
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
-    from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
+    from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
     from titan_megamoe.kernels.grouped_gemm_fp8 import (
         HOPPER_GEMM1_FP8_QH,
         fp8_config_for,
@@ -257,19 +309,20 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
         gemm2_scatter_fwd_fp8,
     )
 
-    NONFINITE.check()  # records of earlier calls that have landed (no wait)
-    T, K = topk_ids_TK.shape
     E, F, D = w1.shape
     interp = _interp()
-    layout = build_routing_layout(topk_ids_TK, E, FP8_BLOCK_M)
     bm = dict(block_m=FP8_BLOCK_M)
     if interp:  # the interpreter pays per program and per K step: 128-wide blocks (D, F multiples of 128)
         bm.update(block_n=128, block_k=128)
-    scores = topk_scores_TK.contiguous()
+    scores = scores.contiguous()
     if fp8_forward:
         w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
-        count = torch.zeros(1, dtype=torch.int32, device=x_TD.device)
-        xq, xs = quantize_act_1x128(x_TD.contiguous(), nonfinite_count=count, name=f"{layer_name} x")
+        count = torch.zeros(1, dtype=torch.int32, device=x_rows.device)
+        if x_rows_index is None:
+            xq, xs = quantize_act_1x128(x_rows.contiguous(), nonfinite_count=count, name=f"{layer_name} x")
+        else:
+            xq, xs = quantize_act_1x128(x_rows.contiguous(), x_rows_index, 1, nonfinite_count=count,
+                                        name=f"{layer_name} x")
         if FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
             c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
@@ -279,36 +332,77 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
             gate_up, h = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1)
             hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
         c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
-        y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, config=c2)
+        y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, by_row=by_row, config=c2)
         NONFINITE.record(f"{layer_name} forward activations", count)
     else:
         bf = torch.bfloat16
         c1 = dataclasses.replace(config_for("gemm1", D, F, interp), **bm)
-        gate_up, h = gemm1_swiglu_fwd(x_TD.contiguous(), w1.to(bf).contiguous(), w3.to(bf).contiguous(), layout,
+        gate_up, h = gemm1_swiglu_fwd(x_rows.contiguous(), w1.to(bf).contiguous(), w3.to(bf).contiguous(), layout,
                                       config=c1)
         c2 = dataclasses.replace(config_for("gemm2", D, F, interp), **bm)
-        y = gemm2_scatter_fwd(h, w2.to(bf).contiguous(), scores, layout, config=c2)
+        y = gemm2_scatter_fwd(h, w2.to(bf).contiguous(), scores, layout, config=c2, by_row=by_row)
+    return y, gate_up
+
+
+def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+            wq: list[Tensor], fp8_forward: bool, layer_name: str):
+    """Forward at EP = 1: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``wq`` from
+    :func:`prepare_weights`; w1..w3 (any float dtype) are read only by the bf16 forward (fp8_bwd).
+    Routing layout (BM = 128) -> :func:`fp8_experts_fwd` -> fp32 top-k sum."""
+    from titan_megamoe.kernels.grouped_gemm import combine_topk
+
+    NONFINITE.check()  # records of earlier calls that have landed (no wait)
+    T, K = topk_ids_TK.shape
+    layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M)
+    y, gate_up = fp8_experts_fwd(x_TD, topk_scores_TK, layout, w1, w2, w3, wq, fp8_forward, layer_name)
     return combine_topk(y, T, K), gate_up, layout
 
 
-def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
-            layout: RoutingLayout, w_dtype: torch.dtype, layer_name: str):
-    """FP8 backward: returns (dx (T, D) bf16, dscores (T, K) fp32, dw1, dw2, dw3 in ``w_dtype``
-    (bf16 or fp32))."""
+def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
+                    layout: RoutingLayout, w_dtype: torch.dtype, layer_name: str, *,
+                    dout_rows_index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Local expert compute of the FP8 backward on the rows of ``layout`` (both precisions): GEMM2 dgrad +
+    SwiGLU backward + d score partials, the three wgrads, GEMM1 dgrad. Shared by EP = 1
+    (:func:`fp8_bwd`) and the expert-parallel path (``ops/ep_fp8_backend.py``, on the receive slab).
+
+    Args:
+        dout_rows: (T', D) bf16 output gradient, token rows in the order of ``x_rows`` (pair p reads row
+            p // K): dout at EP = 1, the dy slab under expert parallelism.
+        x_rows: (T', D) bf16 layer input rows (the forward's ``x_rows``).
+        scores: (T', K) fp32 routing scores.
+        wq_bwd: the transposed FP8 weights [w1t_q, w1t_s, w3t_q, w3t_s, w2t_q, w2t_s] (:func:`prepare_weights`).
+        gate_up: (N_cap, 2F) bf16 saved by the forward; layout: its routing layout (BM = 128).
+        w_dtype: dtype of dw1..dw3, bf16 or fp32 (fp32 master weights).
+        layer_name: named in non-finite reports.
+        dout_rows_index: optional (T',) int32 gather index of dout's 1x128 quantization (as
+            ``x_rows_index`` of :func:`fp8_experts_fwd`; :func:`placed_token_rows` for the EP slab).
+
+    Returns:
+        (dx_rows (N_cap, D) bf16 in layout-row order, zeros on padding rows; dscore_part (N_cap, NB) fp32
+        per-column-block partials of d score (``reduce_dscore`` / ``ep_comm.dscore_push`` sum them in
+        ascending order); dw1 (E, F, D), dw2 (E, D, F), dw3 (E, F, D) in ``w_dtype``, exact zeros for
+        experts without rows).
+
+    Raises:
+        ValueError: ``_WGRAD`` (TITAN_MEGAMOE_FP8_WGRAD) not one of its choices; the launchers' checks.
+
+    Host syncs: none (non-finite groups counted on the device, :data:`NONFINITE`).
+    """
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
-    from titan_megamoe.kernels.grouped_gemm_bwd import reduce_dscore, scatter_dx
     from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm1_dgrad_fp8, gemm2_dgrad_swiglu_bwd_fp8, wgrad_fp8
 
     w1tq, w1ts, w3tq, w3ts, w2tq, w2ts = wq_bwd[:6]
-    T, K = topk_scores_TK.shape
+    K = layout.top_k
     F = gate_up.shape[1] // 2
-    count = torch.zeros(1, dtype=torch.int32, device=dout_TD.device)
-    dout = dout_TD.contiguous()
-    dq, ds = quantize_act_1x128(dout, nonfinite_count=count, name=f"{layer_name} dout")
-    dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, topk_scores_TK.contiguous(), layout,
+    count = torch.zeros(1, dtype=torch.int32, device=dout_rows.device)
+    dout = dout_rows.contiguous()
+    if dout_rows_index is None:
+        dq, ds = quantize_act_1x128(dout, nonfinite_count=count, name=f"{layer_name} dout")
+    else:
+        dq, ds = quantize_act_1x128(dout, dout_rows_index, 1, nonfinite_count=count, name=f"{layer_name} dout")
+    dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
                                                       nonfinite_count=count)
-    dscores = reduce_dscore(part, layout, T, K)
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
                                                            name=f"{layer_name} dgate_up")
     if _WGRAD not in _WGRAD_CHOICES:
@@ -321,16 +415,29 @@ def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[
         cfg = {k: default_bwd_config(k, layout, D, F) for k in ("wgrad_w2", "wgrad_w13")}
         if _interp():  # 16-wide interpreter defaults take minutes; D, F are multiples of 128 here
             cfg = {k: dataclasses.replace(c, block_m=128, block_n=128, block_k=128) for k, c in cfg.items()}
-        dw2 = wgrad_w2(dout.to(bf), gate_up, topk_scores_TK.contiguous(), layout, cfg["wgrad_w2"], out_dtype=w_dtype)
-        dw1, dw3 = wgrad_w13(dgu, x_TD.to(bf).contiguous(), layout, cfg["wgrad_w13"], out_dtype=w_dtype)
+        dw2 = wgrad_w2(dout.to(bf), gate_up, scores.contiguous(), layout, cfg["wgrad_w2"], out_dtype=w_dtype)
+        dw1, dw3 = wgrad_w13(dgu, x_rows.to(bf).contiguous(), layout, cfg["wgrad_w13"], out_dtype=w_dtype)
     else:
         acc = 32 if _WGRAD == "fp8_acc32" else None
         doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout")  # counted above
         (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype, _max_imprecise_acc=acc)
-        xTq, xTs = quantize_gather_128x1_t(x_TD.contiguous(), layout.row_pair, K, nonfinite_count=count,
+        xTq, xTs = quantize_gather_128x1_t(x_rows.contiguous(), layout.row_pair, K, nonfinite_count=count,
                                            name=f"{layer_name} x")
         dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype, _max_imprecise_acc=acc)
     dx_rows = gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
-    dx = scatter_dx(dx_rows, layout, T, K)
     NONFINITE.record(f"{layer_name} backward", count)
+    return dx_rows, part, dw1, dw2, dw3
+
+
+def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
+            layout: RoutingLayout, w_dtype: torch.dtype, layer_name: str):
+    """FP8 backward at EP = 1: returns (dx (T, D) bf16, dscores (T, K) fp32, dw1, dw2, dw3 in ``w_dtype``
+    (bf16 or fp32)). :func:`fp8_experts_bwd`, then the fixed-order d score and per-token dx sums."""
+    from titan_megamoe.kernels.grouped_gemm_bwd import reduce_dscore, scatter_dx
+
+    T, K = topk_scores_TK.shape
+    dx_rows, part, dw1, dw2, dw3 = fp8_experts_bwd(dout_TD, x_TD, topk_scores_TK, wq_bwd, gate_up, layout, w_dtype,
+                                                   layer_name)
+    dscores = reduce_dscore(part, layout, T, K)
+    dx = scatter_dx(dx_rows, layout, T, K)
     return dx, dscores, dw1, dw2, dw3

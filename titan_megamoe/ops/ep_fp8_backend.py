@@ -1,0 +1,150 @@
+"""Host steps of blockwise FP8 ("fp8", "fp8_bwd") with expert parallelism (EP = R ranks), forward and
+backward, v1: the communication of the bf16 EP path (``ops/ep_backend.py``) around the local expert
+compute of the FP8 path at EP = 1 (``ops/fp8_backend.fp8_experts_fwd`` / ``fp8_experts_bwd``).
+
+Shape legend: T tokens of this rank (<= T_cap), K top_k, D model dim, F expert hidden dim, E_l local
+experts, j = src * T_cap + t a slab row of the receive side (see ``comm/workspace.py``), T' = R * T_cap
+slab rows, N_cap' rows of the receive layout.
+
+Forward, on every rank (same barriers and kernels as ``ep_backend.ep_forward_steps``, no host sync):
+    barrier -> dispatch_push (ids / scores of all T_cap rows to every rank; the **bf16** x rows once
+    per (token, rank)) -> barrier -> receive layout from the slab's ids, BM = 128 (also in the
+    interpreter), capped at ``max_rows`` -> "fp8": x slab quantized 1x128 (only the rows with a placed
+    slot; the others may hold another call's data or the 0xFF poison) -> FP8 GEMM1 (+ SwiGLU, h
+    quantized in its epilogue) -> FP8 GEMM2 (+ score) by layout row; "fp8_bwd": the bf16 GEMM1 / GEMM2
+    at BM = 128 -> combine_push (fp32 pre-sum of a slab row's slots into the source's comb[rank, t])
+    -> barrier -> combine_sum (rank order, fp32 -> bf16).
+Backward (both precisions, the FP8 backward): barrier -> dispatch_push of x and dy (bf16) ->
+barrier -> dy slab quantized 1x128 (placed rows only) -> FP8 GEMM2 dgrad + SwiGLU bwd + d score
+partials (+ s*h 128x1) -> dgate_up 1x128 | 128x1 -> FP8 wgrads of the local experts -> FP8 GEMM1
+dgrad -> dscore_push, combine_push of the dx rows -> barrier -> combine_sum.
+
+Not fused yet (v1): the dispatch carries bf16 rows (x, dy), quantized on the receiving rank. An FP8
+payload (x quantized 1x128 on the source, e4m3 rows + fp32 scales over NVLink: ~half the dispatch
+bytes) is a later step; so is the overlap of ``ep_forward_steps_v2``. The forward of "fp8_bwd" runs
+the bf16 kernels of the bf16 EP forward, at BM = 128 (the FP8 backward's 128-row scale groups must
+not straddle two experts, so its layout is the one the backward reads).
+
+Generators yielding the barrier's site name at each barrier, as ``ep_backend``: ``run_with_barriers``
+on GPUs, ``run_lockstep`` with emulated peers in the CPU tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.kernels import ep_comm
+from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
+from titan_megamoe.ops.ep_backend import EPRank
+from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M, fp8_experts_bwd, fp8_experts_fwd, placed_token_rows
+
+__all__ = ["ep_fp8_forward_steps", "ep_fp8_backward_steps"]
+
+Steps = Generator[str, None, tuple]  # yields the barrier's site name (comm/signals.py SITES)
+
+
+def _no_mark(label: str) -> None:
+    pass
+
+
+def _check_ctx(ctx: EPRank) -> None:
+    if ctx.block_m != FP8_BLOCK_M:
+        raise ValueError(f"the FP8 EP steps need EPRank.block_m = {FP8_BLOCK_M} (one 128-row scale group per "
+                         f"layout block), got {ctx.block_m}")
+
+
+def ep_fp8_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor,
+                         w2: Tensor, w3: Tensor, wq: list[Tensor], fp8_forward: bool, layer_name: str = "moe",
+                         mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Forward of one layer on this rank, precision "fp8" (``fp8_forward``) or "fp8_bwd"; yields at each
+    barrier (module docstring).
+
+    Args:
+        ctx: this rank's peers, workspace layout, E_l, receive capacity ``max_rows`` and
+            ``block_m == FP8_BLOCK_M`` (128).
+        x_TD: (T, D) bf16, T <= T_cap; topk_ids_TK: (T, K) global expert ids; topk_scores_TK: (T, K) fp32.
+        w1, w3: (E_l, F, D), w2: (E_l, D, F) this rank's experts (bf16 or fp32; read by the bf16
+            forward of "fp8_bwd" only).
+        wq: ``fp8_backend.prepare_weights`` of the local weights (12 tensors for "fp8", 6 for "fp8_bwd").
+        fp8_forward: True: FP8 GEMMs; False: the bf16 GEMMs.
+        layer_name: named in non-finite reports.
+        mark: called after each phase with ``barrier0, dispatch, barrier1, layout, experts,
+            combine_push, barrier2, combine_sum`` (``compare/ep_overlap.py`` style; default nothing).
+
+    Returns (via StopIteration.value):
+        (out (T, D) bf16, gate_up (N_cap', 2F) bf16, receive layout (BM = 128)).
+
+    Raises:
+        ValueError: ``ctx.block_m`` is not 128; the kernels' launchers (shapes, dtypes).
+    """
+    _check_ctx(ctx)
+    p, ws = ctx.peers, ctx.ws
+    yield "fwd.before_dispatch"
+    mark("barrier0")
+    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
+    mark("dispatch")
+    yield "fwd.after_dispatch"
+    mark("barrier1")
+    layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, FP8_BLOCK_M, max_rows=ctx.max_rows)
+    x_index = placed_token_rows(layout) if fp8_forward else None  # the bf16 GEMM1 gathers placed rows only
+    mark("layout")
+    y_rows, gate_up = fp8_experts_fwd(ctx.received("x"), ctx.received("scores"), layout, w1, w2, w3, wq, fp8_forward,
+                                      layer_name, by_row=True, x_rows_index=x_index)
+    mark("experts")
+    ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
+    mark("combine_push")
+    yield "fwd.after_combine_push"
+    mark("barrier2")
+    out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    mark("combine_sum")
+    return out, gate_up, layout
+
+
+def ep_fp8_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                          wq_bwd: list[Tensor], gate_up: Tensor, layout: RoutingLayout, w_dtype: torch.dtype,
+                          layer_name: str = "moe", mark: Callable[[str], None] = _no_mark) -> Steps:
+    """FP8 backward of one layer on this rank (both precisions); yields at each barrier.
+
+    Args:
+        ctx: as the forward's. dout_TD: (T, D) bf16; x_TD, topk_ids_TK, topk_scores_TK: the forward's.
+        wq_bwd: the transposed FP8 local weights [w1t_q, w1t_s, w3t_q, w3t_s, w2t_q, w2t_s].
+        gate_up, layout: saved by :func:`ep_fp8_forward_steps`.
+        w_dtype: dtype of dw1..dw3 (bf16, or fp32 for fp32 master weights).
+        layer_name: named in non-finite reports.
+        mark: labels ``barrier0, dispatch, barrier1, experts, dscore_push, combine_push, barrier2,
+            combine_sum``.
+
+    Returns:
+        (dx (T, D) bf16, dscores (T, K) fp32, dw1 (E_l, F, D), dw2 (E_l, D, F), dw3 (E_l, F, D) in
+        ``w_dtype``; exact zeros for local experts that received no row).
+
+    Raises:
+        ValueError: ``ctx.block_m`` is not 128; the kernels' launchers.
+    """
+    _check_ctx(ctx)
+    p, ws = ctx.peers, ctx.ws
+    T = x_TD.shape[0]
+    yield "bwd.before_dispatch"
+    mark("barrier0")
+    ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
+                          ctx.experts_per_rank)
+    mark("dispatch")
+    yield "bwd.after_dispatch"
+    mark("barrier1")
+    dx_rows, part, dw1, dw2, dw3 = fp8_experts_bwd(
+        ctx.received("dy"), ctx.received("x"), ctx.received("scores"), wq_bwd, gate_up, layout, w_dtype, layer_name,
+        dout_rows_index=placed_token_rows(layout))
+    mark("experts")
+    ep_comm.dscore_push(part, layout, ws, p.ptr_table())
+    mark("dscore_push")
+    ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
+    mark("combine_push")
+    yield "bwd.after_combine_push"
+    mark("barrier2")
+    dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    dscores = ctx.region("dscore")[:T].clone()
+    mark("combine_sum")
+    return dx, dscores, dw1, dw2, dw3
