@@ -235,6 +235,31 @@ def test_dual_quant_matches_oracle(_poison_empty):
     assert int(count) == 2  # one row group and one column group
 
 
+def test_quantizers_end_row_skip_spare_rows(_poison_empty):
+    """end_row = offsets[E]: rows before it bitwise as without it (both quantizers), rows from it on left
+    unwritten (NaN-poisoned buffers keep their poison there), scales finite, no non-finite count."""
+    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+
+    d = _case("uniform_k2")
+    L, K = d["layout"], d["c"].K
+    end = int(L.offsets[-1])
+    assert 0 < end < L.n_cap and end % 128 == 0, "the case needs spare rows past the last expert"
+    q, s = quantize_gather_128x1_t(d["x"], L.row_pair, K)
+    out = torch.full_like(q.view(U8), 0x7F).view(q.dtype)  # 0x7F: e4m3 NaN
+    count = torch.zeros(1, dtype=torch.int32, device=DEV)
+    q2, s2 = quantize_gather_128x1_t(d["x"], L.row_pair, K, out=out, end_row=L.offsets[-1:], nonfinite_count=count)
+    assert torch.equal(q2[:, :end].contiguous().view(U8), q[:, :end].contiguous().view(U8))
+    assert torch.equal(s2[: end // 128], s[: end // 128]) and torch.isfinite(s2).all()
+    assert (q2[:, end:].contiguous().view(U8) == 0x7F).all() and int(count) == 0
+    g = torch.Generator().manual_seed(3)
+    x = _rand((L.n_cap, 256), g).bfloat16()
+    a = quantize_dual_1x128_128x1_t(x, d["valid"])
+    b = quantize_dual_1x128_128x1_t(x, d["valid"], end_row=L.offsets[-1:], nonfinite_count=count)
+    assert torch.equal(b[0][:end].view(U8), a[0][:end].view(U8)) and torch.equal(b[1][:end], a[1][:end])
+    assert torch.equal(b[2][:, :end].contiguous().view(U8), a[2][:, :end].contiguous().view(U8))
+    assert torch.equal(b[3][: end // 128], a[3][: end // 128]) and int(count) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # GEMM2 dgrad + SwiGLU backward + d score + fused s*h quantization
 # ------------------------------------------------------------------------------------------------
@@ -505,13 +530,14 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
         if kind == "quant_t":
             fn = _kernel_variant(QB._quant_gather_128x1_t_kernel, False)
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
-                       M="i32")
-            cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, BLOCK_C=QB._T_BLOCK_C[False])
+                       end_ptr="*i32", M="i32")
+            cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, BLOCK_C=QB._T_BLOCK_C[False],
+                      HAS_END=True)
         else:
             fn = _kernel_variant(QB._quant_dual_kernel, False)
             sig = dict(x_ptr="*bf16", valid_ptr="*u8", y_ptr="*fp8e4nv", s_ptr="*fp32", yT_ptr="*fp8e4nv",
-                       sT_ptr="*fp32", count_ptr="*i32", M="i32")
-            cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS)
+                       sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32")
+            cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True)
         cfg = dataclasses.replace(cfg, num_warps=QB._WARPS if kind == "quant_t" else QB._DUAL_WARPS, num_stages=1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     div = ("N_cap",) if "N_cap" in sig else ()  # N_cap is a multiple of 128 (BM = 128 layout)

@@ -68,6 +68,7 @@ def _quant_gather_128x1_t_kernel(
     yT_ptr,  # (C, M) fp8e4nv out, transposed
     scale_ptr,  # (cdiv(M, 128), C) fp32 out
     count_ptr,  # (1,) int32, += non-finite groups; CHECK only
+    end_ptr,  # (1,) int32, rows from this one on are not needed (left unwritten); HAS_END only
     M,  # i32, output rows (N_cap)
     C: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -75,6 +76,7 @@ def _quant_gather_128x1_t_kernel(
     EXACT_ROUND: tl.constexpr,
     EPS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HAS_END: tl.constexpr,
 ):
     """Gathered 128x1 quantization with a transposed store.
 
@@ -86,6 +88,8 @@ def _quant_gather_128x1_t_kernel(
     b = tl.program_id(0)
     rows = b * G + tl.arange(0, G)
     row_ok = rows < M
+    if HAS_END:  # blocks past the last expert: no loads, no row stores (only their finite scales)
+        row_ok = row_ok & (rows < tl.load(end_ptr))
     idx = tl.load(row_index_ptr + rows, mask=row_ok, other=-1)
     live = idx >= 0
     src = tl.where(live, idx // TOP_K, 0).to(tl.int64)  # int64: src * C can pass 2^31
@@ -113,11 +117,13 @@ def _quant_dual_kernel(
     yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed
     sT_ptr,  # (cdiv(M, 128), C) fp32 out
     count_ptr,  # (1,) int32; CHECK only
+    end_ptr,  # (1,) int32, rows from this one on are not needed (left unwritten); HAS_END only
     M,  # i32 rows
     C: tl.constexpr,  # a multiple of 128
     CHECK: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     EPS: tl.constexpr,
+    HAS_END: tl.constexpr,
 ):
     """One 128 x 128 tile: 1x128 (row) and 128x1 (column) quantization.
 
@@ -133,6 +139,8 @@ def _quant_dual_kernel(
     g = tl.program_id(1)
     rows = b * G + tl.arange(0, G)
     row_ok = rows < M
+    if HAS_END:  # blocks past the last expert: no loads, no row stores (only their finite scales)
+        row_ok = row_ok & (rows < tl.load(end_ptr))
     live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
     rows64 = rows.to(tl.int64)
     amax_M1 = tl.zeros((G, 1), dtype=tl.float32)
@@ -161,6 +169,13 @@ def _quant_dual_kernel(
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
 
+def _check_end_row(fn: str, end_row: Tensor | None, dev) -> None:
+    if end_row is not None:
+        _check_tensor(fn, "end_row", end_row, 1, (torch.int32,), dev)
+        if end_row.shape[0] != 1:
+            raise ValueError(f"{fn}: end_row must have shape (1,), got {tuple(end_row.shape)}")
+
+
 def quantize_gather_128x1_t(
     x: Tensor,
     row_index: Tensor,
@@ -170,6 +185,7 @@ def quantize_gather_128x1_t(
     out: Tensor | None = None,
     scale_out: Tensor | None = None,
     name: str | None = None,
+    end_row: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gather token rows into layout order and quantize them 128x1, stored transposed.
 
@@ -186,6 +202,9 @@ def quantize_gather_128x1_t(
         nonfinite_count: optional (1,) int32 device counter (+= groups with a non-finite scale).
         out, scale_out: optional (C, M) float8_e4m3fn / (cdiv(M, 128), C) fp32 contiguous buffers.
         name: named in error messages.
+        end_row: optional (1,) int32 device tensor, a multiple of 128 (``layout.offsets[-1:]``): output
+            rows from it on are not needed by any consumer and are left unwritten (their scales are
+            written finite); saves the pass over the spare capacity rows (half of N_cap at EP = 2).
 
     Returns:
         (xT_fp8 (C, M) float8_e4m3fn, scale (cdiv(M, 128), C) fp32): ``xg[r, c] ~= xT_fp8[c, r] *
@@ -211,9 +230,11 @@ def quantize_gather_128x1_t(
         return out, scale_out
     interpret = interpret_mode()
     bc = _T_BLOCK_C[interpret]
+    _check_end_row(fn, end_row, dev)
     _kernel_variant(_quant_gather_128x1_t_kernel, interpret)[(triton.cdiv(M, GROUP), triton.cdiv(C, bc))](
-        x, row_index, out, scale_out, count if check else scale_out, M,
-        C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc, num_warps=_WARPS,
+        x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
+        C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc,
+        HAS_END=end_row is not None, num_warps=_WARPS,
     )
     return out, scale_out
 
@@ -224,6 +245,7 @@ def quantize_dual_1x128_128x1_t(
     *,
     nonfinite_count: Tensor | None = None,
     name: str | None = None,
+    end_row: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """1x128 and transposed 128x1 quantization of one tensor, each 128 x 128 tile read once from DRAM.
 
@@ -238,6 +260,8 @@ def quantize_dual_1x128_128x1_t(
             zero in both outputs (rows past the last expert may hold anything).
         nonfinite_count: optional (1,) int32 device counter.
         name: named in error messages.
+        end_row: as in :func:`quantize_gather_128x1_t`: rows from it on are left unwritten in x_fp8,
+            scale and xT_fp8.
 
     Returns:
         (x_fp8 (M, C), scale (M, C // 128), xT_fp8 (C, M), scaleT (cdiv(M, 128), C)).
@@ -266,8 +290,9 @@ def quantize_dual_1x128_128x1_t(
     if M == 0:
         return y, s, yT, sT
     interpret = interpret_mode()
+    _check_end_row(fn, end_row, dev)
     _kernel_variant(_quant_dual_kernel, interpret)[(Mb, C // GROUP)](
-        x, row_valid, y, s, yT, sT, count if check else s, M,
-        C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=_DUAL_WARPS,
+        x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
+        C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None, num_warps=_DUAL_WARPS,
     )
     return y, s, yT, sT

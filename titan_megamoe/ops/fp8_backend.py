@@ -403,8 +403,9 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         dq, ds = quantize_act_1x128(dout, dout_rows_index, 1, nonfinite_count=count, name=f"{layer_name} dout")
     dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
                                                       nonfinite_count=count)
+    end = layout.offsets[-1:]  # rows past the last expert's segment: read by no FP8 GEMM
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
-                                                           name=f"{layer_name} dgate_up")
+                                                           end_row=end, name=f"{layer_name} dgate_up")
     if _WGRAD not in _WGRAD_CHOICES:
         raise ValueError(f"TITAN_MEGAMOE_FP8_WGRAD / fp8_backend._WGRAD={_WGRAD!r}: choose one of {_WGRAD_CHOICES}")
     if _WGRAD == "bf16":  # diagnosis: the bf16 wgrad kernels (s * h recomputed from gate_up in the loader)
@@ -419,10 +420,11 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         dw1, dw3 = wgrad_w13(dgu, x_rows.to(bf).contiguous(), layout, cfg["wgrad_w13"], out_dtype=w_dtype)
     else:
         acc = 32 if _WGRAD == "fp8_acc32" else None
-        doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout")  # counted above
+        doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout",
+                                             end_row=end)  # counted above
         (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype, _max_imprecise_acc=acc)
         xTq, xTs = quantize_gather_128x1_t(x_rows.contiguous(), layout.row_pair, K, nonfinite_count=count,
-                                           name=f"{layer_name} x")
+                                           end_row=end, name=f"{layer_name} x")
         dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype, _max_imprecise_acc=acc)
     dx_rows = gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
     NONFINITE.record(f"{layer_name} backward", count)
