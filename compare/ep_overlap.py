@@ -4,9 +4,10 @@
     python -m compare.ep_overlap --tiny                           # CPU: 2 emulated ranks, interpreter
     torchrun --nproc_per_node 2 -m compare.ep_overlap --tiny      # CPU: 2 gloo processes, shared memory
 
-For every (shape, routing, mode) it drives the EP Triton backend's host steps (``ops/ep_backend.py``,
-what the custom op runs, without autograd) on random bf16 weights and tokens and measures, median of
-``--iters`` after ``--warmup`` (each sample the max over ranks; a barrier and an L2 flush before each):
+For every (shape, routing, precision, mode) it drives the EP Triton backend's host steps
+(``ops/ep_backend.py`` for bf16, ``ops/ep_fp8_backend.py`` for "fp8" / "fp8_bwd": what the custom ops
+run, without autograd) on random bf16 weights and tokens and measures, median of ``--iters`` after
+``--warmup`` (each sample the max over ranks; a barrier and an L2 flush before each):
 
     full      the whole forward, and forward + backward
     comm      the same dispatch_push / combine_push / dscore_push / combine_sum kernels and barriers,
@@ -23,6 +24,14 @@ back (v1), 1 when the shorter one is completely hidden, negative when the layer 
 parts (barrier waits, launch gaps). NVLink bytes per rank come from the routing (rows that cross to
 another rank; metadata excluded), with the comm-alone GB/s they imply.
 
+FP8 (``--precisions fp8,fp8_bwd``; FP8 EP v1 only, so with mode "v1" alone): the FP8 weights of every
+rank come from ``fp8_backend.prepare_weights`` once, before anything is timed (as the weight cache hits
+on every call after an optimizer step's first): no weight quantization is in any time. "comm" is the
+same driver as bf16's (v1 kernels and barriers, on the FP8 path's rows: layout BM = 128); "compute" is
+the receive layout, the placed-row index and ``fp8_experts_fwd`` / ``fp8_experts_bwd`` on the received
+rows. The phases carry the finer FP8 labels (``quant_x``, ``gemm1``, ..., ``quant_dgate_up``,
+``wgrad_w13``, ``gemm1_dgrad``; ``ops/fp8_backend.py``).
+
 Times on CPU (``--tiny``) are the interpreter's and, with emulated ranks, the sum over the ranks run in
 lockstep: they exercise the harness, they measure nothing. Output: a markdown table on stdout and a
 JSON file (``schema titan_megamoe.compare.ep_overlap/1``, provenance as compare/records.py).
@@ -31,6 +40,7 @@ JSON file (``schema titan_megamoe.compare.ep_overlap/1``, provenance as compare/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -52,6 +62,11 @@ SCHEMA = "titan_megamoe.compare.ep_overlap/1"
 TINY = dict(shapes="custom:16,16,4,2", tokens=16, iters=1, warmup=0, profile_iters=1)
 DEFAULTS = dict(shapes="qwen3-30b-a3b,qwen3-235b-a22b", tokens=16384, iters=20, warmup=5, profile_iters=3)
 MODES = ("v1", "v2", "v3")
+PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+FP8_MODES = ("v1",)  # FP8 EP has no overlap mode yet (ops/ep_fp8_backend.py)
+FP8_WEIGHTS_NOTE = ("FP8 weights quantized once per rank before timing (fp8_backend.prepare_weights, no cache), "
+                    "as the weight cache's hits after an optimizer step's first call: no weight quantization "
+                    "in any time")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="v1", help=f"comma list of: {', '.join(MODES)} (default v1; v2 = x rows "
                    "streamed into GEMM1 through per-block arrival flags, ops/ep_backend.ep_forward_steps_v2; v3 = v1's "
                    "forward, backward with the dx / d score pushes under the wgrads, ep_backward_steps_v3)")
+    p.add_argument("--precisions", default="bf16", help=f"comma list of: {', '.join(PRECISIONS)} (default bf16; "
+                   "fp8 / fp8_bwd drive ops/ep_fp8_backend's steps with FP8 weights quantized once before timing, "
+                   "mode v1 only: other modes are recorded as skipped for them)")
     p.add_argument("--iters", type=int, help="timed iterations per measurement (default 20)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default 5)")
     p.add_argument("--profile-iters", type=int, help="profiled full steps (default 3; 0 = no profile)")
@@ -91,11 +109,28 @@ class Driver:
     """Runs step generators (``ops/ep_backend.py`` style) for the local ranks.
 
     ``ctxs`` / ``data``: one entry per local rank (index i); ``real``: peers with a real barrier
-    (``run_with_barriers``), else emulated ranks in lockstep (``run_lockstep``).
+    (``run_with_barriers``), else emulated ranks in lockstep (``run_lockstep``). ``precision``: "bf16"
+    (``ops/ep_backend.py``) or "fp8" / "fp8_bwd" (``ops/ep_fp8_backend.py``, with ``wq[i]`` the FP8
+    weights of local rank i from ``fp8_backend.prepare_weights`` and ``ctxs`` at block_m 128).
     """
 
-    def __init__(self, ctxs: list, data: list[dict], real: bool, device: torch.device):
+    def __init__(self, ctxs: list, data: list[dict], real: bool, device: torch.device, precision: str = "bf16",
+                 wq: list | None = None):
         self.ctxs, self.data, self.real, self.device = ctxs, data, real, device
+        self.precision, self.wq = precision, wq
+
+    def for_fp8(self, precision: str) -> "Driver":
+        """The same peers, workspace and data, the FP8 steps' contexts (block_m 128) and FP8 weights
+        quantized now (once: nothing below times it)."""
+        from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M, prepare_weights
+
+        fwd = precision == "fp8"
+        ctxs = [dataclasses.replace(c, block_m=FP8_BLOCK_M) for c in self.ctxs]
+        wq = [prepare_weights(d["w1"], d["w2"], d["w3"], fp8_forward=fwd, cache=None, layer_name=f"ovl.rank{i}")
+              for i, d in enumerate(self.data)]
+        drv = Driver(ctxs, self.data, self.real, self.device, precision, wq)
+        drv.ids_all = self.ids_all
+        return drv
 
     def run(self, make) -> list:
         from titan_megamoe.ops.ep_backend import run_lockstep, run_with_barriers
@@ -150,6 +185,8 @@ def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int) -> dic
 # --------------------------------------------------------------------------------------------------
 
 def _full(driver: Driver, mode: str, bwd: bool, mark=None):
+    if driver.precision != "bf16":
+        return _full_fp8(driver, bwd, mark)
     from titan_megamoe.ops import ep_backend as eb
 
     fwd_steps, bwd_steps = eb.FORWARD_STEPS[mode], eb.BACKWARD_STEPS[mode]
@@ -166,8 +203,29 @@ def _full(driver: Driver, mode: str, bwd: bool, mark=None):
     return make
 
 
+def _full_fp8(driver: Driver, bwd: bool, mark=None):
+    """FP8 EP v1 (``ep_fp8_forward_steps`` / ``ep_fp8_backward_steps``), bf16 weight gradients."""
+    from titan_megamoe.ops import ep_backend as eb
+    from titan_megamoe.ops.ep_fp8_backend import ep_fp8_backward_steps, ep_fp8_forward_steps
+
+    fp8_forward = driver.precision == "fp8"
+
+    def make(i):
+        c, d, wq = driver.ctxs[i], driver.data[i], driver.wq[i]
+        m = mark(i) if mark else eb._no_mark
+        out, gate_up, layout = yield from ep_fp8_forward_steps(c, d["x"], d["ids"], d["scores"], d["w1"], d["w2"],
+                                                               d["w3"], wq, fp8_forward, f"ovl.rank{i}", mark=m)
+        if not bwd:
+            return out, gate_up, layout
+        return (yield from ep_fp8_backward_steps(c, d["dout"], d["x"], d["ids"], d["scores"], wq[:6], gate_up, layout,
+                                                 torch.bfloat16, f"ovl.rank{i}", mark=m))
+    return make
+
+
 def _compute(driver: Driver, bwd: bool):
     """Layout + GEMMs on the rows already in this rank's workspace (left by an earlier dispatch)."""
+    if driver.precision != "bf16":
+        return _compute_fp8(driver, bwd)
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.grouped_gemm_wgrad import wgrad_w2, wgrad_w13
@@ -192,8 +250,34 @@ def _compute(driver: Driver, bwd: bool):
     return make
 
 
+def _compute_fp8(driver: Driver, bwd: bool):
+    """FP8 EP v1's local compute alone: receive layout (BM = 128), placed-row index, ``fp8_experts_fwd``
+    (+ ``fp8_experts_bwd``) on the rows already in this rank's workspace; no communication."""
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M, fp8_experts_bwd, fp8_experts_fwd, placed_token_rows
+
+    fp8_forward = driver.precision == "fp8"
+
+    def make(i):
+        c, d, wq = driver.ctxs[i], driver.data[i], driver.wq[i]
+        layout = build_routing_layout(c.received("ids"), c.experts_per_rank, FP8_BLOCK_M, max_rows=c.max_rows)
+        placed = placed_token_rows(layout)
+        x_r, sc_r = c.received("x"), c.received("scores")
+        y_rows, gate_up = fp8_experts_fwd(x_r, sc_r, layout, d["w1"], d["w2"], d["w3"], wq, fp8_forward,
+                                          f"ovl.rank{i}", by_row=True, x_rows_index=placed if fp8_forward else None)
+        res = dict(layout=layout, y_rows=y_rows)
+        if bwd:
+            dx_rows, part, *_ = fp8_experts_bwd(c.received("dy"), x_r, sc_r, wq[:6], gate_up, layout, torch.bfloat16,
+                                                f"ovl.rank{i}", dout_rows_index=placed_token_rows(layout))
+            res.update(dx_rows=dx_rows, part=part)
+        return res
+        yield  # a generator with no barrier: no communication at all
+    return make
+
+
 def _comm(driver: Driver, pre: list[dict], bwd: bool):
-    """v1's communication kernels and barriers alone, on rows pre-computed by ``_compute``."""
+    """v1's communication kernels and barriers alone, on rows pre-computed by ``_compute`` (the same
+    kernels for FP8 EP v1: bf16 rows out, fp32 combine rows back, on its layout)."""
     from titan_megamoe.kernels import ep_comm
 
     def make(i):
@@ -353,9 +437,12 @@ def _setup(args, shape: LayerShape, T: int, routing: str, device, real: bool, R:
 
 
 def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: str, R: int) -> dict:
+    from titan_megamoe.ops.fp8_backend import NONFINITE
+
     it, wu = args.iters, args.warmup
-    rec = dict(shape=shape.as_dict(), routing=routing, mode=mode, ep=R, tokens_per_rank=T, iters=it, warmup=wu,
-               emulated=not drv.real, status="ok", reason=None)
+    rec = dict(shape=shape.as_dict(), routing=routing, precision=drv.precision, mode=mode, ep=R, tokens_per_rank=T,
+               iters=it, warmup=wu, emulated=not drv.real, status="ok", reason=None,
+               weights=FP8_WEIGHTS_NOTE if drv.precision != "bf16" else "bf16")
     drv.run(_full(drv, mode, True))  # fills every workspace region (x, dy, ids, scores) once
     pre = drv.run(_compute(drv, True))
     local = {
@@ -369,6 +456,8 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
     local["compute_fwdbwd"] = _time(drv, _compute(drv, True), it, wu)
     phases = _phases(drv, mode, it)
     prof = _profile(drv, mode, args.profile_iters) if args.profile_iters > 0 else None
+    if drv.precision != "bf16":
+        NONFINITE.flush()  # every fp8 pass above queued a non-finite count; raises (-> error record) if one is set
     everyone = _gather({"t": local, "phases": phases, "profile": prof}, drv.real)
     for k in local:
         rec[k] = _stat([e["t"][k] for e in everyone])
@@ -391,16 +480,17 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
 
 def markdown(records: list[dict]) -> str:
     f = lambda x, s=".3g": "-" if x is None else format(x, s)  # noqa: E731
-    head = ("| shape | routing | mode | EP | T/rank | full fwd | comm fwd | compute fwd | overlap fwd | "
+    head = ("| shape | routing | precision | mode | EP | T/rank | full fwd | comm fwd | compute fwd | overlap fwd | "
             "full fwd+bwd | comm fwd+bwd | compute fwd+bwd | overlap fwd+bwd | NVLink MB/rank | comm GB/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r["status"] != "ok":
-            lines.append(f"| {r['shape']['name']} | {r['routing']} | {r['mode']} | {r['ep']} | "
-                         f"{r['tokens_per_rank']} | {r['status']}: {r['reason']} |" + " |" * 10)
+            lines.append(f"| {r['shape']['name']} | {r['routing']} | {r.get('precision', 'bf16')} | {r['mode']} | "
+                         f"{r['ep']} | {r['tokens_per_rank']} | {r['status']}: {r['reason']} |" + " |" * 10)
             continue
         lines.append(
-            f"| {r['shape']['name']} | {r['routing']} | {r['mode']} | {r['ep']} | {r['tokens_per_rank']} | "
+            f"| {r['shape']['name']} | {r['routing']} | {r.get('precision', 'bf16')} | {r['mode']} | {r['ep']} | "
+            f"{r['tokens_per_rank']} | "
             f"{f(r['full_fwd']['ms'])} | {f(r['comm_fwd']['ms'])} | {f(r['compute_fwd']['ms'])} | "
             f"{f(r['overlap_fwd'], '.2f')} | {f(r['full_fwdbwd']['ms'])} | {f(r['comm_fwdbwd']['ms'])} | "
             f"{f(r['compute_fwdbwd']['ms'])} | {f(r['overlap_fwdbwd'], '.2f')} | "
@@ -408,7 +498,8 @@ def markdown(records: list[dict]) -> str:
     for r in records:
         if r["status"] != "ok":
             continue
-        lines.append(f"\nphases (ms, median, max over ranks) {r['shape']['name']} {r['routing']} {r['mode']}: "
+        lines.append(f"\nphases (ms, median, max over ranks) {r['shape']['name']} {r['routing']} "
+                     f"{r.get('precision', 'bf16')} {r['mode']}: "
                      + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
         p = r.get("profile_rank0")
         if p:
@@ -438,6 +529,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --routings: {args.routings!r}; allowed: random, skewed")
     if not modes or any(m not in MODES for m in modes):
         parser.error(f"argument --modes: {args.modes!r}; allowed: {', '.join(MODES)}")
+    precisions = [q for q in args.precisions.split(",") if q]
+    if not precisions or any(q not in PRECISIONS for q in precisions):
+        parser.error(f"argument --precisions: {args.precisions!r}; allowed: {', '.join(PRECISIONS)}")
+    if any(q != "bf16" for q in precisions):
+        bad = [s.name for s in shapes if s.dim % 128 or s.hidden % 128]
+        if bad:
+            parser.error(f"argument --precisions: fp8 / fp8_bwd need dim and hidden multiples of 128 (blockwise "
+                         f"scales); not so for {', '.join(bad)}")
     if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.profile_iters < 0:
         parser.error("--tokens >= 1, --iters >= 1, --warmup >= 0, --profile-iters >= 0 are required")
 
@@ -482,20 +581,30 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             for routing in routings:
                 drv = _setup(args, shape, args.tokens, routing, device, real, R, rank)
-                for mode in modes:
-                    try:
-                        rec = _measure(args, drv, shape, args.tokens, routing, mode, R)
-                    except Exception as err:  # noqa: BLE001 - recorded; other ranks may hang in a barrier
-                        import traceback
+                for precision in precisions:
+                    pdrv = None
+                    for mode in modes:
+                        base = dict(shape=shape.as_dict(), routing=routing, precision=precision, mode=mode, ep=R,
+                                    tokens_per_rank=args.tokens)
+                        if precision != "bf16" and mode not in FP8_MODES:
+                            rec = dict(base, status="skipped", reason=f"FP8 EP has no overlap mode {mode} "
+                                       f"(only {', '.join(FP8_MODES)})")
+                        else:
+                            try:
+                                if pdrv is None:
+                                    pdrv = drv if precision == "bf16" else drv.for_fp8(precision)
+                                rec = _measure(args, pdrv, shape, args.tokens, routing, mode, R)
+                            except Exception as err:  # noqa: BLE001 - recorded; other ranks may hang in a barrier
+                                import traceback
 
-                        traceback.print_exc()
-                        rec = dict(shape=shape.as_dict(), routing=routing, mode=mode, ep=R,
-                                   tokens_per_rank=args.tokens, status="error",
-                                   reason=f"{type(err).__name__}: {str(err)[:300]}")
-                    records.append(rec)
-                    if rank == 0:  # after every record: a run cut short by a time limit keeps what it measured
-                        out.write_text(json.dumps({"schema": SCHEMA, "run": run, "records": records}, indent=1) + "\n")
-                        print(markdown([rec]), flush=True)
+                                traceback.print_exc()
+                                rec = dict(base, status="error", reason=f"{type(err).__name__}: {str(err)[:300]}")
+                        records.append(rec)
+                        if rank == 0:  # after every record: a run cut short by a time limit keeps what it measured
+                            out.write_text(json.dumps({"schema": SCHEMA, "run": run, "records": records}, indent=1)
+                                           + "\n")
+                            print(markdown([rec]), flush=True)
+                    del pdrv
                 del drv
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -509,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         if own_pg:
             dist.destroy_process_group()
-    return 1 if any(r["status"] != "ok" for r in records) else 0
+    return 1 if any(r["status"] not in ("ok", "skipped") for r in records) else 0
 
 
 def _split_shapes(s: str) -> list[str]:

@@ -71,8 +71,9 @@ def ep_fp8_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_sc
         wq: ``fp8_backend.prepare_weights`` of the local weights (12 tensors for "fp8", 6 for "fp8_bwd").
         fp8_forward: True: FP8 GEMMs; False: the bf16 GEMMs.
         layer_name: named in non-finite reports.
-        mark: called after each phase with ``barrier0, dispatch, barrier1, layout, experts,
-            combine_push, barrier2, combine_sum`` (``compare/ep_overlap.py`` style; default nothing).
+        mark: called on the host after each phase with ``barrier0, dispatch, barrier1, layout``, the
+            labels of ``fp8_experts_fwd`` (``quant_x, gemm1, gemm2``; "fp8_bwd": ``gemm1, gemm2``), then
+            ``combine_push, barrier2, combine_sum`` (``compare/ep_overlap.py`` style; default nothing).
 
     Returns (via StopIteration.value):
         (out (T, D) bf16, gate_up (N_cap', 2F) bf16, receive layout (BM = 128)).
@@ -92,8 +93,7 @@ def ep_fp8_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_sc
     x_index = placed_token_rows(layout) if fp8_forward else None  # the bf16 GEMM1 gathers placed rows only
     mark("layout")
     y_rows, gate_up = fp8_experts_fwd(ctx.received("x"), ctx.received("scores"), layout, w1, w2, w3, wq, fp8_forward,
-                                      layer_name, by_row=True, x_rows_index=x_index)
-    mark("experts")
+                                      layer_name, by_row=True, x_rows_index=x_index, mark=mark)
     ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
     mark("combine_push")
     yield "fwd.after_combine_push"
@@ -114,8 +114,10 @@ def ep_fp8_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_T
         gate_up, layout: saved by :func:`ep_fp8_forward_steps`.
         w_dtype: dtype of dw1..dw3 (bf16, or fp32 for fp32 master weights).
         layer_name: named in non-finite reports.
-        mark: labels ``barrier0, dispatch, barrier1, experts, dscore_push, combine_push, barrier2,
-            combine_sum``.
+        mark: labels ``barrier0, dispatch, barrier1, placed_rows`` (the gather index of dy's
+            quantization), the labels of ``fp8_experts_bwd`` (``quant_dout, gemm2_dgrad, quant_dgate_up,
+            quant_dout_T, wgrad_w2, quant_x_T, wgrad_w13, gemm1_dgrad``), then ``dscore_push,
+            combine_push, barrier2, combine_sum``.
 
     Returns:
         (dx (T, D) bf16, dscores (T, K) fp32, dw1 (E_l, F, D), dw2 (E_l, D, F), dw3 (E_l, F, D) in
@@ -134,10 +136,11 @@ def ep_fp8_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_T
     mark("dispatch")
     yield "bwd.after_dispatch"
     mark("barrier1")
+    dout_index = placed_token_rows(layout)
+    mark("placed_rows")
     dx_rows, part, dw1, dw2, dw3 = fp8_experts_bwd(
         ctx.received("dy"), ctx.received("x"), ctx.received("scores"), wq_bwd, gate_up, layout, w_dtype, layer_name,
-        dout_rows_index=placed_token_rows(layout))
-    mark("experts")
+        dout_rows_index=dout_index, mark=mark)
     ep_comm.dscore_push(part, layout, ws, p.ptr_table())
     mark("dscore_push")
     ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)

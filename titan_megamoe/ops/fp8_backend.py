@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -237,6 +238,10 @@ def prepare_weights(w1: Tensor, w2: Tensor, w3: Tensor, *, fp8_forward: bool, ca
 # --------------------------------------------------------------------------------------------------
 
 
+def _no_mark(label: str) -> None:
+    pass
+
+
 def _interp() -> bool:
     from titan_megamoe.kernels.grouped_gemm import interpret_mode
 
@@ -267,7 +272,8 @@ def placed_token_rows(layout: RoutingLayout) -> Tensor:
 
 def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: Tensor, w2: Tensor, w3: Tensor,
                     wq: list[Tensor], fp8_forward: bool, layer_name: str, *, by_row: bool = False,
-                    x_rows_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    x_rows_index: Tensor | None = None,
+                    mark: Callable[[str], None] = _no_mark) -> tuple[Tensor, Tensor]:
     """Local expert compute of the forward on the rows of ``layout``: GEMM1 (+ SwiGLU) and GEMM2 (+ score),
     FP8 ("fp8") or bf16 ("fp8_bwd": ``fp8_forward`` False). Shared by EP = 1 (:func:`fp8_fwd`) and the
     expert-parallel path (``ops/ep_fp8_backend.py``, on the receive slab).
@@ -288,6 +294,9 @@ def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: T
             is quantized from x_rows[x_rows_index[t]], a zero row where it is -1
             (:func:`placed_token_rows` for the EP slab, whose unplaced rows may hold anything). None:
             every row of x_rows is quantized.
+        mark: called on the host after each pass is launched, with ``quant_x, gemm1, gemm2`` ("fp8";
+            ``quant_h`` after gemm1 when ``FUSE_H_QUANT`` is off) or ``gemm1, gemm2`` ("fp8_bwd"): the
+            per-phase CUDA events of ``compare/ep_overlap.py``. Default: nothing (no effect on results).
 
     Returns:
         (y, gate_up): y (P, D) bf16 by pair (P = T' * K), or (N_cap, D) bf16 by layout row with
@@ -323,24 +332,31 @@ def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: T
         else:
             xq, xs = quantize_act_1x128(x_rows.contiguous(), x_rows_index, 1, nonfinite_count=count,
                                         name=f"{layer_name} x")
+        mark("quant_x")
         if FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
             c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
                                                    nonfinite_count=count)
+            mark("gemm1")
         else:  # bf16 h, then a 1x128 pass over the live rows
             c1 = dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, h = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1)
+            mark("gemm1")
             hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
+            mark("quant_h")
         c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
         y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, by_row=by_row, config=c2)
+        mark("gemm2")
         NONFINITE.record(f"{layer_name} forward activations", count)
     else:
         bf = torch.bfloat16
         c1 = dataclasses.replace(config_for("gemm1", D, F, interp), **bm)
         gate_up, h = gemm1_swiglu_fwd(x_rows.contiguous(), w1.to(bf).contiguous(), w3.to(bf).contiguous(), layout,
                                       config=c1)
+        mark("gemm1")  # includes the bf16 casts of w1 / w3 (no-ops for bf16 weights)
         c2 = dataclasses.replace(config_for("gemm2", D, F, interp), **bm)
         y = gemm2_scatter_fwd(h, w2.to(bf).contiguous(), scores, layout, config=c2, by_row=by_row)
+        mark("gemm2")
     return y, gate_up
 
 
@@ -360,7 +376,8 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
 
 def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
                     layout: RoutingLayout, w_dtype: torch.dtype, layer_name: str, *,
-                    dout_rows_index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    dout_rows_index: Tensor | None = None,
+                    mark: Callable[[str], None] = _no_mark) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Local expert compute of the FP8 backward on the rows of ``layout`` (both precisions): GEMM2 dgrad +
     SwiGLU backward + d score partials, the three wgrads, GEMM1 dgrad. Shared by EP = 1
     (:func:`fp8_bwd`) and the expert-parallel path (``ops/ep_fp8_backend.py``, on the receive slab).
@@ -376,6 +393,10 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         layer_name: named in non-finite reports.
         dout_rows_index: optional (T',) int32 gather index of dout's 1x128 quantization (as
             ``x_rows_index`` of :func:`fp8_experts_fwd`; :func:`placed_token_rows` for the EP slab).
+        mark: called on the host after each pass is launched, with ``quant_dout, gemm2_dgrad,
+            quant_dgate_up, quant_dout_T, wgrad_w2, quant_x_T, wgrad_w13, gemm1_dgrad`` (the bf16 wgrad
+            diagnosis ``_WGRAD == "bf16"``: ``wgrad_w2, wgrad_w13`` without the two transposed quants).
+            Default: nothing (no effect on results).
 
     Returns:
         (dx_rows (N_cap, D) bf16 in layout-row order, zeros on padding rows; dscore_part (N_cap, NB) fp32
@@ -401,11 +422,14 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         dq, ds = quantize_act_1x128(dout, nonfinite_count=count, name=f"{layer_name} dout")
     else:
         dq, ds = quantize_act_1x128(dout, dout_rows_index, 1, nonfinite_count=count, name=f"{layer_name} dout")
+    mark("quant_dout")
     dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
                                                       nonfinite_count=count)
+    mark("gemm2_dgrad")
     end = layout.offsets[-1:]  # rows past the last expert's segment: read by no FP8 GEMM
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
                                                            end_row=end, name=f"{layer_name} dgate_up")
+    mark("quant_dgate_up")
     if _WGRAD not in _WGRAD_CHOICES:
         raise ValueError(f"TITAN_MEGAMOE_FP8_WGRAD / fp8_backend._WGRAD={_WGRAD!r}: choose one of {_WGRAD_CHOICES}")
     if _WGRAD == "bf16":  # diagnosis: the bf16 wgrad kernels (s * h recomputed from gate_up in the loader)
@@ -417,16 +441,23 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         if _interp():  # 16-wide interpreter defaults take minutes; D, F are multiples of 128 here
             cfg = {k: dataclasses.replace(c, block_m=128, block_n=128, block_k=128) for k, c in cfg.items()}
         dw2 = wgrad_w2(dout.to(bf), gate_up, scores.contiguous(), layout, cfg["wgrad_w2"], out_dtype=w_dtype)
+        mark("wgrad_w2")
         dw1, dw3 = wgrad_w13(dgu, x_rows.to(bf).contiguous(), layout, cfg["wgrad_w13"], out_dtype=w_dtype)
+        mark("wgrad_w13")
     else:
         acc = 32 if _WGRAD == "fp8_acc32" else None
         doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout",
                                              end_row=end)  # counted above
+        mark("quant_dout_T")
         (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype, _max_imprecise_acc=acc)
+        mark("wgrad_w2")
         xTq, xTs = quantize_gather_128x1_t(x_rows.contiguous(), layout.row_pair, K, nonfinite_count=count,
                                            end_row=end, name=f"{layer_name} x")
+        mark("quant_x_T")
         dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype, _max_imprecise_acc=acc)
+        mark("wgrad_w13")
     dx_rows = gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
+    mark("gemm1_dgrad")
     NONFINITE.record(f"{layer_name} backward", count)
     return dx_rows, part, dw1, dw2, dw3
 
