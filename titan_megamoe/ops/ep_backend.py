@@ -36,8 +36,9 @@ from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels import ep_comm
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
-__all__ = ["EPRank", "ep_forward_steps", "ep_forward_steps_v2", "FORWARD_STEPS", "ep_backward_steps",
-           "ep_backward_steps_v3", "BACKWARD_STEPS", "run_lockstep", "run_with_barriers"]
+__all__ = ["EPRank", "ep_forward_steps", "ep_forward_steps_v2", "FORWARD_STEPS", "backward_dispatch",
+           "backward_combine", "ep_backward_steps", "ep_backward_steps_v3", "BACKWARD_STEPS", "run_lockstep",
+           "run_with_barriers"]
 
 Steps = Generator[str, None, tuple]  # yields the barrier's site name (comm/signals.py SITES)
 
@@ -198,6 +199,34 @@ def ep_forward_steps_v2(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_sco
 FORWARD_STEPS = {"v1": ep_forward_steps, "v2": ep_forward_steps_v2, "v3": ep_forward_steps}
 
 
+def backward_dispatch(ctx: EPRank, x_TD: Tensor, dout_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                      mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Prologue of every EP backward (bf16 v1 / v3, FP8): barrier (earlier users of the workspace are
+    done), then ids / scores of all T_cap rows and the x and dy rows once per (token, rank) pushed to
+    the ranks of their experts, then barrier (every rank's rows have landed). ``mark`` labels
+    ``barrier0, dispatch, barrier1``."""
+    p = ctx.peers
+    yield "bwd.before_dispatch"
+    mark("barrier0")
+    ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ctx.ws, p.ptr_table(), p.rank,
+                          ctx.experts_per_rank)
+    mark("dispatch")
+    yield "bwd.after_dispatch"
+    mark("barrier1")
+
+
+def backward_combine(ctx: EPRank, T: int, topk_ids_TK: Tensor, mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Epilogue of every EP backward, after this rank's dx rows and d scores were pushed: barrier (every
+    rank's pushes have landed), then dx (T, D) bf16 = the fp32 sum over ranks in rank order and this
+    rank's d scores (T, K) fp32. ``mark`` labels ``barrier2, combine_sum``. Returns (dx, dscores)."""
+    yield "bwd.after_combine_push"
+    mark("barrier2")
+    dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    dscores = ctx.region("dscore")[:T].clone()
+    mark("combine_sum")
+    return dx, dscores
+
+
 def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
                       w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor, layout: RoutingLayout,
                       mark: Callable[[str], None] = _no_mark) -> Steps:
@@ -210,14 +239,7 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd, wgrad_w2, wgrad_w13
 
     p, ws = ctx.peers, ctx.ws
-    T = x_TD.shape[0]
-    yield "bwd.before_dispatch"
-    mark("barrier0")
-    ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
-                          ctx.experts_per_rank)
-    mark("dispatch")
-    yield "bwd.after_dispatch"
-    mark("barrier1")
+    yield from backward_dispatch(ctx, x_TD, dout_TD, topk_ids_TK, topk_scores_TK, mark)
     x_r, dy_r, sc_r = ctx.received("x"), ctx.received("dy"), ctx.received("scores")
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
     dgate_up, part = gemm2_dgrad_swiglu_bwd(dy_r, w2, gate_up, sc_r, layout, hs_out=hs)
@@ -232,11 +254,7 @@ def ep_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: T
     mark("gemm1_dgrad")
     ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
     mark("combine_push")
-    yield "bwd.after_combine_push"
-    mark("barrier2")
-    dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
-    dscores = ctx.region("dscore")[:T].clone()
-    mark("combine_sum")
+    dx, dscores = yield from backward_combine(ctx, x_TD.shape[0], topk_ids_TK, mark)
     return dx, dscores, dw1, dw2, dw3
 
 
@@ -261,15 +279,8 @@ def ep_backward_steps_v3(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd, wgrad_w2, wgrad_w13
 
     p, ws = ctx.peers, ctx.ws
-    T = x_TD.shape[0]
     dev = x_TD.device
-    yield "bwd.before_dispatch"
-    mark("barrier0")
-    ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
-                          ctx.experts_per_rank)
-    mark("dispatch")
-    yield "bwd.after_dispatch"
-    mark("barrier1")
+    yield from backward_dispatch(ctx, x_TD, dout_TD, topk_ids_TK, topk_scores_TK, mark)
     x_r, dy_r, sc_r = ctx.received("x"), ctx.received("dy"), ctx.received("scores")
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
     dgate_up, part = gemm2_dgrad_swiglu_bwd(dy_r, w2, gate_up, sc_r, layout, hs_out=hs)
@@ -296,11 +307,7 @@ def ep_backward_steps_v3(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_TK
         # allocator cannot hand their memory to main-stream work the side stream has not finished
         torch.cuda.current_stream(dev).wait_stream(side)
     mark("join")
-    yield "bwd.after_combine_push"
-    mark("barrier2")
-    dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
-    dscores = ctx.region("dscore")[:T].clone()
-    mark("combine_sum")
+    dx, dscores = yield from backward_combine(ctx, x_TD.shape[0], topk_ids_TK, mark)
     return dx, dscores, dw1, dw2, dw3
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from titan_megamoe.kernels import ep_comm
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
-from titan_megamoe.ops.ep_backend import EPRank
+from titan_megamoe.ops.ep_backend import EPRank, backward_combine, backward_dispatch
 from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M, fp8_experts_bwd, fp8_experts_fwd, placed_token_rows
 
 __all__ = ["ep_fp8_forward_steps", "ep_fp8_backward_steps"]
@@ -128,14 +128,7 @@ def ep_fp8_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_T
     """
     _check_ctx(ctx)
     p, ws = ctx.peers, ctx.ws
-    T = x_TD.shape[0]
-    yield "bwd.before_dispatch"
-    mark("barrier0")
-    ep_comm.dispatch_push(x_TD, dout_TD, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank,
-                          ctx.experts_per_rank)
-    mark("dispatch")
-    yield "bwd.after_dispatch"
-    mark("barrier1")
+    yield from backward_dispatch(ctx, x_TD, dout_TD, topk_ids_TK, topk_scores_TK, mark)
     dout_index = placed_token_rows(layout)
     mark("placed_rows")
     dx_rows, part, dw1, dw2, dw3 = fp8_experts_bwd(
@@ -145,9 +138,5 @@ def ep_fp8_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_T
     mark("dscore_push")
     ep_comm.combine_push(dx_rows, layout, ws, p.ptr_table(), p.rank)
     mark("combine_push")
-    yield "bwd.after_combine_push"
-    mark("barrier2")
-    dx = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
-    dscores = ctx.region("dscore")[:T].clone()
-    mark("combine_sum")
+    dx, dscores = yield from backward_combine(ctx, x_TD.shape[0], topk_ids_TK, mark)
     return dx, dscores, dw1, dw2, dw3
