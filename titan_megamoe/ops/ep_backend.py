@@ -36,7 +36,8 @@ from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels import ep_comm
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
-__all__ = ["EPRank", "ep_forward_steps", "ep_forward_steps_v2", "FORWARD_STEPS", "backward_dispatch",
+__all__ = ["EPRank", "forward_dispatch", "forward_combine", "ep_forward_steps", "ep_forward_steps_v2",
+           "FORWARD_STEPS", "backward_dispatch",
            "backward_combine", "ep_backward_steps", "ep_backward_steps_v3", "BACKWARD_STEPS", "run_lockstep",
            "run_with_barriers"]
 
@@ -74,6 +75,37 @@ def _no_mark(label: str) -> None:
     pass
 
 
+def forward_dispatch(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
+                     mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Prologue of the v1-style EP forwards (bf16 v1 / v3, FP8): barrier (earlier users of the shared
+    workspace are done), ids / scores of all T_cap rows and the x rows once per (token, rank) pushed to
+    the ranks of their experts, barrier (every rank's rows have landed). ``mark`` labels
+    ``barrier0, dispatch, barrier1``."""
+    p = ctx.peers
+    yield "fwd.before_dispatch"
+    mark("barrier0")
+    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ctx.ws, p.ptr_table(), p.rank,
+                          ctx.experts_per_rank)
+    mark("dispatch")
+    yield "fwd.after_dispatch"
+    mark("barrier1")
+
+
+def forward_combine(ctx: EPRank, y_rows: Tensor, layout: RoutingLayout, topk_ids_TK: Tensor,
+                    mark: Callable[[str], None] = _no_mark) -> Steps:
+    """Epilogue of the v1-style EP forwards: the weighted expert rows (receive-layout order) pre-summed
+    per slab row and pushed to their source ranks, barrier, then out (T, D) bf16 = the fp32 sum over
+    ranks in rank order. ``mark`` labels ``combine_push, barrier2, combine_sum``. Returns out."""
+    p = ctx.peers
+    ep_comm.combine_push(y_rows, layout, ctx.ws, p.ptr_table(), p.rank)
+    mark("combine_push")
+    yield "fwd.after_combine_push"
+    mark("barrier2")
+    out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
+    mark("combine_sum")
+    return out
+
+
 def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
                      w1: Tensor, w2: Tensor, w3: Tensor, mark: Callable[[str], None] = _no_mark) -> Steps:
     """Forward of one layer on this rank; yields at each barrier.
@@ -86,25 +118,14 @@ def ep_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores
     """
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
 
-    p, ws = ctx.peers, ctx.ws
-    yield "fwd.before_dispatch"
-    mark("barrier0")
-    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
-    mark("dispatch")
-    yield "fwd.after_dispatch"
-    mark("barrier1")
+    yield from forward_dispatch(ctx, x_TD, topk_ids_TK, topk_scores_TK, mark)
     layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, ctx.block_m, max_rows=ctx.max_rows)
     mark("layout")
     gate_up, h = gemm1_swiglu_fwd(ctx.received("x"), w1, w3, layout)
     mark("gemm1")
     y_rows = gemm2_scatter_fwd(h, w2, ctx.received("scores"), layout, by_row=True)
     mark("gemm2")
-    ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
-    mark("combine_push")
-    yield "fwd.after_combine_push"
-    mark("barrier2")
-    out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
-    mark("combine_sum")
+    out = yield from forward_combine(ctx, y_rows, layout, topk_ids_TK, mark)
     return out, gate_up, layout
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from titan_megamoe.kernels import ep_comm
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
-from titan_megamoe.ops.ep_backend import EPRank, backward_combine, backward_dispatch
+from titan_megamoe.ops.ep_backend import EPRank, backward_combine, backward_dispatch, forward_combine, forward_dispatch
 from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M, fp8_experts_bwd, fp8_experts_fwd, placed_token_rows
 
 __all__ = ["ep_fp8_forward_steps", "ep_fp8_backward_steps"]
@@ -82,24 +82,13 @@ def ep_fp8_forward_steps(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_sc
         ValueError: ``ctx.block_m`` is not 128; the kernels' launchers (shapes, dtypes).
     """
     _check_ctx(ctx)
-    p, ws = ctx.peers, ctx.ws
-    yield "fwd.before_dispatch"
-    mark("barrier0")
-    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ws, p.ptr_table(), p.rank, ctx.experts_per_rank)
-    mark("dispatch")
-    yield "fwd.after_dispatch"
-    mark("barrier1")
+    yield from forward_dispatch(ctx, x_TD, topk_ids_TK, topk_scores_TK, mark)
     layout = build_routing_layout(ctx.received("ids"), ctx.experts_per_rank, FP8_BLOCK_M, max_rows=ctx.max_rows)
     x_index = placed_token_rows(layout) if fp8_forward else None  # the bf16 GEMM1 gathers placed rows only
     mark("layout")
     y_rows, gate_up = fp8_experts_fwd(ctx.received("x"), ctx.received("scores"), layout, w1, w2, w3, wq, fp8_forward,
                                       layer_name, by_row=True, x_rows_index=x_index, mark=mark)
-    ep_comm.combine_push(y_rows, layout, ws, p.ptr_table(), p.rank)
-    mark("combine_push")
-    yield "fwd.after_combine_push"
-    mark("barrier2")
-    out = ep_comm.combine_sum(ctx.region("comb"), topk_ids_TK, ctx.experts_per_rank, torch.bfloat16)
-    mark("combine_sum")
+    out = yield from forward_combine(ctx, y_rows, layout, topk_ids_TK, mark)
     return out, gate_up, layout
 
 
