@@ -178,17 +178,14 @@ def test_ep_fp8_needs_the_fp8_block():
 def test_ep_fp8_op_fake_shapes(tmp_path):
     """The FP8 EP op's fakes (torch.compile / meta) give the real outputs' shapes: layout at BM = 128 in
     every mode; fp32 weights -> fp32 weight gradients."""
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_megamoe.testing import single_rank_group
 
     import titan_megamoe.ops.ep_library  # noqa: F401  (registers the ops)
     from titan_megamoe.kernels.routing import layout_caps
 
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        name = dist.group.WORLD.group_name
+    with single_rank_group(tmp_path) as name:
         with FakeTensorMode():
             x = torch.empty(10, 128, dtype=torch.bfloat16)
             ids = torch.empty(10, 2, dtype=torch.int64)
@@ -203,9 +200,6 @@ def test_ep_fp8_op_fake_shapes(tmp_path):
         assert counts.shape == (4,) and offsets.shape == (5,) and pair_row.shape == (24,) and tiles.shape == (n_tiles,)
         assert dx.shape == (10, 128) and ds.shape == (10, 2) and ds.dtype == torch.float32
         assert dw1.shape == (4, 256, 128) and dw2.shape == (4, 128, 256) and dw1.dtype == torch.float32
-    finally:
-        if owned:
-            dist.destroy_process_group()
 
 
 def _op_ep_worker(rank, R):

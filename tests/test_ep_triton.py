@@ -294,17 +294,14 @@ def test_capacity_overflow_raises_with_the_setting():
 def test_ep_op_fake_shapes(tmp_path):
     """The EP custom op's fake (torch.compile / meta) gives the shapes of the real outputs, with the
     group size read from the process group (a 1-rank gloo group here)."""
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_megamoe.testing import single_rank_group
 
     import titan_megamoe.ops.ep_library  # noqa: F401  (registers the ops)
     from titan_megamoe.kernels.routing import layout_caps
 
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        name = dist.group.WORLD.group_name
+    with single_rank_group(tmp_path) as name:
         with FakeTensorMode():
             x = torch.empty(10, 32, dtype=torch.bfloat16)
             ids = torch.empty(10, 2, dtype=torch.int64)
@@ -316,9 +313,6 @@ def test_ep_op_fake_shapes(tmp_path):
         assert out.shape == (10, 32) and gate_up.shape == (n_cap, 96)
         assert counts.shape == (4,) and offsets.shape == (5,) and row_pair.shape == (n_cap,)
         assert pair_row.shape == (24,) and tiles.shape == (n_tiles,)
-    finally:
-        if owned:
-            dist.destroy_process_group()
 
 
 def _layer_ep_worker(rank, R):

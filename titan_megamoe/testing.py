@@ -216,6 +216,23 @@ def build_moe_pair(moe_args, dim: int, hidden_dim: int, *, dtype=torch.float32, 
     return MoEPair(stock, mega)
 
 
+@contextlib.contextmanager
+def single_rank_group(tmp_dir):
+    """A one-rank gloo default process group (file store under ``tmp_dir``) for the duration, unless one
+    exists already (then that one is used and left alone). Yields the WORLD group's name, which the EP
+    custom ops take (their fakes look the group up by name)."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/pg", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 def _free_port() -> int:
     import socket
 
