@@ -377,6 +377,29 @@ def test_wgrad_matches_dequantized(name, _poison_empty):
     assert dw2_bf16.dtype == torch.bfloat16 and rel_err(dw2_bf16.float(), ref2) <= BF16_OUT_REL
 
 
+def test_transposed_operands_odd_leading_dim(_poison_empty):
+    """The transposed FP8 operands are views with an odd-multiple-of-128 row stride (a power-of-two
+    stride camps on one DRAM channel at EP = 2); wgrad_fp8 reads that stride, and gives the same bits
+    for contiguous copies of its operands; a bad stride is refused."""
+    from titan_megamoe.kernels.fp8_quant_bwd import (empty_transposed, quantize_dual_1x128_128x1_t,
+                                                     quantize_gather_128x1_t, transposed_ld)
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import wgrad_fp8
+
+    assert [transposed_ld(m) for m in (128, 256, 2**18, 147456, 100)] == [128, 384, 2**18 + 128, 147584, 128]
+    d, k = _case("uniform_k2"), _run_gemm2_dgrad("uniform_k2")
+    c, L = d["c"], d["layout"]
+    xT, xTs = quantize_gather_128x1_t(d["x"], L.row_pair, c.K)
+    _, _, gT, gTs = quantize_dual_1x128_128x1_t(k["dgu"], d["valid"])
+    for t in (xT, gT, k["hsT"]):
+        assert t.shape[1] == L.n_cap and t.stride() == (transposed_ld(L.n_cap), 1)
+    a = wgrad_fp8(gT, gTs, xT, xTs, L, split=c.F, out_dtype=torch.float32)
+    b = wgrad_fp8(gT.contiguous(), gTs, xT.contiguous(), xTs, L, split=c.F, out_dtype=torch.float32)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert empty_transposed(3, 200, DEV).stride() == (384, 1)
+    with pytest.raises(ValueError, match="row stride"):
+        wgrad_fp8(gT, gTs, xT.T.contiguous().T, xTs, L, split=c.F)
+
+
 def _hopper_acc_wgrad(aTq, aTs, bTq, bTs, offsets, chunk=4):
     """The wgrad with a model of Hopper's fp8 wgmma accumulator: per 128-row step a fresh partial,
     ``chunk`` exact products at a time added into it and the sum truncated to 13 mantissa bits
@@ -501,7 +524,7 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
         sig = dict(dout_ptr="*fp8e4nv", douts_ptr="*fp32", w2t_ptr="*fp8e4nv", w2ts_ptr="*fp32", gate_up_ptr="*bf16",
                    scores_ptr="*fp32", row_pair_ptr="*i32", tile_expert_ptr="*i32", dgate_up_ptr="*bf16",
                    dscore_part_ptr="*fp32", hsT_ptr="*fp8e4nv", hsTs_ptr="*fp32", count_ptr="*i32", n_tiles="i32",
-                   N_cap="i32")
+                   LD_HS="i32")
         cx = dict(D=D, F=F, K=8, NB=F // cfg.block_n, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, **t)
     elif kind == "gemm1_dgrad":
         fn = _kernel_variant(B._gemm1_dgrad_fp8_kernel, False)
@@ -520,7 +543,7 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
     else:
         fn = _kernel_variant(B._wgrad_fp8_kernel, False)
         sig = dict(aT_ptr="*fp8e4nv", as_ptr="*fp32", bT_ptr="*fp8e4nv", bs_ptr="*fp32", offsets_ptr="*i32",
-                   out1_ptr="*fp32", out2_ptr="*fp32", N_cap="i32")
+                   out1_ptr="*fp32", out2_ptr="*fp32", LDA="i32", LDB="i32")
         MA, NC, M1 = (D, F, D) if kind == "wgrad_w2" else (2 * F, D, F)
         cx = dict(MA=MA, M1=M1, NC=NC, NBM=MA // cfg.block_m, NBN=NC // cfg.block_n, INTERPRET=False,
                   MAX_IMPRECISE=None, **t)
@@ -530,17 +553,18 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
         if kind == "quant_t":
             fn = _kernel_variant(QB._quant_gather_128x1_t_kernel, False)
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
-                       end_ptr="*i32", M="i32")
+                       end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, BLOCK_C=QB._T_BLOCK_C[False],
                       HAS_END=True)
         else:
             fn = _kernel_variant(QB._quant_dual_kernel, False)
             sig = dict(x_ptr="*bf16", valid_ptr="*u8", y_ptr="*fp8e4nv", s_ptr="*fp32", yT_ptr="*fp8e4nv",
-                       sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32")
+                       sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True)
         cfg = dataclasses.replace(cfg, num_warps=QB._WARPS if kind == "quant_t" else QB._DUAL_WARPS, num_stages=1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    div = ("N_cap",) if "N_cap" in sig else ()  # N_cap is a multiple of 128 (BM = 128 layout)
+    # row strides of the transposed operands: multiples of 128 (transposed_ld); M: N_cap, a multiple of 128
+    div = tuple(n for n in ("LD_HS", "LDA", "LDB", "LD", "M") if n in sig)
     res = compile_sm90(fn, sig, cx, **opts, divisible=div)
     full = dict(sig, **{k: "constexpr" for k in cx})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in full.items()

@@ -31,11 +31,21 @@ in ``fp8_quant.py``), so the results equal the reference bitwise:
 ``quantize_gather_128x1_t == quantize_act_128x1(gathered x).T`` and the dual's two halves equal
 ``quantize_act_1x128(x)`` and ``quantize_act_128x1(x, row_valid).T`` (invalid rows read as 0).
 
+Leading dimension of the transposed outputs. ``(C, M)`` with row stride exactly M puts every column
+of a 128-row group at the same offset modulo M; at EP = 2 M is the receive capacity 2 x T x K
+= 2^18, a power of two, and the 128-byte column pieces of one program all land in one DRAM channel
+(partition camping: measured 3.99 ms for the dual pass vs 0.80 at EP = 1's M = 9 x 2^14,
+``ep_overlap_2xh200_fp8_20261130``). The transposed buffers are therefore allocated ``(C, ld)`` with
+``ld = transposed_ld(M)``, an odd multiple of 128 >= M, and returned as the ``(C, M)`` view; every
+consumer takes the row stride from the tensor (``wgrad_fp8``).
+
 Non-finite groups are counted into an optional (1,) int32 device counter (``nonfinite_count``, as
 ``fp8_quant.py``): no host sync. Dims are constexpr; row counts runtime; offsets int64.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -54,22 +64,49 @@ from titan_megamoe.kernels.fp8_quant import (
 from titan_megamoe.kernels.grouped_gemm import _kernel_variant, interpret_mode
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP, check_group_dim
 
-__all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t"]
+__all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t", "transposed_ld", "empty_transposed"]
 
 _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather pass
 _WARPS = 4
 _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
+# TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
+_ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
+
+
+def transposed_ld(m: int) -> int:
+    """Row stride of a transposed (C, m) FP8 operand: the smallest odd multiple of 128 that is >= m
+    (module docstring: a power-of-two stride camps on one DRAM channel). 16-byte aligned rows."""
+    if not _ODD_LD:
+        return m
+    ld = -(-m // GROUP) * GROUP
+    return ld + GROUP if (ld // GROUP) % 2 == 0 else ld
+
+
+def empty_transposed(c: int, m: int, device, dtype=FP8_DTYPE) -> Tensor:
+    """An uninitialized (c, m) tensor with row stride ``transposed_ld(m)`` (a view of (c, ld))."""
+    return torch.empty((c, transposed_ld(m)), dtype=dtype, device=device)[:, :m]
+
+
+def _check_transposed(fn: str, what: str, t: Tensor, shape: tuple, device) -> None:
+    """A (C, M) transposed operand: unit column stride, row stride >= M and a multiple of 16 bytes."""
+    ok = (tuple(t.shape) == shape and t.dtype == FP8_DTYPE and t.device == device and t.stride(1) == 1
+          and t.stride(0) >= shape[1] and t.stride(0) % 16 == 0)
+    if not ok:
+        raise ValueError(f"{fn}: {what} must be a {FP8_DTYPE} tensor of shape {shape} on {device} with unit "
+                         f"column stride and a row stride >= {shape[1]}, a multiple of 16 (empty_transposed), "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
 
 
 @triton.jit
 def _quant_gather_128x1_t_kernel(
     x_ptr,  # (T, C) fp32 / bf16, source rows
     row_index_ptr,  # (M,) int32, source index (// TOP_K) of each output row, < 0 -> zero row
-    yT_ptr,  # (C, M) fp8e4nv out, transposed
+    yT_ptr,  # (C, M) fp8e4nv out, transposed, row stride LD
     scale_ptr,  # (cdiv(M, 128), C) fp32 out
     count_ptr,  # (1,) int32, += non-finite groups; CHECK only
     end_ptr,  # (1,) int32, rows from this one on are not needed (left unwritten); HAS_END only
     M,  # i32, output rows (N_cap)
+    LD,  # i32, row stride of yT (>= M)
     C: tl.constexpr,
     TOP_K: tl.constexpr,
     CHECK: tl.constexpr,
@@ -100,8 +137,8 @@ def _quant_gather_128x1_t_kernel(
     scale_1C = _scale_of(_amax(x, 0), EPS)  # (1, BC)
     q = _to_e4m3(x, tl.broadcast_to(scale_1C, (G, BLOCK_C)), EXACT_ROUND)
     scale = tl.reshape(scale_1C, (BLOCK_C,))
-    # int64: col * M passes 2^31 at full shapes (2048 x 147k)
-    tl.store(yT_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=row_ok[:, None] & col_ok[None, :])
+    # int64: col * LD passes 2^31 at full shapes (2048 x 147k)
+    tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows[:, None], q, mask=row_ok[:, None] & col_ok[None, :])
     tl.store(scale_ptr + b.to(tl.int64) * C + cols, scale, mask=col_ok)
     if CHECK:
         n_bad = tl.sum((col_ok & ~(scale < float("inf"))).to(tl.int32))  # NaN < inf is False
@@ -114,11 +151,12 @@ def _quant_dual_kernel(
     valid_ptr,  # (M,) uint8, nonzero = valid row
     y_ptr,  # (M, C) fp8e4nv out, 1x128
     s_ptr,  # (M, C // 128) fp32 out
-    yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed
+    yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed, row stride LD
     sT_ptr,  # (cdiv(M, 128), C) fp32 out
     count_ptr,  # (1,) int32; CHECK only
     end_ptr,  # (1,) int32, rows from this one on are not needed (left unwritten); HAS_END only
     M,  # i32 rows
+    LD,  # i32, row stride of yT (>= M)
     C: tl.constexpr,  # a multiple of 128
     CHECK: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
@@ -151,7 +189,7 @@ def _quant_dual_kernel(
         amax_M1 = tl.maximum(amax_M1, _amax(x, 1), propagate_nan=tl.PropagateNan.ALL)
         s_1H = _scale_of(_amax(x, 0), EPS)  # (1, 64)
         qT = _to_e4m3(x, tl.broadcast_to(s_1H, (G, H)), EXACT_ROUND)
-        tl.store(yT_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qT, mask=row_ok[:, None])
+        tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows[:, None], qT, mask=row_ok[:, None])
         s_col = tl.reshape(s_1H, (H,))
         tl.store(sT_ptr + b.to(tl.int64) * C + cols, s_col)
         if CHECK:
@@ -200,15 +238,16 @@ def quantize_gather_128x1_t(
             checked on the host (no sync): the caller guarantees row_index // top_k < T.
         top_k: divisor of row_index (>= 1).
         nonfinite_count: optional (1,) int32 device counter (+= groups with a non-finite scale).
-        out, scale_out: optional (C, M) float8_e4m3fn / (cdiv(M, 128), C) fp32 contiguous buffers.
+        out: optional (C, M) float8_e4m3fn buffer, unit column stride, row stride >= M and a multiple
+            of 16 (``empty_transposed``); scale_out: optional (cdiv(M, 128), C) fp32 contiguous buffer.
         name: named in error messages.
         end_row: optional (1,) int32 device tensor, a multiple of 128 (``layout.offsets[-1:]``): output
             rows from it on are not needed by any consumer and are left unwritten (their scales are
             written finite); saves the pass over the spare capacity rows (half of N_cap at EP = 2).
 
     Returns:
-        (xT_fp8 (C, M) float8_e4m3fn, scale (cdiv(M, 128), C) fp32): ``xg[r, c] ~= xT_fp8[c, r] *
-        scale[r // 128, c]``.
+        (xT_fp8 (C, M) float8_e4m3fn with row stride ``transposed_ld(M)`` (or ``out``'s), scale
+        (cdiv(M, 128), C) fp32): ``xg[r, c] ~= xT_fp8[c, r] * scale[r // 128, c]``.
 
     Raises:
         ValueError: wrong dtype / shape / device / contiguity, top_k < 1.
@@ -224,7 +263,10 @@ def quantize_gather_128x1_t(
     M = row_index.shape[0]
     dev = x.device
     count, check = _count_arg(fn, nonfinite_count, dev)
-    out = _out_buffer(fn, "out", out, (C, M), FP8_DTYPE, dev)
+    if out is None:
+        out = empty_transposed(C, M, dev)
+    else:
+        _check_transposed(fn, "out", out, (C, M), dev)
     scale_out = _out_buffer(fn, "scale_out", scale_out, (triton.cdiv(M, GROUP), C), torch.float32, dev)
     if M == 0 or C == 0:
         return out, scale_out
@@ -233,7 +275,7 @@ def quantize_gather_128x1_t(
     _check_end_row(fn, end_row, dev)
     _kernel_variant(_quant_gather_128x1_t_kernel, interpret)[(triton.cdiv(M, GROUP), triton.cdiv(C, bc))](
         x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
-        C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc,
+        out.stride(0), C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc,
         HAS_END=end_row is not None, num_warps=_WARPS,
     )
     return out, scale_out
@@ -264,7 +306,8 @@ def quantize_dual_1x128_128x1_t(
             scale and xT_fp8.
 
     Returns:
-        (x_fp8 (M, C), scale (M, C // 128), xT_fp8 (C, M), scaleT (cdiv(M, 128), C)).
+        (x_fp8 (M, C), scale (M, C // 128), xT_fp8 (C, M) with row stride ``transposed_ld(M)``,
+        scaleT (cdiv(M, 128), C)).
 
     Raises:
         ValueError: C not a multiple of 128 (use precision = 'bf16'), wrong dtype / shape / device.
@@ -285,7 +328,7 @@ def quantize_dual_1x128_128x1_t(
     Mb = triton.cdiv(M, GROUP)
     y = torch.empty((M, C), dtype=FP8_DTYPE, device=dev)
     s = torch.empty((M, C // GROUP), dtype=torch.float32, device=dev)
-    yT = torch.empty((C, M), dtype=FP8_DTYPE, device=dev)
+    yT = empty_transposed(C, M, dev)
     sT = torch.empty((Mb, C), dtype=torch.float32, device=dev)
     if M == 0:
         return y, s, yT, sT
@@ -293,6 +336,6 @@ def quantize_dual_1x128_128x1_t(
     _check_end_row(fn, end_row, dev)
     _kernel_variant(_quant_dual_kernel, interpret)[(Mb, C // GROUP)](
         x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
-        C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None, num_warps=_DUAL_WARPS,
+        yT.stride(0), C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None, num_warps=_DUAL_WARPS,
     )
     return y, s, yT, sT

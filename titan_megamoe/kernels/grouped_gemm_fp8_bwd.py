@@ -67,6 +67,7 @@ from torch import Tensor
 from titan_megamoe.kernels._bwd_common import _check, _check_layout, _interp_int
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
+from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed, empty_transposed
 from titan_megamoe.kernels.grouped_gemm import _kernel_variant, interpret_mode
 from titan_megamoe.kernels.jit import grouped_tile
 from titan_megamoe.kernels.routing import RoutingLayout
@@ -99,11 +100,11 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
     tile_expert_ptr,  # (n_tiles,) int32
     dgate_up_ptr,  # (N_cap, 2F) bf16 out
     dscore_part_ptr,  # (N_cap, NB) fp32 out
-    hsT_ptr,  # (F, N_cap) e4m3 out, (s * h) transposed, 128x1 scaled
+    hsT_ptr,  # (F, N_cap) e4m3 out, (s * h) transposed, 128x1 scaled, row stride LD_HS
     hsTs_ptr,  # (N_cap // 128, F) fp32 out
     count_ptr,  # (1,) int32, += non-finite hs groups (CHECK)
     n_tiles,  # i32
-    N_cap,  # i32
+    LD_HS,  # i32, row stride of hsT (fp8_quant_bwd.transposed_ld)
     D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     CHECK: tl.constexpr, EXACT_ROUND: tl.constexpr, EPS: tl.constexpr,
@@ -167,8 +168,8 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
         hs = tl.where(keep, silu * up * s[:, None], 0.0)
         sc_1C = _scale_of(_amax(hs, 0), EPS)  # (1, BN/2)
         q = _to_e4m3(hs, tl.broadcast_to(sc_1C, (BM, BN // 2)), EXACT_ROUND)
-        # int64: col * N_cap passes 2^31 at full shapes
-        tl.store(hsT_ptr + hc.to(tl.int64)[None, :] * N_cap + rows64[:, None], q, mask=hc_ok[None, :])
+        # int64: col * LD_HS passes 2^31 at full shapes
+        tl.store(hsT_ptr + hc.to(tl.int64)[None, :] * LD_HS + rows64[:, None], q, mask=hc_ok[None, :])
         sc = tl.reshape(sc_1C, (BN // 2,))
         tl.store(hsTs_ptr + pid_m.to(tl.int64) * F + hc, sc, mask=hc_ok)
         if CHECK:
@@ -232,14 +233,15 @@ def _gemm1_dgrad_fp8_kernel(
 
 @triton.jit
 def _wgrad_fp8_kernel(
-    aT_ptr,  # (MA, N_cap) e4m3, 128x1 scaled, transposed (K-major)
+    aT_ptr,  # (MA, N_cap) e4m3, 128x1 scaled, transposed (K-major), row stride LDA
     as_ptr,  # (N_cap // 128, MA) fp32
-    bT_ptr,  # (NC, N_cap) e4m3, 128x1 scaled, transposed (K-major)
+    bT_ptr,  # (NC, N_cap) e4m3, 128x1 scaled, transposed (K-major), row stride LDB
     bs_ptr,  # (N_cap // 128, NC) fp32
     offsets_ptr,  # (E + 1,) int32, first row of each expert (multiples of 128)
     out1_ptr,  # (E, M1, NC) bf16 | fp32 out: rows [0, M1) of the product
     out2_ptr,  # (E, MA - M1, NC) bf16 | fp32 out: rows [M1, MA) (unused when M1 == MA)
-    N_cap,  # i32
+    LDA,  # i32, row strides of aT / bT (>= N_cap, multiples of 16)
+    LDB,
     MA: tl.constexpr, M1: tl.constexpr, NC: tl.constexpr, NBM: tl.constexpr, NBN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr,
@@ -261,8 +263,8 @@ def _wgrad_fp8_kernel(
     # multiples of 128 (BM = 128 layout): telling the compiler lets it pipeline 16-byte cp.async loads
     start = tl.multiple_of(tl.load(offsets_ptr + e), 128)
     end = tl.multiple_of(tl.load(offsets_ptr + e + 1), 128)
-    a_base = aT_ptr + mm.to(tl.int64)[:, None] * N_cap + offs_k[None, :]  # int64: MA * N_cap
-    b_base = bT_ptr + nn.to(tl.int64)[None, :] * N_cap + offs_k[:, None]
+    a_base = aT_ptr + mm.to(tl.int64)[:, None] * LDA + offs_k[None, :]  # int64: MA * LDA
+    b_base = bT_ptr + nn.to(tl.int64)[None, :] * LDB + offs_k[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     # Interpreter: range() over a runtime scalar fails with numpy >= 2.3 (see grouped_gemm_wgrad.py).
     for r0 in range(_interp_int(start) if INTERPRET else start, _interp_int(end) if INTERPRET else end, BK):
@@ -356,7 +358,7 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     Returns:
         dgate_up (N_cap, 2F) bf16 (zeros on padding rows and tiles of expert -1), dscore_partial
         (N_cap, NB) fp32 (reduce with ``grouped_gemm_bwd.reduce_dscore``), hsT_q (F, N_cap)
-        float8_e4m3fn and hsT_s (N_cap // 128, F) fp32 (128x1 s * h, transposed).
+        float8_e4m3fn (row stride ``fp8_quant_bwd.transposed_ld(N_cap)``) and hsT_s (N_cap // 128, F) fp32 (128x1 s * h, transposed).
 
     Grid: n_tiles * cdiv(F, BN) programs. No host sync, no atomics (but the counter).
 
@@ -383,13 +385,13 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     N, nb, n_tiles = layout.n_cap, triton.cdiv(F, cfg.block_n), layout.n_tiles_cap
     dgu = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev)
     part = torch.empty((N, nb), dtype=torch.float32, device=dev)
-    hsT = torch.empty((F, N), dtype=FP8_DTYPE, device=dev)
+    hsT = empty_transposed(F, N, dev)
     hsTs = torch.empty((N // GROUP, F), dtype=torch.float32, device=dev)
     interpret = interpret_mode()
     if n_tiles * nb:
         _kernel_variant(_gemm2_dgrad_swiglu_bwd_fp8_kernel, interpret)[(n_tiles * nb,)](
             dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout.row_pair, layout.tile_expert, dgu, part,
-            hsT, hsTs, nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, N,
+            hsT, hsTs, nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, hsT.stride(0),
             D=D, F=F, K=K, NB=nb, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
             CHECK=nonfinite_count is not None, EXACT_ROUND=interpret, EPS=AMAX_EPS,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -453,6 +455,8 @@ def wgrad_fp8(
     Args:
         aT_q: (MA, N_cap) float8_e4m3fn; aT_s: (N_cap // 128, MA) fp32.
         bT_q: (NC, N_cap) float8_e4m3fn; bT_s: (N_cap // 128, NC) fp32.
+            The e4m3 operands need unit column stride; their row stride may exceed N_cap (a multiple
+            of 16: ``fp8_quant_bwd.empty_transposed``, as the quantizers return them).
         layout: routing layout with block_m = 128 (expert segments on 128-row boundaries).
         split: None -> one (E, MA, NC) output; M1 -> two outputs, rows [0, M1) and [M1, MA) (a
             multiple of the config's BM; dw1 / dw3 from the stacked dgate_up).
@@ -478,9 +482,9 @@ def wgrad_fp8(
     D, F = (MA, NC) if split is None else (NC, MA // 2)
     cfg = config or fp8_bwd_config_for(kind, D, F, interpret_mode())
     _check_bwd_config(cfg, kind)
-    _check(aT_q, "aT_q", (MA, layout.n_cap), FP8_DTYPE, dev)
+    _check_transposed("wgrad_fp8", "aT_q", aT_q, (MA, layout.n_cap), dev)
     _check(aT_s, "aT_s", (layout.n_cap // GROUP, MA), torch.float32, dev)
-    _check(bT_q, "bT_q", (NC, layout.n_cap), FP8_DTYPE, dev)
+    _check_transposed("wgrad_fp8", "bT_q", bT_q, (NC, layout.n_cap), dev)
     _check(bT_s, "bT_s", (layout.n_cap // GROUP, NC), torch.float32, dev)
     M1 = MA if split is None else split
     if split is not None and (M1 % cfg.block_m or not 0 < M1 < MA):
@@ -491,7 +495,7 @@ def wgrad_fp8(
     interpret = interpret_mode()
     if E * nbm * nbn:
         _kernel_variant(_wgrad_fp8_kernel, interpret)[(nbm * nbn, E)](
-            aT_q, aT_s, bT_q, bT_s, layout.offsets, out1, out2, N,
+            aT_q, aT_s, bT_q, bT_s, layout.offsets, out1, out2, aT_q.stride(0), bT_q.stride(0),
             MA=MA, M1=M1, NC=NC, NBM=nbm, NBN=nbn, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             GROUP_M=cfg.group_m, INTERPRET=interpret, MAX_IMPRECISE=_max_imprecise_acc, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
