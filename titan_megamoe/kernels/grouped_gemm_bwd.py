@@ -101,8 +101,8 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
 
     Grid: (n_tiles * NB,), grouped order (GROUP_M row tiles sweep all column blocks). The program of
     (row tile m, column block n) owns dgate_up[m*BM:(m+1)*BM, n*BN:(n+1)*BN] and the same columns + F,
-    dscore_part[m*BM:(m+1)*BM, n] and (STORE_HS) hs[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; tiles of expert -1
-    and padding rows get zeros.
+    dscore_part[m*BM:(m+1)*BM, n] and (STORE_HS) hs[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; padding rows get
+    zeros, tiles of expert -1 are left unwritten.
     """
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, n_tiles, NB, GROUP_M)
@@ -113,14 +113,8 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     col_ok = cols < F
     gu_off = rows64[:, None] * (2 * F) + cols[None, :]
     e = tl.load(tile_expert_M + pid_m)
-    if e < 0:  # tile past the last expert: zeros, no GEMM
-        zero = tl.zeros((BM, BN), dtype=dgate_up_N2F.dtype.element_ty)
-        tl.store(dgate_up_N2F + gu_off, zero, mask=col_ok[None, :])
-        tl.store(dgate_up_N2F + gu_off + F, zero, mask=col_ok[None, :])
-        tl.store(dscore_part_NB + rows64 * NB + pid_n, tl.zeros((BM,), dtype=tl.float32))
-        if STORE_HS:
-            tl.store(hs_NF + rows64[:, None] * F + cols[None, :], zero, mask=col_ok[None, :])
-        return
+    if e < 0:  # tile past the last expert (rows >= offsets[E]): read by no consumer (wgrads take the
+        return  # expert segments, d scores their pairs' rows); half the receive capacity at EP = 2
 
     pair = tl.load(row_pair_N + rows)
     valid = pair >= 0
@@ -203,7 +197,8 @@ def _gemm1_dgrad_kernel(
     """dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e], one fp32 accumulator over 2F.
 
     Grid: (n_tiles * NBD,), NBD = cdiv(D, BN), grouped order. The program of (row tile m, column
-    block n) owns dx_rows[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; expert -1 tiles and padding rows get zeros.
+    block n) owns dx_rows[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; padding rows get zeros, expert -1 tiles are
+    left unwritten.
     """
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, n_tiles, NBD, GROUP_M)
@@ -215,8 +210,7 @@ def _gemm1_dgrad_kernel(
     out_off = rows64[:, None] * D + cols[None, :]
     out_ty = dx_rows_ND.dtype.element_ty
     e = tl.load(tile_expert_M + pid_m)
-    if e < 0:
-        tl.store(dx_rows_ND + out_off, tl.zeros((BM, BN), dtype=out_ty), mask=col_ok[None, :])
+    if e < 0:  # tile past the last expert: read by no consumer (dx rows are gathered by pair_row)
         return
 
     w_base = e.to(tl.int64) * F * D  # int64: E * F * D passes 2^31 at 235B shapes
@@ -302,7 +296,8 @@ def gemm2_dgrad_swiglu_bwd(
 
     Returns:
         dgate_up_N2F (N_cap, 2F) bf16 (zeros on padding rows) and dscore_partial (N_cap, NB) fp32 with
-        NB = cdiv(F, config.block_n) (zeros on padding rows); reduce with ``reduce_dscore``.
+        NB = cdiv(F, config.block_n) (zeros on padding rows); reduce with ``reduce_dscore``. Rows from
+        ``layout.offsets[E]`` on (tiles of expert -1) are left unwritten in every output.
 
     Grid: n_tiles_cap * NB programs (grouped order); each owns a BM x BN tile of dgate and of dup and
     one column of dscore_partial for its BM rows. No host sync, no atomics.
@@ -393,7 +388,8 @@ def gemm1_dgrad(
         out: optional (N_cap, D) bf16 caller buffer.
 
     Returns:
-        dx_rows (N_cap, D) bf16 per layout row, zeros on padding rows; ``scatter_dx`` sums them per token.
+        dx_rows (N_cap, D) bf16 per layout row, zeros on padding rows, rows from ``layout.offsets[E]`` on
+        unwritten; ``scatter_dx`` sums the placed rows per token.
 
     Grid: n_tiles_cap * cdiv(D, BN) programs (grouped order); each owns a BM x BN tile of dx_rows.
     """

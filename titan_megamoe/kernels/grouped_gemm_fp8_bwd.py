@@ -113,7 +113,7 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
 
     Grid: (n_tiles * NB,), grouped order. The program of (row tile m, column block n) owns
     dgate_up[m*BM:(m+1)*BM, n*BN:(n+1)*BN] (and + F), dscore_part[rows, n], hsT[cols, rows] and
-    hsTs[m, cols]. BM = 128 = one row scale group. Tiles of expert -1 get zeros (scales EPS / 448).
+    hsTs[m, cols]. BM = 128 = one row scale group. Tiles of expert -1 are left unwritten.
     """
     KB: tl.constexpr = D // BK
     NBW: tl.constexpr = (F + BK - 1) // BK  # weight scale blocks along F
@@ -123,8 +123,10 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
     rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31
     cols = pid_n * BN + tl.arange(0, BN)
     e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:  # tile past the last expert: read by no consumer (end_row, expert segments); at EP = 2
+        return  # half the receive capacity's tiles (2.08 ms there vs 1.32 at EP = 1 with their zeros)
     pair = tl.load(row_pair_ptr + rows)
-    valid = (pair >= 0) & (e >= 0)
+    valid = pair >= 0
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if e >= 0:
@@ -196,7 +198,7 @@ def _gemm1_dgrad_fp8_kernel(
     """FP8 dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e], one fp32 accumulator over 2F.
 
     Grid: (n_tiles * NBD,), NBD = cdiv(D, BN), grouped order; program (m, n) owns
-    dx_rows[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; tiles of expert -1 and padding rows get zeros.
+    dx_rows[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; padding rows get zeros, tiles of expert -1 are left unwritten.
     """
     KBF: tl.constexpr = F // BK
     NBW: tl.constexpr = (D + BK - 1) // BK  # weight scale blocks along D
@@ -207,6 +209,8 @@ def _gemm1_dgrad_fp8_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < D
     e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:  # tile past the last expert: read by no consumer (dx is gathered by pair_row)
+        return
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if e >= 0:
         offs_k = tl.arange(0, BK)
@@ -356,7 +360,8 @@ def gemm2_dgrad_swiglu_bwd_fp8(
         nonfinite_count: optional (1,) int32 device counter for the s * h scales.
 
     Returns:
-        dgate_up (N_cap, 2F) bf16 (zeros on padding rows and tiles of expert -1), dscore_partial
+        dgate_up (N_cap, 2F) bf16 (zeros on padding rows; tiles of expert -1, i.e. rows from
+        ``layout.offsets[-1]`` on, are left unwritten in every output), dscore_partial
         (N_cap, NB) fp32 (reduce with ``grouped_gemm_bwd.reduce_dscore``), hsT_q (F, N_cap)
         float8_e4m3fn (row stride ``fp8_quant_bwd.transposed_ld(N_cap)``) and hsT_s (N_cap // 128, F) fp32 (128x1 s * h, transposed).
 
@@ -413,7 +418,8 @@ def gemm1_dgrad_fp8(
         layout: routing layout with block_m = 128. config: default ``fp8_bwd_config_for("gemm1_dgrad")``.
 
     Returns:
-        dx_rows (N_cap, D) bf16, zeros on padding rows and tiles of expert -1; ``scatter_dx`` sums them.
+        dx_rows (N_cap, D) bf16, zeros on padding rows, rows from ``layout.offsets[-1]`` on unwritten;
+        ``scatter_dx`` sums the placed rows.
 
     Grid: n_tiles * cdiv(D, BN) programs (grouped order). No host sync.
 
