@@ -34,9 +34,10 @@ dgrad -> dscore_push, combine_push of the dx rows -> barrier -> combine_sum.
 Not done yet: the backward still dispatches bf16 x and dy. dy's 1x128 quantization is per row and
 could move to the source as x's did, but the wgrads' 128x1 groups of x and dy (transposed) span 128
 *received* rows of an expert, so they need the bf16 rows on the receiving rank anyway (an FP8 payload
-there would change the wgrad's numbers, not only its bytes). No overlap (``ep_forward_steps_v2``). The forward of "fp8_bwd" runs
-the bf16 kernels of the bf16 EP forward, at BM = 128 (the FP8 backward's 128-row scale groups must
-not straddle two experts, so its layout is the one the backward reads).
+there would change the wgrad's numbers, not only its bytes). No overlap (``ep_forward_steps_v2``).
+
+The forward of "fp8_bwd" runs the bf16 kernels of the bf16 EP forward, at BM = 128 (the FP8 backward's
+128-row scale groups must not straddle two experts, so its layout is the one the backward reads).
 
 Generators yielding the barrier's site name at each barrier, as ``ep_backend``: ``run_with_barriers``
 on GPUs, ``run_lockstep`` with emulated peers in the CPU tests.
