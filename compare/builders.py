@@ -188,7 +188,11 @@ def build_layer(impl: str, precision: str, shape: LayerShape, device: torch.devi
     if spec.backend == "triton" and mesh is not None and mesh.size() > 1:
         notes.append("EP triton v1: symmetric-memory dispatch/combine, phases separated by barriers (no overlap yet)")
         if cfg.precision != "bf16":  # ops/ep_fp8_backend.py
-            notes.append("FP8 EP v1: bf16 rows dispatched, quantized on the receiving rank (no FP8 dispatch payload yet)")
+            from titan_megamoe.ops import ep_fp8_backend
+
+            fp8_x = cfg.precision == "fp8" and ep_fp8_backend.FP8_DISPATCH == "fp8"
+            x = "e4m3 + scales, quantized on the source" if fp8_x else "bf16 rows, quantized on the receiving rank"
+            notes.append(f"FP8 EP v1: forward x dispatched as {x}; backward x / dy as bf16 rows")
     if precision == "fp32":
         notes.append("fp32 operands through the reference (config precision bf16)")
     if mesh is not None:

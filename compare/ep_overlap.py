@@ -24,13 +24,19 @@ back (v1), 1 when the shorter one is completely hidden, negative when the layer 
 parts (barrier waits, launch gaps). NVLink bytes per rank come from the routing (rows that cross to
 another rank; metadata excluded), with the comm-alone GB/s they imply.
 
-FP8 (``--precisions fp8,fp8_bwd``; FP8 EP v1 only, so with mode "v1" alone): the FP8 weights of every
-rank come from ``fp8_backend.prepare_weights`` once, before anything is timed (as the weight cache hits
-on every call after an optimizer step's first): no weight quantization is in any time. "comm" is the
-same driver as bf16's (v1 kernels and barriers, on the FP8 path's rows: layout BM = 128); "compute" is
-the receive layout, the placed-row index and ``fp8_experts_fwd`` / ``fp8_experts_bwd`` on the received
-rows. The phases carry the finer FP8 labels (``quant_x``, ``gemm1``, ..., ``quant_dgate_up``,
-``wgrad_w13``, ``gemm1_dgrad``; ``ops/fp8_backend.py``).
+FP8 (``--precisions fp8,fp8_bwd``; FP8 EP v1 only, so with modes "v1" / "v1b" alone): the FP8 weights of
+every rank come from ``fp8_backend.prepare_weights`` once, before anything is timed (as the weight cache
+hits on every call after an optimizer step's first): no weight quantization is in any time. Mode "v1" of
+"fp8" dispatches the forward's x as FP8 (e4m3 rows + scales quantized in the push kernel,
+``ep_comm.dispatch_push_fp8``, the default payload); mode "v1b" ("fp8" only) as bf16 rows quantized on the
+receiving rank (the v1 payload, ``ep_fp8_backend.FP8_DISPATCH = "bf16"``): ``--precisions fp8 --modes
+v1,v1b`` compares the two in one run (records say ``x_payload``). "comm" is the same driver as bf16's
+(v1 kernels and barriers, on the FP8 path's rows: layout BM = 128; the FP8 push in the forward of
+"v1"); "compute" is the receive layout, the placed-row index and ``fp8_experts_fwd`` /
+``fp8_experts_bwd`` on the received rows ("v1": on x quantized once before timing, since the backward's
+dy overwrites the received FP8 slab, which shares its bytes). The phases carry the finer FP8 labels
+(``quant_x`` (v1b only), ``gemm1``, ..., ``quant_dgate_up``, ``wgrad_w13``, ``gemm1_dgrad``;
+``ops/fp8_backend.py``).
 
 Times on CPU (``--tiny``) are the interpreter's and, with emulated ranks, the sum over the ranks run in
 lockstep: they exercise the harness, they measure nothing. Output: a markdown table on stdout and a
@@ -61,9 +67,9 @@ __all__ = ["main", "build_parser", "overlap_fraction", "SCHEMA"]
 SCHEMA = "titan_megamoe.compare.ep_overlap/1"
 TINY = dict(shapes="custom:16,16,4,2", tokens=16, iters=1, warmup=0, profile_iters=1)
 DEFAULTS = dict(shapes="qwen3-30b-a3b,qwen3-235b-a22b", tokens=16384, iters=20, warmup=5, profile_iters=3)
-MODES = ("v1", "v2", "v3")
+MODES = ("v1", "v2", "v3", "v1b")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
-FP8_MODES = ("v1",)  # FP8 EP has no overlap mode yet (ops/ep_fp8_backend.py)
+FP8_MODES = ("v1", "v1b")  # FP8 EP has no overlap mode yet (ops/ep_fp8_backend.py); v1b: "fp8" with bf16 x rows
 FP8_WEIGHTS_NOTE = ("FP8 weights quantized once per rank before timing (fp8_backend.prepare_weights, no cache), "
                     "as the weight cache's hits after an optimizer step's first call: no weight quantization "
                     "in any time")
@@ -78,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent of 'skewed' (default 1.2)")
     p.add_argument("--modes", default="v1", help=f"comma list of: {', '.join(MODES)} (default v1; v2 = x rows "
                    "streamed into GEMM1 through per-block arrival flags, ops/ep_backend.ep_forward_steps_v2; v3 = v1's "
-                   "forward, backward with the dx / d score pushes under the wgrads, ep_backward_steps_v3)")
+                   "forward, backward with the dx / d score pushes under the wgrads, ep_backward_steps_v3; v1b = "
+                   "precision fp8's v1 with the forward's x dispatched as bf16 rows instead of FP8)")
     p.add_argument("--precisions", default="bf16", help=f"comma list of: {', '.join(PRECISIONS)} (default bf16; "
                    "fp8 / fp8_bwd drive ops/ep_fp8_backend's steps with FP8 weights quantized once before timing, "
                    "mode v1 only: other modes are recorded as skipped for them)")
@@ -163,10 +170,16 @@ def _make_data(shape: LayerShape, T: int, R: int, ranks: list[int], routing: str
     return out, ids_all
 
 
-def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int) -> dict[str, int]:
-    """Bytes one rank sends to other ranks (max over ranks), v1's protocol: x rows bf16 once per
-    (token, remote rank holding one of its experts); combine rows fp32 back once per such pair; the
-    backward sends x and dy rows and the dx rows back (d scores and ids / scores metadata excluded)."""
+def x_row_bytes(D: int, payload: str) -> int:
+    """Bytes of one dispatched x row: bf16 ``2 D``; FP8 ``D`` e4m3 + ``D / 128`` fp32 scales."""
+    return 2 * D if payload == "bf16" else D + 4 * (D // 128)
+
+
+def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int, x_payload: str = "bf16") -> dict[str, int]:
+    """Bytes one rank sends to other ranks (max over ranks), v1's protocol: x rows once per (token,
+    remote rank holding one of its experts), bf16 or (``x_payload`` "fp8", the forward of "fp8") e4m3 +
+    scales (:func:`x_row_bytes`); combine rows fp32 back once per such pair; the backward sends bf16 x
+    and dy rows and the dx rows back (d scores and ids / scores metadata excluded)."""
     owner = ids_all.view(R, T, -1) // e_l  # (R, T, K) rank holding each slot's expert
     sent_rows, recv_rows = [0] * R, [0] * R
     for src in range(R):
@@ -175,7 +188,7 @@ def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int) -> dic
                 n = int((owner[src] == dst).any(-1).sum())
                 sent_rows[src] += n  # src pushes n rows to dst
                 recv_rows[dst] += n  # dst pushes n combine rows back to src
-    fwd = [sent_rows[r] * D * 2 + recv_rows[r] * D * 4 for r in range(R)]
+    fwd = [sent_rows[r] * x_row_bytes(D, x_payload) + recv_rows[r] * D * 4 for r in range(R)]
     bwd = [sent_rows[r] * D * 4 + recv_rows[r] * D * 4 for r in range(R)]
     return {"fwd": max(fwd), "bwd": max(bwd), "fwdbwd": max(f + b for f, b in zip(fwd, bwd))}
 
@@ -184,9 +197,14 @@ def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int) -> dic
 # What is measured: generators yielding at each barrier
 # --------------------------------------------------------------------------------------------------
 
+def _x_payload(driver: Driver, mode: str) -> str:
+    """Payload of the forward's x rows: "fp8" for precision fp8 in mode v1, else "bf16"."""
+    return "fp8" if driver.precision == "fp8" and mode != "v1b" else "bf16"
+
+
 def _full(driver: Driver, mode: str, bwd: bool, mark=None):
     if driver.precision != "bf16":
-        return _full_fp8(driver, bwd, mark)
+        return _full_fp8(driver, mode, bwd, mark)
     from titan_megamoe.ops import ep_backend as eb
 
     fwd_steps, bwd_steps = eb.FORWARD_STEPS[mode], eb.BACKWARD_STEPS[mode]
@@ -203,18 +221,21 @@ def _full(driver: Driver, mode: str, bwd: bool, mark=None):
     return make
 
 
-def _full_fp8(driver: Driver, bwd: bool, mark=None):
-    """FP8 EP v1 (``ep_fp8_forward_steps`` / ``ep_fp8_backward_steps``), bf16 weight gradients."""
+def _full_fp8(driver: Driver, mode: str, bwd: bool, mark=None):
+    """FP8 EP v1 (``ep_fp8_forward_steps`` / ``ep_fp8_backward_steps``), bf16 weight gradients; the x
+    payload of "fp8" by mode (v1: FP8, v1b: bf16)."""
     from titan_megamoe.ops import ep_backend as eb
     from titan_megamoe.ops.ep_fp8_backend import ep_fp8_backward_steps, ep_fp8_forward_steps
 
     fp8_forward = driver.precision == "fp8"
+    payload = _x_payload(driver, mode)
 
     def make(i):
         c, d, wq = driver.ctxs[i], driver.data[i], driver.wq[i]
         m = mark(i) if mark else eb._no_mark
         out, gate_up, layout = yield from ep_fp8_forward_steps(c, d["x"], d["ids"], d["scores"], d["w1"], d["w2"],
-                                                               d["w3"], wq, fp8_forward, f"ovl.rank{i}", mark=m)
+                                                               d["w3"], wq, fp8_forward, f"ovl.rank{i}", mark=m,
+                                                               payload=payload)
         if not bwd:
             return out, gate_up, layout
         return (yield from ep_fp8_backward_steps(c, d["dout"], d["x"], d["ids"], d["scores"], wq[:6], gate_up, layout,
@@ -222,10 +243,10 @@ def _full_fp8(driver: Driver, bwd: bool, mark=None):
     return make
 
 
-def _compute(driver: Driver, bwd: bool):
+def _compute(driver: Driver, bwd: bool, mode: str = "v1"):
     """Layout + GEMMs on the rows already in this rank's workspace (left by an earlier dispatch)."""
     if driver.precision != "bf16":
-        return _compute_fp8(driver, bwd)
+        return _compute_fp8(driver, bwd, mode)
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd, gemm2_scatter_fwd
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.grouped_gemm_wgrad import wgrad_w2, wgrad_w13
@@ -250,13 +271,22 @@ def _compute(driver: Driver, bwd: bool):
     return make
 
 
-def _compute_fp8(driver: Driver, bwd: bool):
+def _compute_fp8(driver: Driver, bwd: bool, mode: str = "v1"):
     """FP8 EP v1's local compute alone: receive layout (BM = 128), placed-row index, ``fp8_experts_fwd``
-    (+ ``fp8_experts_bwd``) on the rows already in this rank's workspace; no communication."""
+    (+ ``fp8_experts_bwd``) on the rows already in this rank's workspace; no communication. FP8 x
+    payload (mode v1 of "fp8"): the received x rows quantized here, once, before anything is timed (as
+    the source's push kernel does; the received FP8 slab itself was overwritten by the backward's dy,
+    which shares its bytes), and GEMM1 fed from them: no ``quant_x`` pass in the time."""
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M, fp8_experts_bwd, fp8_experts_fwd, placed_token_rows
 
     fp8_forward = driver.precision == "fp8"
+    x_q = [None] * len(driver.ctxs)
+    if _x_payload(driver, mode) == "fp8":  # here, not in make(): outside the timed region
+        for i, c in enumerate(driver.ctxs):
+            layout = build_routing_layout(c.received("ids"), c.experts_per_rank, FP8_BLOCK_M, max_rows=c.max_rows)
+            x_q[i] = quantize_act_1x128(c.received("x"), placed_token_rows(layout), 1)
 
     def make(i):
         c, d, wq = driver.ctxs[i], driver.data[i], driver.wq[i]
@@ -264,7 +294,8 @@ def _compute_fp8(driver: Driver, bwd: bool):
         placed = placed_token_rows(layout)
         x_r, sc_r = c.received("x"), c.received("scores")
         y_rows, gate_up = fp8_experts_fwd(x_r, sc_r, layout, d["w1"], d["w2"], d["w3"], wq, fp8_forward,
-                                          f"ovl.rank{i}", by_row=True, x_rows_index=placed if fp8_forward else None)
+                                          f"ovl.rank{i}", by_row=True, x_quantized=x_q[i],
+                                          x_rows_index=placed if fp8_forward and x_q[i] is None else None)
         res = dict(layout=layout, y_rows=y_rows)
         if bwd:
             dx_rows, part, *_ = fp8_experts_bwd(c.received("dy"), x_r, sc_r, wq[:6], gate_up, layout, torch.bfloat16,
@@ -275,18 +306,24 @@ def _compute_fp8(driver: Driver, bwd: bool):
     return make
 
 
-def _comm(driver: Driver, pre: list[dict], bwd: bool):
+def _comm(driver: Driver, pre: list[dict], bwd: bool, mode: str = "v1"):
     """v1's communication kernels and barriers alone, on rows pre-computed by ``_compute`` (the same
-    kernels for FP8 EP v1: bf16 rows out, fp32 combine rows back, on its layout)."""
+    kernels for FP8 EP v1: bf16 rows out, or the FP8 push of x in the forward of "fp8" mode v1; fp32
+    combine rows back, on its layout)."""
     from titan_megamoe.kernels import ep_comm
+
+    fp8_x = _x_payload(driver, mode) == "fp8"
 
     def make(i):
         c, d, q = driver.ctxs[i], driver.data[i], pre[i]
         p, ws, e_l = c.peers, c.ws, c.experts_per_rank
         for phase in ("fwd", "bwd") if bwd else ("fwd",):
             yield f"{phase}.before_dispatch"
-            ep_comm.dispatch_push(d["x"], d["dout"] if phase == "bwd" else None, d["ids"], d["scores"], ws,
-                                  p.ptr_table(), p.rank, e_l)
+            if phase == "fwd" and fp8_x:  # x quantized in the push kernel (the time of the quantization included)
+                ep_comm.dispatch_push_fp8(d["x"], d["ids"], d["scores"], ws, p.ptr_table(), p.rank, e_l)
+            else:
+                ep_comm.dispatch_push(d["x"], d["dout"] if phase == "bwd" else None, d["ids"], d["scores"], ws,
+                                      p.ptr_table(), p.rank, e_l)
             yield f"{phase}.after_dispatch"
             if phase == "bwd":
                 ep_comm.dscore_push(q["part"], q["layout"], ws, p.ptr_table())
@@ -442,18 +479,18 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
     it, wu = args.iters, args.warmup
     rec = dict(shape=shape.as_dict(), routing=routing, precision=drv.precision, mode=mode, ep=R, tokens_per_rank=T,
                iters=it, warmup=wu, emulated=not drv.real, status="ok", reason=None,
-               weights=FP8_WEIGHTS_NOTE if drv.precision != "bf16" else "bf16")
+               weights=FP8_WEIGHTS_NOTE if drv.precision != "bf16" else "bf16", x_payload=_x_payload(drv, mode))
     drv.run(_full(drv, mode, True))  # fills every workspace region (x, dy, ids, scores) once
-    pre = drv.run(_compute(drv, True))
+    pre = drv.run(_compute(drv, True, mode))
     local = {
         "full_fwd": _time(drv, _full(drv, mode, False), it, wu),
         "full_fwdbwd": _time(drv, _full(drv, mode, True), it, wu),
-        "comm_fwd": _time(drv, _comm(drv, pre, False), it, wu),
-        "comm_fwdbwd": _time(drv, _comm(drv, pre, True), it, wu),
+        "comm_fwd": _time(drv, _comm(drv, pre, False, mode), it, wu),
+        "comm_fwdbwd": _time(drv, _comm(drv, pre, True, mode), it, wu),
     }
     drv.run(_full(drv, mode, True))  # the received rows of a full step again (comm alone left them too)
-    local["compute_fwd"] = _time(drv, _compute(drv, False), it, wu)
-    local["compute_fwdbwd"] = _time(drv, _compute(drv, True), it, wu)
+    local["compute_fwd"] = _time(drv, _compute(drv, False, mode), it, wu)
+    local["compute_fwdbwd"] = _time(drv, _compute(drv, True, mode), it, wu)
     phases = _phases(drv, mode, it)
     prof = _profile(drv, mode, args.profile_iters) if args.profile_iters > 0 else None
     if drv.precision != "bf16":
@@ -471,7 +508,7 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
         st = c.peers.sync.status.tolist()
         if st[0]:
             rec.update(status="error", reason=c.peers.sync.describe(st, "compare.ep_overlap"))
-    nb = nvlink_bytes(drv.ids_all, R, T, shape.dim, shape.experts // R)
+    nb = nvlink_bytes(drv.ids_all, R, T, shape.dim, shape.experts // R, rec["x_payload"])
     rec["nvlink_bytes_per_rank"] = nb
     rec["comm_gbps"] = {ph: nb[ph] / (rec[f"comm_{ph}"]["ms"] * 1e6) if rec[f"comm_{ph}"]["ms"] else None
                         for ph in ("fwd", "fwdbwd")}
@@ -589,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                         if precision != "bf16" and mode not in FP8_MODES:
                             rec = dict(base, status="skipped", reason=f"FP8 EP has no overlap mode {mode} "
                                        f"(only {', '.join(FP8_MODES)})")
+                        elif mode == "v1b" and precision != "fp8":
+                            rec = dict(base, status="skipped", reason="v1b is precision fp8's bf16 x payload (the "
+                                       f"forward of {precision} has one payload: bf16)")
                         else:
                             try:
                                 if pdrv is None:

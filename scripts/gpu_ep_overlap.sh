@@ -4,7 +4,8 @@
 # the overlap fraction, per-phase CUDA events and a profiler summary (top kernels, idle gap).
 # PRECISIONS (default bf16) adds FP8 EP v1 (fp8, fp8_bwd; mode v1 only, FP8 weights quantized once before
 # timing), with the FP8 passes' per-phase events (quant_x, gemm1, ..., quant_dgate_up, wgrad_w13, ...):
-# e.g. PRECISIONS=bf16,fp8 MODES=v1 TIMEOUT=400 for where the FP8 backward's time goes. TIMEOUT (default
+# e.g. PRECISIONS=bf16,fp8 MODES=v1 TIMEOUT=400 for where the FP8 backward's time goes; PRECISIONS=fp8
+# MODES=v1,v1b: the FP8 x payload of the forward (v1, the default) against bf16 rows (v1b). TIMEOUT (default
 # 225 s) bounds the run; records are written one by one, so a run cut short keeps what it measured.
 # Files under $OUT (<= 6): gpu.txt, ep_overlap_2xh200.json, ep_overlap.log. ~2-4 minutes (most of it
 # Triton JIT on a fresh machine). Call as: REV=<hash> bash scripts/gpu_ep_overlap.sh

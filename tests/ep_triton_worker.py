@@ -8,8 +8,11 @@ graph too. Blockwise FP8 ("fp8", "fp8_bwd",
 ops/ep_fp8_backend.py) on the same cases: vs the fp32 reference within ``FP8_REL_BOUNDS``, out / dx /
 d scores vs the EP = 1 FP8 op on all tokens within the bf16 tolerance (same per-row math, only the
 sums' order differs), two runs bitwise equal (the second from the weight cache), a CUDA graph of
-fwd+bwd, and timed beside bf16. ``EP_TRITON_PRECISIONS`` (default "bf16,fp8,fp8_bwd") picks the
-precisions. Used by test_gpu.py; prints EP_TRITON PASS on success."""
+fwd+bwd, and timed beside bf16. "fp8" runs with both x payloads of its forward dispatch
+(``ep_fp8_backend.FP8_DISPATCH``: "fp8" = e4m3 rows + scales quantized on the source, the default; "bf16"
+= v1, quantized on the receiving rank): every output and gradient bitwise equal, and both timed
+(``triton_ep_fp8`` / ``triton_ep_fp8_bf16dispatch``). ``EP_TRITON_PRECISIONS`` (default
+"bf16,fp8,fp8_bwd") picks the precisions. Used by test_gpu.py; prints EP_TRITON PASS on success."""
 
 import json
 import os
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
+from titan_megamoe.ops import ep_fp8_backend  # noqa: E402
 from titan_megamoe.ops.ep_library import CAPACITY, WAITS, mega_moe_ep_triton, mega_moe_ep_triton_fp8  # noqa: E402
 from titan_megamoe.ops.fp8_backend import NONFINITE, Fp8WeightCache  # noqa: E402
 from titan_megamoe.ops.reference import mega_moe_ref  # noqa: E402
@@ -67,6 +71,15 @@ def _run_ep_fp8(precision, x, s, g, wl, ids, T, K, R, rank, group, t_cap, cache)
                                  layer_name="test")
     out.backward(g[sl])
     return [out.detach()] + [t.grad for t in leaves] + [w.grad for w in wl]
+
+
+def _with_payload(payload, run):
+    """``run()`` with the "fp8" forward's x payload set to ``payload`` ("fp8" / "bf16"), then restored."""
+    old, ep_fp8_backend.FP8_DISPATCH = ep_fp8_backend.FP8_DISPATCH, payload
+    try:
+        return run()
+    finally:
+        ep_fp8_backend.FP8_DISPATCH = old
 
 
 def _ep1_fp8(precision, x, s, g, w1, w2, w3, ids, T, rank):
@@ -145,6 +158,11 @@ def main() -> int:
                 again = _run_ep_fp8(precision, x, s, g, wl, ids, T, K, R, rank, group, t_cap, cache)
                 ep1 = _ep1_fp8(precision, x, s, g, w1, w2, w3, ids, T, rank)
                 _check_fp8(precision, got, again, want, ep1, cache)
+                if precision == "fp8":  # the v1 payload (bf16 rows, quantized on the receiving rank): same bits
+                    v1 = _with_payload("bf16", lambda: _run_ep_fp8(precision, x, s, g, wl, ids, T, K, R, rank, group,
+                                                                   t_cap, cache))
+                    for name, a, b in zip(NAMES, got, v1):
+                        assert torch.equal(a, b), f"{name}: FP8 dispatch payload differs from the bf16 payload"
                 NONFINITE.flush()
                 CAPACITY.flush()
                 WAITS.flush()
@@ -187,7 +205,7 @@ def main() -> int:
     times = {}
     fp8_w = {p: (_local_weights(w1, w2, w3, E, R, rank), Fp8WeightCache()) for p in precisions if p in FP8}
     names = (["triton_ep", "triton_ep_v2", "triton_ep_v3"] if "bf16" in precisions else []) + [
-        f"triton_ep_{p}" for p in fp8_w]
+        f"triton_ep_{p}" for p in fp8_w] + (["triton_ep_fp8_bf16dispatch"] if "fp8" in fp8_w else [])
     for name in names + ["reference_ep"]:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         samples = []
@@ -196,7 +214,10 @@ def main() -> int:
             dist.barrier()
             torch.cuda.synchronize()
             ev[0].record()
-            if name.startswith("triton_ep_fp8"):  # weights from the cache after the first call (once per step)
+            if name == "triton_ep_fp8_bf16dispatch":  # "fp8" with the v1 payload (bf16 rows over NVLink)
+                _with_payload("bf16", lambda: _run_ep_fp8("fp8", x, s, g, fp8_w["fp8"][0], ids, T, K, R, rank, group,
+                                                          T, fp8_w["fp8"][1]))
+            elif name.startswith("triton_ep_fp8"):  # weights from the cache after the first call (once per step)
                 p = name[len("triton_ep_"):]
                 _run_ep_fp8(p, x, s, g, fp8_w[p][0], ids, T, K, R, rank, group, T, fp8_w[p][1])
             elif name.startswith("triton_ep"):

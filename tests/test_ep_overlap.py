@@ -49,36 +49,45 @@ def test_overlap_formula_and_byte_model():
     nb = nvlink_bytes(ids, R=2, T=2, D=8, e_l=2)
     # each rank sends 1 x row (bf16) and 1 combine row back (fp32); bwd: x + dy, dx back
     assert nb == {"fwd": 8 * 2 + 8 * 4, "bwd": 8 * 4 + 8 * 4, "fwdbwd": 8 * 6 + 8 * 8}
+    # the FP8 x payload of "fp8": D e4m3 bytes + D / 128 fp32 scales per row, the rest unchanged
+    nb8 = nvlink_bytes(ids, R=2, T=2, D=256, e_l=2, x_payload="fp8")
+    assert nb8["fwd"] == (256 + 8) + 256 * 4 and nb8["bwd"] == 256 * 4 + 256 * 4
 
 
 def test_tiny_emulated_run_fp8(tmp_path, capsys):
-    """--precisions fp8 end to end (ops/ep_fp8_backend's steps, FP8 weights quantized once): the record
-    says fp8, every time is finite and positive, the phases carry the FP8 passes' labels in order."""
+    """--precisions fp8 end to end (ops/ep_fp8_backend's steps, FP8 weights quantized once), modes v1
+    (FP8 x payload) and v1b (bf16 x payload): the records say fp8 and their payload, every time is finite
+    and positive, the phases carry the FP8 passes' labels in order (quant_x only with the bf16 payload:
+    with the FP8 one it is part of the dispatch)."""
     if torch.cuda.is_available():
         pytest.skip("CPU smoke run (emulated ranks, interpreter); on GPUs see scripts/gpu_ep_overlap.sh")
     out = tmp_path / "ovl_fp8.json"
     # D, F multiples of 128 (FP8 scale blocks); 1 expert per rank, top-1, 4 tokens per rank: the least
     # interpreter work that still crosses ranks. Mode v2 rides along to show the skipped record.
-    argv = ["--tiny", "--shapes", "custom:128,128,2,1", "--tokens", "4", "--precisions", "fp8", "--modes", "v1,v2",
+    argv = ["--tiny", "--shapes", "custom:128,128,2,1", "--tokens", "4", "--precisions", "fp8", "--modes", "v1,v1b,v2",
             "--profile-iters", "0", "--out", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "| precision |" in text and "| fp8 | v1 |" in text and "phases (ms" in text
     data = json.loads(out.read_text())
-    rec, skipped = data["records"]
+    rec, rec_b, skipped = data["records"]
     assert skipped["precision"] == "fp8" and skipped["mode"] == "v2" and skipped["status"] == "skipped"
-    assert rec["status"] == "ok", rec["reason"]
-    assert rec["precision"] == "fp8" and rec["mode"] == "v1" and "quantized once" in rec["weights"]
-    for k in ("full_fwd", "full_fwdbwd", "comm_fwd", "comm_fwdbwd", "compute_fwd", "compute_fwdbwd"):
-        assert math.isfinite(rec[k]["ms"]) and rec[k]["ms"] > 0, k
-    assert all(math.isfinite(v) and v >= 0 for v in rec["phases"].values()), rec["phases"]
-    assert list(rec["phases"]) == [
-        "fwd.barrier0", "fwd.dispatch", "fwd.barrier1", "fwd.layout", "fwd.quant_x", "fwd.gemm1", "fwd.gemm2",
-        "fwd.combine_push", "fwd.barrier2", "fwd.combine_sum",
-        "bwd.barrier0", "bwd.dispatch", "bwd.barrier1", "bwd.placed_rows", "bwd.quant_dout", "bwd.gemm2_dgrad",
-        "bwd.quant_dgate_up", "bwd.quant_dout_T", "bwd.wgrad_w2", "bwd.quant_x_T", "bwd.wgrad_w13",
-        "bwd.gemm1_dgrad", "bwd.dscore_push", "bwd.combine_push", "bwd.barrier2", "bwd.combine_sum"]
-    assert rec["profile_rank0"] is None
+    bwd = ["bwd.barrier0", "bwd.dispatch", "bwd.barrier1", "bwd.placed_rows", "bwd.quant_dout", "bwd.gemm2_dgrad",
+           "bwd.quant_dgate_up", "bwd.quant_dout_T", "bwd.wgrad_w2", "bwd.quant_x_T", "bwd.wgrad_w13",
+           "bwd.gemm1_dgrad", "bwd.dscore_push", "bwd.combine_push", "bwd.barrier2", "bwd.combine_sum"]
+    for r, mode, payload in ((rec, "v1", "fp8"), (rec_b, "v1b", "bf16")):
+        assert r["status"] == "ok", r["reason"]
+        assert r["precision"] == "fp8" and r["mode"] == mode and r["x_payload"] == payload
+        assert "quantized once" in r["weights"]
+        for k in ("full_fwd", "full_fwdbwd", "comm_fwd", "comm_fwdbwd", "compute_fwd", "compute_fwdbwd"):
+            assert math.isfinite(r[k]["ms"]) and r[k]["ms"] > 0, k
+        assert all(math.isfinite(v) and v >= 0 for v in r["phases"].values()), r["phases"]
+        quant_x = ["fwd.quant_x"] if payload == "bf16" else []
+        assert list(r["phases"]) == [
+            "fwd.barrier0", "fwd.dispatch", "fwd.barrier1", "fwd.layout", *quant_x, "fwd.gemm1", "fwd.gemm2",
+            "fwd.combine_push", "fwd.barrier2", "fwd.combine_sum", *bwd]
+        assert r["profile_rank0"] is None
+    assert rec["nvlink_bytes_per_rank"]["fwd"] < rec_b["nvlink_bytes_per_rank"]["fwd"]
 
 
 def test_precision_errors(capsys):

@@ -389,8 +389,9 @@ def test_layer_ep2_in_gloo_processes():
 
 
 def _compile_sm90_all() -> list[dict]:
-    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8) and the bounded
-    barrier (comm/signals.py: globaltimer, release / acquire atomics at system scope), for sm_90a."""
+    """The four EP kernels at the Qwen3-30B-A3B shape (EP = 2, 16384 tokens, top-8), the FP8-payload
+    dispatch (EP = 2 and 8: its destination loop is unrolled) and the bounded barrier (comm/signals.py:
+    globaltimer, release / acquire atomics at system scope), for sm_90a."""
     from triton.runtime.jit import JITFunction
 
     T_CAP, D, K = 16384, 2048, 8
@@ -421,6 +422,14 @@ def _compile_sm90_all() -> list[dict]:
                                                     dict(R=2, USE_TIMER=True), num_warps=1, num_stages=1)))
     rows = {"x_TD": "*bf16", "ids_TK": "*i64", "peer_bases": "i64", "epoch_ptr": "*i32", "T": "i32", "rank": "i32",
             "OFF_X": "i64", "OFF_FLAG": "i64"}
+    # the FP8 payload push (x quantized 1x128 in registers, e4m3 + scales to each destination)
+    fp8 = {"x_TD": "*bf16", "ids_TK": "*i64", "scores_TK": "*fp32", "peer_bases": "i64", "count_ptr": "*i32",
+           "T": "i32", "rank": "i32", "OFF_XQ": "i64", "OFF_XS": "i64", "OFF_IDS": "i64", "OFF_SC": "i64"}
+    for label, R in (("dispatch_fp8", 2), ("dispatch_fp8_ep8", 8)):
+        res.append(dict(label=label, **compile_sm90(
+            JITFunction(ep_comm._dispatch_fp8_kernel.fn), fp8,
+            dict(T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=128 // R, R=R, BT=16, NGP=D // 128, CHECK=True,
+                 EXACT_ROUND=False, EPS=1e-12), num_warps=4, num_stages=1)))
     res.append(dict(label="dispatch_rows", **compile_sm90(
         JITFunction(ep_comm._dispatch_rows_kernel.fn), rows,
         dict(T_CAP=T_CAP, D=D, K=K, KP=8, E_LOCAL=64, R=2, FB=128, NB=128, BT=16, BD=512, NPROG=132),
@@ -447,7 +456,7 @@ def _compile_results() -> dict:
 
 
 @pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum", "barrier", "dispatch_rows",
-                                   "gemm1_wait"])
+                                   "gemm1_wait", "dispatch_fp8", "dispatch_fp8_ep8"])
 def test_ep_kernels_compile_for_sm90a(label):
     reason = nvidia_backend_reason()
     if reason:

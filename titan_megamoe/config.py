@@ -50,7 +50,8 @@ class MegaMoEConfig:
     kernel is tested against. "triton": fused Triton grouped-GEMM kernels, forward and backward,
     scores applied after the experts (Qwen3); bf16, fp8 and fp8_bwd at any EP size that divides the
     expert count (EP > 1: dispatch / combine through PyTorch symmetric memory inside the operator; FP8
-    at EP > 1 dispatches bf16 rows and runs the FP8 GEMMs on the receiving rank; 2-GPU test:
+    at EP > 1 runs the FP8 GEMMs on the receiving rank; "fp8" dispatches the forward's x as e4m3 rows
+    + scales quantized on the source, everything else as bf16 rows; 2-GPU test:
     benchmarks/results/ep_triton_v3_fp8_2xh200_20261130.json)."""
 
     precision: Precision = "bf16"

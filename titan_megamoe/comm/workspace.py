@@ -13,6 +13,10 @@ name        shape                  dtype   written by
 ==========  =====================  ======  ==================================================
 x           (R, T_cap, D)          bf16    source ranks (dispatch of the layer input)
 dy          (R, T_cap, D)          bf16    source ranks (dispatch of d out, backward)
+xq          (R, T_cap, D)          e4m3    source ranks (FP8 payload of the "fp8" forward:
+                                           x quantized 1x128 on the source); inside dy
+xs          (R, T_cap, D/128)      fp32    source ranks: xq's scale per 128 channels (the
+                                           last dim is ceil(D / 128)); inside dy, after xq
 ids         (R, T_cap, K)          int32   source ranks: local expert id of each slot, -1 if the
                                            slot's expert lives elsewhere or t >= T (every row
                                            rewritten every call, so nothing stale is read)
@@ -26,8 +30,20 @@ xflag       (R, NB)                int32   source ranks (overlap v2): epoch of t
                                            (the epoch grows every call, see comm/signals.py)
 ==========  =====================  ======  ==================================================
 
-Size: ``R * T_cap * (8 D + 8 K) + 4 T_cap K + 4 R NB`` bytes (+ alignment). Qwen3-30B-A3B, EP = 2,
-16384 tokens: 0.54 GB per GPU; Qwen3-235B-A22B, EP = 8, 16384 tokens: 4.3 GB.
+Bytes per dispatched row (one (token, destination) pair): bf16 ``2 D`` (x, dy); FP8 ``D + 4 D / 128``
+(xq row + xs row: 2112 bytes at D = 2048 instead of 4096).
+
+The FP8 slab (xq, xs) *overlays* the dy region: dy is written only by a backward's dispatch and read
+only before that backward's last barrier; xq / xs are written only by an FP8 forward's dispatch and
+read only by its GEMM1, before that forward's last barrier. Every call starts with a barrier (no peer
+writes into this buffer before this rank has finished the previous call's reads: the stream orders
+them before its arrival), so the two are never alive at the same time, as the x slab is shared by
+all layers. The dy region is sized ``max(2 D, D + 4 ceil(D / 128) + alignment)`` bytes per row,
+which is ``2 D`` for any D >= 128 and R * T_cap >= 2.
+
+Size: ``R * T_cap * (8 D + 8 K) + 4 T_cap K + 4 R NB`` bytes (+ alignment; unchanged by the FP8
+slab, which lives in dy). Qwen3-30B-A3B, EP = 2, 16384 tokens: 0.54 GB per GPU; Qwen3-235B-A22B,
+EP = 8, 16384 tokens: 4.3 GB.
 """
 
 from __future__ import annotations
@@ -46,6 +62,13 @@ _REGIONS = (  # name, dtype, shape as a function of (R, T_cap, D, K)
     ("scores", torch.float32, lambda R, T, D, K: (R, T, K)),
     ("comb", torch.float32, lambda R, T, D, K: (R, T, D)),
     ("dscore", torch.float32, lambda R, T, D, K: (T, K)),
+)
+#: Regions that share the bytes of another one (never alive at the same time, module docstring):
+#: name, dtype, shape, host region. Packed back to back (256-byte aligned) from the host's offset;
+#: the host region is grown if they would not fit.
+_OVERLAYS = (
+    ("xq", torch.float8_e4m3fn, lambda R, T, D, K: (R, T, D), "dy"),
+    ("xs", torch.float32, lambda R, T, D, K: (R, T, -(-D // 128)), "dy"),
 )
 #: Tokens per arrival flag of the v2 dispatch (GEMM1's row block on Hopper).
 FLAG_BLOCK = 128
@@ -88,18 +111,21 @@ class WorkspaceLayout:
             shape = shape_fn(world, t_cap, dim, top_k)
             pos = -(-pos // _ALIGN) * _ALIGN
             offsets[name], shapes[name], dtypes[name] = pos, shape, dtype
-            n = 1
-            for s in shape:
-                n *= s
-            pos += n * dtype.itemsize
+            size = _numel(shape) * dtype.itemsize
+            inner = pos  # the overlays hosted by this region, packed from its start
+            for o_name, o_dtype, o_shape_fn, host in _OVERLAYS:
+                if host == name:
+                    inner = -(-inner // _ALIGN) * _ALIGN
+                    o_shape = o_shape_fn(world, t_cap, dim, top_k)
+                    offsets[o_name], shapes[o_name], dtypes[o_name] = inner, o_shape, o_dtype
+                    inner += _numel(o_shape) * o_dtype.itemsize
+            pos += max(size, inner - pos)
         return WorkspaceLayout(world, t_cap, dim, top_k, flag_block, offsets, shapes, dtypes,
                                -(-pos // _ALIGN) * _ALIGN)
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Typed view of region ``name`` of this rank's uint8 buffer ``buf`` (no copy)."""
-        n = 1
-        for s in self.shapes[name]:
-            n *= s
+        n = _numel(self.shapes[name])
         dt = self.dtypes[name]
         start = self.offsets[name]
         return buf[start:start + n * dt.itemsize].view(dt).view(self.shapes[name])
@@ -107,7 +133,15 @@ class WorkspaceLayout:
     def describe(self) -> str:
         """One log line: the sizes and the GiB, for the start of training."""
         return (f"megamoe EP workspace: R={self.world}, T_cap={self.t_cap}, D={self.dim}, K={self.top_k}: "
-                f"{self.nbytes / 2**30:.3f} GiB per GPU (R*T_cap*(8D+8K) + 4*T_cap*K + 4*R*NB bytes)")
+                f"{self.nbytes / 2**30:.3f} GiB per GPU (R*T_cap*(8D+8K) + 4*T_cap*K + 4*R*NB bytes; the FP8 "
+                f"x slab, R*T_cap*(D+4*D/128) bytes, shares the dy region)")
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def workspace_bytes(world: int, t_cap: int, dim: int, top_k: int) -> int:

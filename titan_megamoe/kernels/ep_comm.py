@@ -12,6 +12,9 @@ spin-waits to bound here); every element has one writer and every sum a fixed or
 
     dispatch_push  (source)       ids/scores of all T_cap rows -> every rank; x (and dy) rows -> each
                                   rank holding one of the token's experts, once per rank
+    dispatch_push_fp8 (source)    as dispatch_push for x, but each row quantized 1x128 once in
+                                  registers and pushed as e4m3 + fp32 scales (D + 4 D / 128 bytes
+                                  instead of 2 D) into the destinations' xq / xs slab
     combine_push   (destination)  sum of a slab row's placed slot rows (fp32, k order) -> the source's
                                   comb[this rank, t]
     dscore_push    (destination)  d score of each placed slot -> the source's dscore[t, k]
@@ -26,11 +29,12 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.comm.workspace import WorkspaceLayout
+from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.jit import interpreting as _interpreting
 from titan_megamoe.kernels.jit import runnable as _runnable
 from titan_megamoe.kernels.routing import RoutingLayout
 
-__all__ = ["dispatch_push", "dispatch_rows", "combine_push", "dscore_push", "combine_sum"]
+__all__ = ["dispatch_push", "dispatch_push_fp8", "dispatch_rows", "combine_push", "dscore_push", "combine_sum"]
 
 
 @triton.jit
@@ -82,6 +86,74 @@ def _dispatch_kernel(
             if HAS_DY:
                 g = tl.load(dy_TD + tt64[:, None] * D + dd[None, :], mask=m, other=0.0)
                 tl.store(dy_dst + slot[:, None] * D + dd[None, :], g, mask=m)
+
+
+@triton.jit
+def _dispatch_fp8_kernel(
+    x_TD, ids_TK, scores_TK,           # (T, D) bf16 / fp32 this rank's tokens; (T, K) global ids; (T, K) fp32
+    peer_bases,                        # address of R uint64 workspace bases
+    count_ptr,                         # (1,) int32, += non-finite x groups; CHECK only
+    T, rank,                           # i32 tokens of this rank, this rank's index
+    OFF_XQ, OFF_XS, OFF_IDS, OFF_SC,   # byte offsets of the regions (xq / xs: inside dy, comm/workspace.py)
+    T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E_LOCAL: tl.constexpr,
+    R: tl.constexpr, BT: tl.constexpr, NGP: tl.constexpr,  # NGP = next_pow2(D // 128)
+    CHECK: tl.constexpr, EXACT_ROUND: tl.constexpr, EPS: tl.constexpr,
+):
+    """Grid (cdiv(T_cap, BT),): program i owns tokens [i*BT, (i+1)*BT) and sends them to every rank d:
+    the slot ids local to d (-1 elsewhere, and for t >= T) and scores of every row < T_cap, as
+    ``_dispatch_kernel``; then, 128 channels at a time, it reads the bf16 x rows of the tokens with an
+    expert on some rank **once**, quantizes them 1x128 in registers (``fp8_quant``'s helpers: the math of
+    ``quantize_act_1x128``, bitwise) and stores the e4m3 group into xq[rank, t] of each rank d holding
+    one of t's experts; the D / 128 scales of a row are kept in registers and stored once per
+    destination row at the end (NG * 4 contiguous bytes). Rows t >= T and tokens routed nowhere are
+    neither read nor stored. CHECK: the number of groups with a non-finite scale (inf / NaN in x) of
+    the routed rows is added to ``count_ptr`` once per token (not per destination)."""
+    G: tl.constexpr = 128
+    NG: tl.constexpr = D // G
+    pid = tl.program_id(0)
+    tt = pid * BT + tl.arange(0, BT)
+    in_cap = tt < T_CAP
+    live = tt < T
+    kk = tl.arange(0, KP)
+    k_ok = kk < K
+    m2 = live[:, None] & k_ok[None, :]
+    m_st = in_cap[:, None] & k_ok[None, :]
+    tt64 = tt.to(tl.int64)
+    ids = tl.load(ids_TK + tt64[:, None] * K + kk[None, :], mask=m2, other=-1)
+    slot = (rank * T_CAP + tt).to(tl.int64)
+    for d in tl.static_range(R):  # metadata, as _dispatch_kernel
+        loc = ids - d * E_LOCAL
+        mine = m2 & (ids >= 0) & (loc >= 0) & (loc < E_LOCAL)
+        lid = tl.where(mine, loc, -1).to(tl.int32)
+        sc = tl.load(scores_TK + tt64[:, None] * K + kk[None, :], mask=mine, other=0.0)
+        base = _peer_base(peer_bases, d)
+        tl.store((base + OFF_IDS).to(tl.pointer_type(tl.int32)) + slot[:, None] * K + kk[None, :], lid, mask=m_st)
+        tl.store((base + OFF_SC).to(tl.pointer_type(tl.float32)) + slot[:, None] * K + kk[None, :], sc, mask=m_st)
+    # rank holding each slot's expert (-1: masked slot; where() first: integer // truncates toward 0)
+    owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
+    routed_any = tl.max(((owner >= 0) & (owner < R)).to(tl.int32), axis=1) > 0
+    cols = tl.arange(0, G)
+    gg = tl.arange(0, NGP)
+    s_acc = tl.zeros((BT, NGP), dtype=tl.float32)  # the row's scales, stored once per destination below
+    for g in range(0, NG):
+        cg = g * G + cols
+        x = tl.load(x_TD + tt64[:, None] * D + cg[None, :], mask=routed_any[:, None], other=0.0).to(tl.float32)
+        scale_M1 = _scale_of(_amax(x, 1), EPS)  # (BT, 1)
+        q = _to_e4m3(x, tl.broadcast_to(scale_M1, (BT, G)), EXACT_ROUND)
+        s_acc = tl.where(gg[None, :] == g, scale_M1, s_acc)
+        for d in tl.static_range(R):
+            routed = tl.max((owner == d).to(tl.int32), axis=1) > 0
+            xq_dst = (_peer_base(peer_bases, d) + OFF_XQ).to(tl.pointer_type(tl.float8e4nv))
+            tl.store(xq_dst + slot[:, None] * D + cg[None, :], q, mask=routed[:, None])
+    g_ok = gg < NG
+    for d in tl.static_range(R):
+        routed = tl.max((owner == d).to(tl.int32), axis=1) > 0
+        xs_dst = (_peer_base(peer_bases, d) + OFF_XS).to(tl.pointer_type(tl.float32))
+        tl.store(xs_dst + slot[:, None] * NG + gg[None, :], s_acc, mask=routed[:, None] & g_ok[None, :])
+    if CHECK:
+        bad = routed_any[:, None] & g_ok[None, :] & ~(s_acc < float("inf"))  # NaN < inf is False
+        n_bad = tl.sum(tl.sum(bad.to(tl.int32), 1), 0)
+        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
 
 @triton.jit
@@ -248,6 +320,83 @@ def dispatch_push(x_TD: Tensor, dy_TD: Tensor | None, topk_ids_TK: Tensor, topk_
         ws.offsets["x"], ws.offsets["dy"], ws.offsets["ids"], ws.offsets["scores"],
         T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank,
         HAS_DY=dy_TD is not None, BT=bt, BD=bd, SEND_ROWS=send_rows, **_opts(),
+    )
+
+
+def _blocks_fp8() -> int:
+    """BT, token rows per program of ``_dispatch_fp8_kernel`` (one 128-channel group at a time: BT * 128
+    values in flight, 16 per thread at 4 warps). sm_90a, D = 2048 (tests/test_ep_triton.py compile
+    check): BT = 16 takes 80 registers at EP = 2 and 168 at EP = 8 (the destination loop is unrolled);
+    BT = 32 took 228 and spilled at EP = 8."""
+    return 16
+
+
+def dispatch_push_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, ws: WorkspaceLayout,
+                      peer_bases: int, rank: int, experts_per_rank: int, *,
+                      nonfinite_count: Tensor | None = None, name: str | None = None) -> None:
+    """FP8 payload dispatch of the forward: this rank's routing metadata (all T_cap rows) to every rank,
+    as :func:`dispatch_push`, and each x row quantized 1x128 on this rank **once** (in the push kernel's
+    registers, no extra pass over x) and pushed as e4m3 values + fp32 scales to each rank holding one
+    of its experts, once per (token, rank): slab row ``rank * T_cap + t`` of the destination's ``xq``
+    (R, T_cap, D) float8_e4m3fn and ``xs`` (R, T_cap, D / 128) fp32 regions (``comm/workspace.py``;
+    they share the dy region's bytes).
+
+    The values and scales equal ``fp8_quant.quantize_act_1x128(x_TD)`` row for row, bitwise (same
+    helpers, same math), so GEMM1 on the received rows equals GEMM1 on the bf16 slab quantized on the
+    receiving rank (the v1 payload). Bytes per (token, destination) row: ``D + 4 D / 128`` (2112 at
+    D = 2048) instead of ``2 D`` (4096).
+
+    Grid: (cdiv(T_cap, BT),), one program per BT tokens, looping over the D / 128 groups and, inside,
+    over the R destinations (``_dispatch_fp8_kernel``). No host sync.
+
+    Args:
+        x_TD: (T, D) bf16 (or fp32 / fp16) contiguous layer input, T <= ws.t_cap, D == ws.dim a
+            multiple of 128.
+        topk_ids_TK: (T, K) int32 / int64 global expert ids; topk_scores_TK: (T, K) fp32, K == ws.top_k.
+        ws: the workspace layout; peer_bases: device address of the R workspace base addresses;
+            rank: this rank; experts_per_rank: E_l (rank r owns experts [r*E_l, (r+1)*E_l)).
+        nonfinite_count: optional (1,) int32 device counter: += the number of 1x128 groups of routed
+            rows whose scale is not finite (inf / NaN in x), once per token (``fp8_backend.NONFINITE``
+            reads it lazily). None: no check.
+        name: named in error messages.
+
+    Raises:
+        ValueError: D not a multiple of 128, shapes / dtypes / contiguity not as above, T > T_cap.
+
+    Caller contract: as :func:`dispatch_push` (a barrier before: every rank finished reading the
+    previous call's slab, dy included; a barrier after, before GEMM1 reads xq / xs). Rows of the
+    destination's xq / xs that no source wrote this call keep stale bytes (or the 0xFF poison, NaN in
+    e4m3 and fp32): only rows with a placed slot may be read (GEMM1 gathers exactly those).
+
+    Example (``tests/test_ep_fp8_dispatch.py::test_worked_example``): R = 2, E_l = 1, T_cap = 2,
+    D = 128; rank 0's tokens x = [[896, 0, ...], [1, 0, ...]] with experts [[1], [0]]: rank 1's
+    xq[0, 0] = [448, 0, ...], xs[0, 0] = [2]; rank 0's xq[0, 1] = [448, 0, ...], xs[0, 1] = [1/448].
+    """
+    from titan_megamoe.kernels.fp8_quant import _count_arg
+    from titan_megamoe.ops.fp8_reference import AMAX_EPS, check_group_dim
+
+    fn = "dispatch_push_fp8"
+    if x_TD.dim() != 2 or not x_TD.is_contiguous() or x_TD.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ValueError(f"{fn}: x must be a contiguous (T, D) bf16 / fp32 / fp16 tensor, got {x_TD.dtype} "
+                         f"{tuple(x_TD.shape)} (strides {x_TD.stride()})")
+    T, D = x_TD.shape
+    check_group_dim(D, "model dim D (last dim)", fn, name)
+    K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else -1
+    if (D != ws.dim or T > ws.t_cap or K != ws.top_k or tuple(topk_ids_TK.shape) != (T, K)
+            or tuple(topk_scores_TK.shape) != (T, K)):
+        raise ValueError(f"{fn}: x {tuple(x_TD.shape)}, ids {tuple(topk_ids_TK.shape)}, scores "
+                         f"{tuple(topk_scores_TK.shape)} do not fit the workspace (T <= T_cap={ws.t_cap}, D={ws.dim}, "
+                         f"K={ws.top_k})")
+    if not (topk_ids_TK.is_contiguous() and topk_scores_TK.is_contiguous()):
+        raise ValueError(f"{fn}: topk_ids / topk_scores must be contiguous")
+    count, check = _count_arg(fn, nonfinite_count, x_TD.device)
+    bt = _blocks_fp8()
+    grid = (triton.cdiv(ws.t_cap, bt),)
+    _runnable(_dispatch_fp8_kernel)[grid](
+        x_TD, topk_ids_TK, topk_scores_TK, peer_bases, count if check else x_TD, T, rank,
+        ws.offsets["xq"], ws.offsets["xs"], ws.offsets["ids"], ws.offsets["scores"],
+        T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank, R=ws.world, BT=bt,
+        NGP=triton.next_power_of_2(D // 128), CHECK=check, EXACT_ROUND=_interpreting(), EPS=AMAX_EPS, **_opts(),
     )
 
 

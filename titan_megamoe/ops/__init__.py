@@ -114,7 +114,8 @@ def mega_moe(
 def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, score_before_experts, precision,
                   recv_capacity, max_tokens_per_rank, layer_name, fp8_cache):
     """precision "fp8" / "fp8_bwd" on the triton backend: checks, then ops/library.py (EP = 1, or an EP
-    group of one rank) or ops/ep_library.py (EP > 1: bf16 rows dispatched, FP8 expert GEMMs)."""
+    group of one rank) or ops/ep_library.py (EP > 1: "fp8" dispatches x as e4m3 rows + scales, "fp8_bwd"
+    as bf16 rows; the FP8 expert GEMMs on the receiving rank)."""
     from titan_megamoe.ops.fp8_backend import check_fp8_supported
     from titan_megamoe.ops.triton_backend import check_triton_inputs
 

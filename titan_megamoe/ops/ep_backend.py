@@ -76,16 +76,25 @@ def _no_mark(label: str) -> None:
 
 
 def forward_dispatch(ctx: EPRank, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
-                     mark: Callable[[str], None] = _no_mark) -> Steps:
+                     mark: Callable[[str], None] = _no_mark, *, fp8_payload: bool = False,
+                     nonfinite_count: Tensor | None = None, name: str | None = None) -> Steps:
     """Prologue of the v1-style EP forwards (bf16 v1 / v3, FP8): barrier (earlier users of the shared
     workspace are done), ids / scores of all T_cap rows and the x rows once per (token, rank) pushed to
     the ranks of their experts, barrier (every rank's rows have landed). ``mark`` labels
-    ``barrier0, dispatch, barrier1``."""
+    ``barrier0, dispatch, barrier1``.
+
+    ``fp8_payload`` (precision "fp8", ``ops/ep_fp8_backend.py``): the x rows are quantized 1x128 on
+    this rank and land as e4m3 + fp32 scales in the xq / xs slab instead of bf16 in x
+    (``ep_comm.dispatch_push_fp8``; ``nonfinite_count`` / ``name`` go to it)."""
     p = ctx.peers
     yield "fwd.before_dispatch"
     mark("barrier0")
-    ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ctx.ws, p.ptr_table(), p.rank,
-                          ctx.experts_per_rank)
+    if fp8_payload:
+        ep_comm.dispatch_push_fp8(x_TD, topk_ids_TK, topk_scores_TK, ctx.ws, p.ptr_table(), p.rank,
+                                  ctx.experts_per_rank, nonfinite_count=nonfinite_count, name=name)
+    else:
+        ep_comm.dispatch_push(x_TD, None, topk_ids_TK, topk_scores_TK, ctx.ws, p.ptr_table(), p.rank,
+                              ctx.experts_per_rank)
     mark("dispatch")
     yield "fwd.after_dispatch"
     mark("barrier1")

@@ -18,8 +18,8 @@ N_cap' = layout_caps(R * t_cap, K, E_l, BM, max_rows), BM = 128 (bf16: 16 in the
 always, see ops/ep_fp8_backend.py): static, so the fakes need no data.
 
 One workspace per (process group, t_cap, D, K), created on first use (a collective: every rank's
-layers run in the same order), logged with its size, shared by all layers, bf16 and FP8 alike (the FP8
-path dispatches bf16 rows, v1). See ops/ep_backend.py and ops/ep_fp8_backend.py for the steps and
+layers run in the same order), logged with its size, shared by all layers, bf16 and FP8 alike (the
+forward of "fp8" pushes x as e4m3 rows + scales into the xq / xs slab, which shares the dy region's bytes). See ops/ep_backend.py and ops/ep_fp8_backend.py for the steps and
 comm/workspace.py for the buffer.
 """
 
@@ -314,7 +314,10 @@ def mega_moe_ep_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Te
                            w3: Tensor, *, fp8_forward: bool, ep_group, max_tokens_per_rank: int, recv_capacity: int,
                            cache=None, layer_name: str = "moe") -> Tensor:
     """Blockwise-FP8 MoE experts with expert parallelism over ``ep_group`` (NVLink, symmetric memory), v1:
-    bf16 rows dispatched, the FP8 kernels of EP = 1 on the receive slab (``ops/ep_fp8_backend.py``).
+    the forward's x dispatched as e4m3 rows + fp32 scales quantized on the source ("fp8"; bf16 rows with
+    ``ep_fp8_backend.FP8_DISPATCH = "bf16"`` / TITAN_MEGAMOE_FP8_DISPATCH=bf16, bitwise the same result) or
+    as bf16 rows ("fp8_bwd"), the backward's x and dy as bf16 rows, the FP8 kernels of EP = 1 on the
+    receive slab (``ops/ep_fp8_backend.py``).
 
     Args:
         x_TD: (T, D) bf16, T <= max_tokens_per_rank; topk_ids_TK (T, K) global ids; topk_scores_TK

@@ -270,9 +270,9 @@ def placed_token_rows(layout: RoutingLayout) -> Tensor:
     return torch.where(placed, rows, -1)
 
 
-def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: Tensor, w2: Tensor, w3: Tensor,
+def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout, w1: Tensor, w2: Tensor, w3: Tensor,
                     wq: list[Tensor], fp8_forward: bool, layer_name: str, *, by_row: bool = False,
-                    x_rows_index: Tensor | None = None,
+                    x_rows_index: Tensor | None = None, x_quantized: tuple[Tensor, Tensor] | None = None,
                     mark: Callable[[str], None] = _no_mark) -> tuple[Tensor, Tensor]:
     """Local expert compute of the forward on the rows of ``layout``: GEMM1 (+ SwiGLU) and GEMM2 (+ score),
     FP8 ("fp8") or bf16 ("fp8_bwd": ``fp8_forward`` False). Shared by EP = 1 (:func:`fp8_fwd`) and the
@@ -294,19 +294,27 @@ def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: T
             is quantized from x_rows[x_rows_index[t]], a zero row where it is -1
             (:func:`placed_token_rows` for the EP slab, whose unplaced rows may hold anything). None:
             every row of x_rows is quantized.
+        x_quantized: optional (xq (T', D) float8_e4m3fn, xs (T', D // 128) fp32), contiguous: x already
+            quantized 1x128 in the row order of ``scores`` ("fp8" only; the EP FP8 payload, received
+            in the workspace's xq / xs slab, ``ep_comm.dispatch_push_fp8``). GEMM1 reads them as they
+            are (only the rows of placed pairs: the others may hold anything) and the x quantization
+            is skipped (no ``quant_x`` mark); ``x_rows`` and ``x_rows_index`` are then not read (x_rows
+            may be None). Bitwise the same results as quantizing the bf16 rows here.
         mark: called on the host after each pass is launched, with ``quant_x, gemm1, gemm2`` ("fp8";
-            ``quant_h`` after gemm1 when ``FUSE_H_QUANT`` is off) or ``gemm1, gemm2`` ("fp8_bwd"): the
-            per-phase CUDA events of ``compare/ep_overlap.py``. Default: nothing (no effect on results).
+            ``quant_h`` after gemm1 when ``FUSE_H_QUANT`` is off; no ``quant_x`` with ``x_quantized``) or
+            ``gemm1, gemm2`` ("fp8_bwd"): the per-phase CUDA events of ``compare/ep_overlap.py``.
+            Default: nothing (no effect on results).
 
     Returns:
         (y, gate_up): y (P, D) bf16 by pair (P = T' * K), or (N_cap, D) bf16 by layout row with
         ``by_row`` (padding rows unwritten); gate_up (N_cap, 2F) bf16, saved for the backward.
 
     Raises:
-        ValueError: from the kernels' launchers (shapes, dtypes, a layout with another block_m).
+        ValueError: ``x_quantized`` with ``fp8_forward`` False; from the kernels' launchers (shapes,
+            dtypes, a layout with another block_m).
 
     Host syncs: none. Non-finite x / h scales are counted on the device and reported lazily
-    (:data:`NONFINITE`).
+    (:data:`NONFINITE`; with ``x_quantized``, x's groups were counted where they were quantized).
     """
     from titan_megamoe.kernels.configs import config_for
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
@@ -324,15 +332,20 @@ def fp8_experts_fwd(x_rows: Tensor, scores: Tensor, layout: RoutingLayout, w1: T
     if interp:  # the interpreter pays per program and per K step: 128-wide blocks (D, F multiples of 128)
         bm.update(block_n=128, block_k=128)
     scores = scores.contiguous()
+    if x_quantized is not None and not fp8_forward:
+        raise ValueError(f"{layer_name}: x_quantized is for the FP8 forward (precision 'fp8') only")
     if fp8_forward:
         w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
-        count = torch.zeros(1, dtype=torch.int32, device=x_rows.device)
-        if x_rows_index is None:
+        count = torch.zeros(1, dtype=torch.int32, device=scores.device)
+        if x_quantized is not None:  # quantized where it was dispatched (EP FP8 payload)
+            xq, xs = x_quantized
+        elif x_rows_index is None:
             xq, xs = quantize_act_1x128(x_rows.contiguous(), nonfinite_count=count, name=f"{layer_name} x")
         else:
             xq, xs = quantize_act_1x128(x_rows.contiguous(), x_rows_index, 1, nonfinite_count=count,
                                         name=f"{layer_name} x")
-        mark("quant_x")
+        if x_quantized is None:
+            mark("quant_x")
         if FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
             c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
