@@ -123,18 +123,22 @@ def _quant_gather_128x1_t_kernel(
     """
     G: tl.constexpr = 128
     b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    if HAS_END:
+        # One test per block (end is a multiple of 128), and the whole block skipped: masked loads
+        # alone left the IEEE divisions running on zeros (a dead block cost as much as a live one,
+        # ep_overlap_2xh200_fp8_s5d_20261130.json); a per-row mask against the loaded end turned the
+        # stores into byte stores (2.2x slower, bench_fp8_quant_ep_30b_1xh200_20261130.json).
+        if b * G >= tl.load(end_ptr):  # past the last expert: only the (finite) scales
+            tl.store(scale_ptr + b.to(tl.int64) * C + cols, _scale_of(tl.zeros((BLOCK_C,), tl.float32), EPS),
+                     mask=col_ok)
+            return
     rows = b * G + tl.arange(0, G)
     row_ok = rows < M
-    if HAS_END:  # blocks past the last expert: no loads, no row stores (only their finite scales)
-        # one scalar per block (end is a multiple of 128): a per-row compare against a loaded value
-        # would hide the mask's constancy from the compiler and turn the stores into byte stores
-        # (measured 2.2x slower than no end_row at all, bench_fp8_quant_ep_30b_20261130.json)
-        row_ok = row_ok & (b * G < tl.load(end_ptr))
     idx = tl.load(row_index_ptr + rows, mask=row_ok, other=-1)
     live = idx >= 0
     src = tl.where(live, idx // TOP_K, 0).to(tl.int64)  # int64: src * C can pass 2^31
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
     x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=live[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)
     scale_1C = _scale_of(_amax(x, 0), EPS)  # (1, BC)
@@ -178,10 +182,13 @@ def _quant_dual_kernel(
     H: tl.constexpr = 64
     b = tl.program_id(0)
     g = tl.program_id(1)
+    if HAS_END:  # as in _quant_gather_128x1_t_kernel: a block past the last expert writes its scales only
+        if b * G >= tl.load(end_ptr):
+            tl.store(sT_ptr + b.to(tl.int64) * C + g * G + tl.arange(0, G),
+                     _scale_of(tl.zeros((G,), tl.float32), EPS))
+            return
     rows = b * G + tl.arange(0, G)
     row_ok = rows < M
-    if HAS_END:  # blocks past the last expert: no loads, no row stores (only their finite scales)
-        row_ok = row_ok & (b * G < tl.load(end_ptr))  # block-uniform, as in _quant_gather_128x1_t_kernel
     live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
     rows64 = rows.to(tl.int64)
     amax_M1 = tl.zeros((G, 1), dtype=tl.float32)
