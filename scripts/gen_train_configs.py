@@ -12,7 +12,8 @@ bf16 (fused Triton kernels, EP inside the operator at EP > 1), megamoe fp8, mega
 ``megamoe_reference_bf16`` (the pure PyTorch oracle, for loss checks) everywhere and, at EP = 1,
 ``megamoe_triton_bf16`` (same run as megamoe_bf16; the GPU CI baseline's file name). The
 megamoe fp8 / fp8_bwd configs run the fused Triton FP8 kernels, at EP > 1 with expert parallelism
-inside the operator (FP8 EP v1: bf16 rows dispatched, FP8 expert GEMMs; not trained on GPUs yet).
+inside the operator (the forward of fp8 pushes e4m3 x rows + scales, the backward bf16 x / dy rows;
+FP8 expert GEMMs on the receiving rank; trained on 2 H200s, see benchmarks/results/README.md).
 
 ``tests/test_compare_train.py`` checks that this script's output equals the committed files: edit
 the table here and regenerate, never the TOMLs.
