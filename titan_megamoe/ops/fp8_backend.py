@@ -56,8 +56,8 @@ FUSE_H_QUANT = True
 #: Quantize dgate_up (1x128 for GEMM1 dgrad, 128x1 transposed for dw1 / dw3) in GEMM2 dgrad's epilogue
 #: instead of the separate ``quantize_dual_1x128_128x1_t`` pass over a bf16 dgate_up (bitwise the same
 #: results; the bf16 dgate_up is then not written, unless the bf16 wgrad diagnosis needs it). Off until
-#: measured on a GPU (docs/NOTES.md, session 6 plan). Read from TITAN_MEGAMOE_FP8_FUSED_DGU=1 at import, or
-#: set directly.
+#: measured on a GPU (docs/NOTES.md, "dgate_up quantized in GEMM2 dgrad's epilogue"; scripts/gpu_s6_a.sh).
+#: Read from TITAN_MEGAMOE_FP8_FUSED_DGU=1 at import, or set directly.
 FUSED_DGU_QUANT = os.environ.get("TITAN_MEGAMOE_FP8_FUSED_DGU", "0") == "1"
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
