@@ -8,7 +8,12 @@
 # 3. compare.ep_overlap EP 2, fp8 mode v1, both shapes, flag off then on (records say fused_dgu_quant):
 #    predicted (30B) bwd.quant_dgate_up 0.8 ms gone, bwd.gemm2_dgrad +0 .. +0.3 ms (epilogue at 255
 #    registers), FP8 backward -0.6 .. -1.0 ms; risk: register pressure slows GEMM2 dgrad by more.
-# Two calls (each under the 10-minute command limit): PART=a (steps 1-2, ~4 min), PART=b (step 3, ~6 min).
+# 4. PART=c: compare.ep_overlap fp8 v1 with the bf16 grouped-mm weight gradients (the existing diagnosis
+#    switch TITAN_MEGAMOE_FP8_WGRAD=bf16, never timed at EP 2): the FP8 wgrads (2.8 ms at 30B) plus their
+#    two transposed quant passes (~0.9) against the bf16 grouped-mm wgrads (2.4 incl. gathers); accuracy of
+#    that mix is in fp8_ablation_*_20261130.json. If it is faster, it is a candidate speed option.
+# Calls (each under the 10-minute command limit): PART=a (steps 1-2, ~4 min), PART=b (step 3, ~6 min),
+# PART=c (step 4, ~3 min).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s6_a.sh
 source scripts/gpu_env.sh
 export TITAN_MEGAMOE_GIT_REV=$REV
@@ -31,4 +36,11 @@ for flag in 0 1; do
   echo "[t=$((SECONDS - t0))s] ep_overlap fp8 v1 FUSED_DGU=$flag"
   grep "^| qwen\|^phases" "$OUT/fused$flag/ep_overlap.log" | head -12
 done
+fi
+if [ "$PART" = c ]; then
+  mkdir -p "$OUT/wgrad_bf16"
+  REV=$REV OUT="$OUT/wgrad_bf16" TITAN_MEGAMOE_FP8_WGRAD=bf16 PRECISIONS=fp8 MODES=v1 TIMEOUT=180 \
+    bash scripts/gpu_ep_overlap.sh > /dev/null 2>&1
+  echo "[t=$((SECONDS - t0))s] ep_overlap fp8 v1 TITAN_MEGAMOE_FP8_WGRAD=bf16"
+  grep "^| qwen\|^phases" "$OUT/wgrad_bf16/ep_overlap.log" | head -12
 fi
