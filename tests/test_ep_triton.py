@@ -59,14 +59,22 @@ def _inputs(routing, R, Ts, D, F, E, K, seed):
     return [w.to(DEV) for w in (w1, w2, w3)], ranks
 
 
-def _ep_run(R, t_cap, D, E, K, weights, ranks, max_rows=None):
+def _local_weights(weights, E, R):
+    """Each rank's slice (w1, w2, w3) of the global expert weights."""
+    e_l = E // R
+    return [tuple(w[r * e_l:(r + 1) * e_l] for w in weights) for r in range(R)]
+
+
+def _emulated_ranks(R, t_cap, D, E, K, weights, max_rows=None):
+    """One emulated peer group on a fresh workspace: (per-rank EPRank contexts, per-rank local weights)."""
     ws = WorkspaceLayout.build(R, t_cap, D, K)
     peers = emulated_group(R, ws.nbytes, DEV)
-    e_l = E // R
-    w1, w2, w3 = weights
-    local = [(w1[r * e_l:(r + 1) * e_l], w2[r * e_l:(r + 1) * e_l], w3[r * e_l:(r + 1) * e_l]) for r in range(R)]
-    cap = max_rows or R * t_cap * K
-    ctxs = [EPRank(peers[r], ws, e_l, cap, BM) for r in range(R)]
+    ctxs = [EPRank(peers[r], ws, E // R, max_rows or R * t_cap * K, BM) for r in range(R)]
+    return ctxs, _local_weights(weights, E, R)
+
+
+def _ep_run(R, t_cap, D, E, K, weights, ranks, max_rows=None):
+    ctxs, local = _emulated_ranks(R, t_cap, D, E, K, weights, max_rows)
     fwd = run_lockstep([ep_forward_steps(ctxs[r], x, ids, s, *local[r]) for r, (x, ids, s, _) in enumerate(ranks)])
     bwd = run_lockstep([
         ep_backward_steps(ctxs[r], dout, x, ids, s, *local[r], fwd[r][1], fwd[r][2])
@@ -135,12 +143,7 @@ def test_ep_backward_v3_bitwise_equals_v1():
     for routing, R, Ts, t_cap, D, F, E, K in (CASES[0], ("one_expert", 4, [12, 0, 16, 5], 16, 48, 32, 8, 1)):
         weights, ranks = _inputs(routing, R, Ts, D, F, E, K, seed=3)
         fwd, bwd = _ep_run(R, t_cap, D, E, K, weights, ranks)
-        ws = WorkspaceLayout.build(R, t_cap, D, K)
-        peers = emulated_group(R, ws.nbytes, DEV)
-        e_l = E // R
-        w1, w2, w3 = weights
-        ctxs = [EPRank(peers[r], ws, e_l, R * t_cap * K, BM) for r in range(R)]
-        local = [(w1[r * e_l:(r + 1) * e_l], w2[r * e_l:(r + 1) * e_l], w3[r * e_l:(r + 1) * e_l]) for r in range(R)]
+        ctxs, local = _emulated_ranks(R, t_cap, D, E, K, weights)
         fwd3 = run_lockstep([ep_forward_steps(ctxs[r], x, ids, s, *local[r]) for r, (x, ids, s, _) in enumerate(ranks)])
         bwd3 = run_lockstep([ep_backward_steps_v3(ctxs[r], dout, x, ids, s, *local[r], fwd3[r][1], fwd3[r][2])
                              for r, (x, ids, s, dout) in enumerate(ranks)])
@@ -160,12 +163,7 @@ def test_ep_deterministic_and_buffer_reuse():
         for ta, tb in zip((a[0][r][0],) + a[1][r], (b[0][r][0],) + b[1][r]):
             assert torch.equal(ta, tb)
     # same workspace, two calls: the second routing differs (skewed), fewer tokens on rank 0
-    ws = WorkspaceLayout.build(R, t_cap, D, K)
-    peers = emulated_group(R, ws.nbytes, DEV)
-    e_l = E // R
-    w1, w2, w3 = weights
-    ctxs = [EPRank(peers[r], ws, e_l, R * t_cap * K, BM) for r in range(R)]
-    local = [(w1[r * e_l:(r + 1) * e_l], w2[r * e_l:(r + 1) * e_l], w3[r * e_l:(r + 1) * e_l]) for r in range(R)]
+    ctxs, local = _emulated_ranks(R, t_cap, D, E, K, weights)
     run_lockstep([ep_forward_steps(ctxs[r], x, ids, s, *local[r]) for r, (x, ids, s, _) in enumerate(ranks)])
     _, ranks2 = _inputs("skewed", R, [11, 26], D, F, E, K, seed=2)
     got = run_lockstep([ep_forward_steps(ctxs[r], x, ids, s, *local[r]) for r, (x, ids, s, _) in enumerate(ranks2)])
@@ -186,8 +184,7 @@ def _v2_run(R, t_cap, D, E, K, weights, ranks, fb, calls=1, timeout_ms=120_000, 
     same workspace; returns (v1 results, v2 results, v2 peers) of the last call."""
     ws = WorkspaceLayout.build(R, t_cap, D, K, flag_block=fb)
     e_l = E // R
-    w1, w2, w3 = weights
-    local = [(w1[r * e_l:(r + 1) * e_l], w2[r * e_l:(r + 1) * e_l], w3[r * e_l:(r + 1) * e_l]) for r in range(R)]
+    local = _local_weights(weights, E, R)
     out = []
     for steps in (ep_forward_steps, ep_forward_steps_v2):
         peers = emulated_group(R, ws.nbytes, DEV, timeout_ms=timeout_ms)
