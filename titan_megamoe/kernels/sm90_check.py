@@ -15,7 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["HOPPER_SMEM_BYTES", "compile_sm90", "compile_in_subprocess", "nvidia_backend_reason"]
+__all__ = ["VERIFIED_TRITON", "HOPPER_SMEM_BYTES", "compile_sm90", "compile_in_subprocess", "nvidia_backend_reason"]
+
+#: Triton release the GPU machines run (DESIGN.md section 3); the compile checks assume it.
+VERIFIED_TRITON = "3.6"
 
 #: Shared memory a block can opt into on H100/H200 (227 KiB).
 HOPPER_SMEM_BYTES = 232448
@@ -30,6 +33,10 @@ def nvidia_backend_reason() -> str | None:
         return f"triton not importable: {e}"
     if "nvidia" not in backends:
         return "triton has no nvidia backend installed"
+    if not triton.__version__.startswith(VERIFIED_TRITON):
+        return (f"the sm_90a compile checks are calibrated to triton {VERIFIED_TRITON}.x, the GPU machines' "
+                f"version (register counts and spills differ between releases); found {triton.__version__}: "
+                f"pip install 'triton=={VERIFIED_TRITON}.0' to run them")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         return "triton's bundled ptxas is missing (needed to build the cubin)"
     return None
