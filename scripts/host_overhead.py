@@ -7,7 +7,9 @@ so no launch ever waits, then each stage is timed with ``time.perf_counter`` (me
 
     python scripts/host_overhead.py [--shape qwen3-30b-a3b] [--iters 50] [--out host.json]
 
-Prints one JSON line per stage: {"stage", "host_us"}; writes them all to ``--out`` if given.
+Each stage is timed with the fast launch path of ``kernels/launch.py`` off ("host_us", Triton's
+``JITFunction.run``) and on ("fast_launch_host_us"). Prints one JSON line per stage; writes them all
+to ``--out`` if given. ``scripts/host_overhead_cpu.py`` is the CPU-machine counterpart.
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ def main(argv=None) -> int:
     x = torch.randn(T, shape.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
     rows = []
 
+    from titan_megamoe.kernels import launch as L
+
     def record(stage, fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        us = _host_us(fn, a.iters)
-        rows.append({"stage": stage, "host_us": round(us, 1)})
+        """Host us of ``fn`` with kernels/launch.py's fast path off, then on (same process, same inputs)."""
+        row = {"stage": stage}
+        for mode in (False, True):
+            L.FAST_LAUNCH = mode
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            row["fast_launch_host_us" if mode else "host_us"] = round(_host_us(fn, a.iters), 1)
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
 
     for impl in ("megamoe-triton", "tt-compile"):

@@ -34,6 +34,7 @@ from titan_megamoe.kernels.routing import (  # noqa: E402
     layout_caps,
 )
 from titan_megamoe.kernels.sm90_check import compile_in_subprocess, compile_sm90, nvidia_backend_reason  # noqa: E402
+from titan_megamoe.kernels.jit import flavor  # noqa: E402
 from titan_megamoe.testing import make_routing  # noqa: E402
 
 FIELDS = ("counts", "offsets", "row_pair", "pair_row", "tile_expert")
@@ -180,16 +181,6 @@ def test_split_plan():
         routing._split_plan(1 << 20, 4096, 16, 16)
 
 
-class _Launch:
-    """Stands in for a kernel: records its grid instead of running."""
-
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.log.append((self.name, grid))
-
-
 def test_two_launches_no_other_op(monkeypatch):
     """The Triton build launches exactly two kernels and runs no other torch op than allocations and
     views (so no hidden launch and no host sync such as .item())."""
@@ -202,7 +193,7 @@ def test_two_launches_no_other_op(monkeypatch):
             ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(routing, "_runnable", lambda k: _Launch(launches, k.fn.__name__))
+    monkeypatch.setattr(routing, "launch", lambda k, grid, *a, **kw: launches.append((k.fn.__name__, grid)))
     ids = torch.randint(0, 8, (37, 4))  # contiguous int64: no cast, no copy
     with Record():
         build_routing_layout_triton(ids, 8, 16, block=16, chunk=64)
@@ -252,13 +243,13 @@ def _compile_sm90_all() -> list[dict]:
     for label, ids_ty, e_pad, s_pad, bm in COMPILE_CASES:
         i32 = ("P", "CHUNK", "S")
         sig = {"ids_ptr": ids_ty, "hist_ptr": "*i32", **{n: "i32" for n in i32}}
-        r = compile_sm90(routing._runnable(routing._count_kernel), sig, dict(BLOCK=1024), num_warps=4, num_stages=1)
+        r = compile_sm90(flavor(routing._count_kernel, False), sig, dict(BLOCK=1024), num_warps=4, num_stages=1)
         results.append(dict(label=f"count_{label}", **r))
         sig = {"ids_ptr": ids_ty, **{n: "*i32" for n in ("hist_ptr", "counts_ptr", "offsets_ptr", "row_pair_ptr",
                                                          "pair_row_ptr", "tile_expert_ptr")},
                **{n: "i32" for n in (*i32, "E", "N_CAP", "N_TILES")}}
         cx = dict(BM=bm, BM_PAD=bm, E_PAD=e_pad, S_PAD=s_pad, BLOCK=1024)
-        r = compile_sm90(routing._runnable(routing._layout_kernel), sig, cx, num_warps=4, num_stages=1)
+        r = compile_sm90(flavor(routing._layout_kernel, False), sig, cx, num_warps=4, num_stages=1)
         results.append(dict(label=f"layout_{label}", **r))
     return results
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from titan_megamoe.errors import PeerTimeoutError
 from titan_megamoe.kernels.jit import interpreting as _interpreting
-from titan_megamoe.kernels.jit import runnable as _runnable
+from titan_megamoe.kernels.launch import launch
 
 __all__ = ["SYNC_BYTES", "SITES", "site_code", "PeerSync", "WaitMonitor", "barrier_wait", "RowArrival",
            "wait_flags"]
@@ -214,7 +214,7 @@ class PeerSync:
 
 def barrier_wait(sync: PeerSync, site: int) -> None:
     polls, tns, timer = sync.poll_bounds()
-    _runnable(_barrier_kernel)[(1,)](
+    launch(_barrier_kernel, (1,),
         sync.ptr_table, sync.epoch, sync.status, sync.sync_offset, sync.rank, site, polls, tns,
         R=sync.world, USE_TIMER=timer, **({} if _interpreting() else {"num_warps": 1}),
     )

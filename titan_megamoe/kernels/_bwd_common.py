@@ -4,6 +4,7 @@ wgrad): interpreter switches, launch configs, argument checks, TMA descriptors."
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -12,7 +13,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most, config_for
 from titan_megamoe.kernels.jit import interpreting as _interpreting
-from titan_megamoe.kernels.jit import runnable as _runnable  # noqa: F401  (the bwd kernels' launcher)
 from titan_megamoe.kernels.routing import RoutingLayout
 
 @triton.constexpr_function
@@ -45,12 +45,16 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
     1.10 vs 1.14 and wgrad_w2 1.00 vs 1.10. wgrad_w13 (v2, two accumulators sharing the x gather,
     48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54).
     """
-    interp = _interpreting()
+    return _default_bwd_config(kind, layout.block_m, D, F, _interpreting())
+
+
+@functools.lru_cache(maxsize=None)  # asked on every launch; fixed per (kind, BM, D, F, mode)
+def _default_bwd_config(kind: str, block_m: int, D: int, F: int, interp: bool) -> GemmConfig:
     if kind == "gemm2_dgrad":
-        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=layout.block_m, use_tma=not interp)
+        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=block_m, use_tma=not interp)
     if kind == "gemm1_dgrad":
         cfg = config_for("gemm2", D, F, interp)
-        return dataclasses.replace(cfg, block_m=layout.block_m, use_tma=False, group_m=1,
+        return dataclasses.replace(cfg, block_m=block_m, use_tma=False, group_m=1,
                                    num_stages=cfg.num_stages if interp else 3)
     if kind in ("wgrad_w2", "wgrad_w13"):
         base = config_for("gemm2", D, F, interp)

@@ -41,6 +41,7 @@ Interpreter (CPU, ``TRITON_INTERPRET=1``): small 16 x 16 x 16 tiles, 1 warp, 1 s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "HOPPER_GEMM1", "HOPPER_GEMM2", "interpreter_config", "config_for"]
@@ -102,6 +103,7 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return p
 
 
+@functools.lru_cache(maxsize=None)  # launchers ask on every launch; the answer is fixed per (kind, D, F)
 def config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
     """Pick the launch config of ``kind`` ("gemm1" or "gemm2") for a layer with dims D and F.
 

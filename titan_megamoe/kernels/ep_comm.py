@@ -31,7 +31,8 @@ from torch import Tensor
 from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.jit import interpreting as _interpreting
-from titan_megamoe.kernels.jit import runnable as _runnable
+from titan_megamoe.kernels.jit import cdiv, next_pow2
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.routing import RoutingLayout
 
 __all__ = ["dispatch_push", "dispatch_push_fp8", "dispatch_rows", "combine_push", "dscore_push", "combine_sum"]
@@ -294,8 +295,8 @@ def _opts(num_warps: int = 4) -> dict:
 def _blocks(D: int) -> tuple[int, int]:
     """(BT, BD): token rows and columns per program."""
     if _interpreting():
-        return 16, min(64, triton.next_power_of_2(D))
-    return 16, min(512, triton.next_power_of_2(D))
+        return 16, min(64, next_pow2(D))
+    return 16, min(512, next_pow2(D))
 
 
 def dispatch_push(x_TD: Tensor, dy_TD: Tensor | None, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
@@ -314,11 +315,11 @@ def dispatch_push(x_TD: Tensor, dy_TD: Tensor | None, topk_ids_TK: Tensor, topk_
     T, D = x_TD.shape
     K = topk_ids_TK.shape[1]
     bt, bd = _blocks(D)
-    grid = (triton.cdiv(ws.t_cap, bt), ws.world)
-    _runnable(_dispatch_kernel)[grid](
+    grid = (cdiv(ws.t_cap, bt), ws.world)
+    launch(_dispatch_kernel, grid,
         x_TD, x_TD if dy_TD is None else dy_TD, topk_ids_TK, topk_scores_TK, peer_bases, T, rank,
         ws.offsets["x"], ws.offsets["dy"], ws.offsets["ids"], ws.offsets["scores"],
-        T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank,
+        T_CAP=ws.t_cap, D=D, K=K, KP=next_pow2(K), E_LOCAL=experts_per_rank,
         HAS_DY=dy_TD is not None, BT=bt, BD=bd, SEND_ROWS=send_rows, **_opts(),
     )
 
@@ -391,12 +392,12 @@ def dispatch_push_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
         raise ValueError(f"{fn}: topk_ids / topk_scores must be contiguous")
     count, check = _count_arg(fn, nonfinite_count, x_TD.device)
     bt = _blocks_fp8()
-    grid = (triton.cdiv(ws.t_cap, bt),)
-    _runnable(_dispatch_fp8_kernel)[grid](
+    grid = (cdiv(ws.t_cap, bt),)
+    launch(_dispatch_fp8_kernel, grid,
         x_TD, topk_ids_TK, topk_scores_TK, peer_bases, count if check else x_TD, T, rank,
         ws.offsets["xq"], ws.offsets["xs"], ws.offsets["ids"], ws.offsets["scores"],
-        T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank, R=ws.world, BT=bt,
-        NGP=triton.next_power_of_2(D // 128), CHECK=check, EXACT_ROUND=_interpreting(), EPS=AMAX_EPS, **_opts(),
+        T_CAP=ws.t_cap, D=D, K=K, KP=next_pow2(K), E_LOCAL=experts_per_rank, R=ws.world, BT=bt,
+        NGP=next_pow2(D // 128), CHECK=check, EXACT_ROUND=_interpreting(), EPS=AMAX_EPS, **_opts(),
     )
 
 
@@ -422,10 +423,10 @@ def dispatch_rows(x_TD: Tensor, topk_ids_TK: Tensor, ws: WorkspaceLayout, peer_b
     nb = -(-ws.t_cap // fb)
     bt, bd = _blocks(D)
     grid = (max(1, min(max_programs, nb * ws.world)),)
-    _runnable(_dispatch_rows_kernel)[grid](
+    launch(_dispatch_rows_kernel, grid,
         x_TD, topk_ids_TK, peer_bases, epoch, T, rank, ws.offsets["x"], ws.offsets["xflag"],
-        T_CAP=ws.t_cap, D=D, K=K, KP=triton.next_power_of_2(K), E_LOCAL=experts_per_rank, R=ws.world,
-        FB=fb, NB=nb, BT=min(bt, triton.next_power_of_2(fb)), BD=bd, NPROG=grid[0], **_opts(),
+        T_CAP=ws.t_cap, D=D, K=K, KP=next_pow2(K), E_LOCAL=experts_per_rank, R=ws.world,
+        FB=fb, NB=nb, BT=min(bt, next_pow2(fb)), BD=bd, NPROG=grid[0], **_opts(),
     )
 
 
@@ -440,8 +441,8 @@ def combine_push(rows_ND: Tensor, layout: RoutingLayout, ws: WorkspaceLayout, pe
     D = rows_ND.shape[1]
     bt, bd = _blocks(D)
     bd = min(bd, 256)  # K unrolled row loads in flight: 512 columns spill registers at 4 warps
-    grid = (ws.world, triton.cdiv(ws.t_cap, bt), triton.cdiv(D, bd))
-    _runnable(_combine_push_kernel)[grid](
+    grid = (ws.world, cdiv(ws.t_cap, bt), cdiv(D, bd))
+    launch(_combine_push_kernel, grid,
         rows_ND, layout.pair_row, peer_bases, rank, ws.offsets["comb"],
         T_CAP=ws.t_cap, D=D, K=ws.top_k, BT=bt, BD=bd, **_opts(),
     )
@@ -451,10 +452,10 @@ def dscore_push(dscore_part_NB: Tensor, layout: RoutingLayout, ws: WorkspaceLayo
     """Push the d score of every placed received slot to its source's dscore[t, k] (the NB partials of
     ``gemm2_dgrad_swiglu_bwd`` summed in ascending order)."""
     bt = 32 if not _interpreting() else 16
-    grid = (ws.world, triton.cdiv(ws.t_cap, bt))
-    _runnable(_dscore_push_kernel)[grid](
+    grid = (ws.world, cdiv(ws.t_cap, bt))
+    launch(_dscore_push_kernel, grid,
         dscore_part_NB, layout.pair_row, peer_bases, ws.offsets["dscore"],
-        T_CAP=ws.t_cap, K=ws.top_k, KP=triton.next_power_of_2(ws.top_k), NB=dscore_part_NB.shape[1], BT=bt,
+        T_CAP=ws.t_cap, K=ws.top_k, KP=next_pow2(ws.top_k), NB=dscore_part_NB.shape[1], BT=bt,
         **_opts(),
     )
 
@@ -478,9 +479,9 @@ def combine_sum(comb_RTD: Tensor, topk_ids_TK: Tensor, experts_per_rank: int, ou
     if T == 0:
         return out
     bt, bd = _blocks(D)
-    grid = (triton.cdiv(T, bt), triton.cdiv(D, bd))
-    _runnable(_combine_sum_kernel)[grid](
-        comb_RTD, topk_ids_TK, out, T, R=R, T_CAP=t_cap, D=D, K=K, KP=triton.next_power_of_2(K),
+    grid = (cdiv(T, bt), cdiv(D, bd))
+    launch(_combine_sum_kernel, grid,
+        comb_RTD, topk_ids_TK, out, T, R=R, T_CAP=t_cap, D=D, K=K, KP=next_pow2(K),
         E_LOCAL=experts_per_rank, BT=bt, BD=bd, **_opts(),
     )
     return out

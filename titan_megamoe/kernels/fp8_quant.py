@@ -50,7 +50,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.grouped_gemm import _kernel_variant, interpret_mode
+from titan_megamoe.kernels.grouped_gemm import interpret_mode
+from titan_megamoe.kernels.jit import cdiv
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.ops.fp8_reference import (
     AMAX_EPS,
     FP8_DTYPE,
@@ -385,8 +387,8 @@ def quantize_act_1x128(
         return out, scale_out
     interpret = interpret_mode()
     bm = _ACT_BLOCK_M[interpret]
-    grid = (triton.cdiv(M, bm), D // GROUP)
-    _kernel_variant(_quant_act_1x128_kernel, interpret)[grid](
+    grid = (cdiv(M, bm), D // GROUP)
+    launch(_quant_act_1x128_kernel, grid,
         x, row_index if gather else x, out, scale_out, count if check else scale_out, M,
         D=D, TOP_K=top_k if gather else 1, GATHER=gather, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS,
         BLOCK_M=bm, num_warps=_ACT_WARPS,
@@ -437,15 +439,15 @@ def quantize_act_128x1(
         if row_valid.shape[0] != M:
             raise ValueError(f"{fn}: row_valid must have shape ({M},), got {tuple(row_valid.shape)}")
     count, check = _count_arg(fn, nonfinite_count, dev)
-    Mb = triton.cdiv(M, GROUP)
+    Mb = cdiv(M, GROUP)
     out = _out_buffer(fn, "out", out, (M, D), FP8_DTYPE, dev)
     scale_out = _out_buffer(fn, "scale_out", scale_out, (Mb, D), torch.float32, dev)
     if M == 0 or D == 0:
         return out, scale_out
     interpret = interpret_mode()
     bd = _COL_BLOCK_D[interpret]
-    grid = (Mb, triton.cdiv(D, bd))
-    _kernel_variant(_quant_act_128x1_kernel, interpret)[grid](
+    grid = (Mb, cdiv(D, bd))
+    launch(_quant_act_128x1_kernel, grid,
         x, row_valid if has_valid else x, out, scale_out, count if check else scale_out, M,
         D=D, HAS_VALID=has_valid, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_D=bd,
         num_warps=_COL_WARPS,
@@ -487,7 +489,7 @@ def quantize_weight_128x128(
     check_group_dim(Kd, "reduction dim Kd (last dim)", fn, name)
     dev = w.device
     count, check = _count_arg(fn, nonfinite_count, dev)
-    Nb = triton.cdiv(N, GROUP)
+    Nb = cdiv(N, GROUP)
     out = _out_buffer(fn, "out", out, (E, N, Kd), FP8_DTYPE, dev)
     scale_out = _out_buffer(fn, "scale_out", scale_out, (E, Nb, Kd // GROUP), torch.float32, dev)
     if E == 0 or N == 0:
@@ -496,7 +498,7 @@ def quantize_weight_128x128(
         raise ValueError(f"{fn}: E={E} and Kd/128={Kd // GROUP} must be <= 65535 (CUDA grid limit)")
     interpret = interpret_mode()
     grid = (Nb, Kd // GROUP, E)
-    _kernel_variant(_quant_weight_128x128_kernel, interpret)[grid](
+    launch(_quant_weight_128x128_kernel, grid,
         w, out, scale_out, count if check else scale_out,
         N=N, Kd=Kd, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=_W_WARPS,
     )

@@ -61,7 +61,9 @@ from titan_megamoe.kernels.fp8_quant import (
     _scale_of,
     _to_e4m3,
 )
-from titan_megamoe.kernels.grouped_gemm import _kernel_variant, interpret_mode
+from titan_megamoe.kernels.grouped_gemm import interpret_mode
+from titan_megamoe.kernels.jit import cdiv
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP, check_group_dim
 
 __all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t", "transposed_ld", "empty_transposed"]
@@ -278,13 +280,13 @@ def quantize_gather_128x1_t(
         out = empty_transposed(C, M, dev)
     else:
         _check_transposed(fn, "out", out, (C, M), dev)
-    scale_out = _out_buffer(fn, "scale_out", scale_out, (triton.cdiv(M, GROUP), C), torch.float32, dev)
+    scale_out = _out_buffer(fn, "scale_out", scale_out, (cdiv(M, GROUP), C), torch.float32, dev)
     if M == 0 or C == 0:
         return out, scale_out
     interpret = interpret_mode()
     bc = _T_BLOCK_C[interpret]
     _check_end_row(fn, end_row, dev)
-    _kernel_variant(_quant_gather_128x1_t_kernel, interpret)[(triton.cdiv(M, GROUP), triton.cdiv(C, bc))](
+    launch(_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, bc)),
         x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
         out.stride(0), C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc,
         HAS_END=end_row is not None, num_warps=_WARPS,
@@ -336,7 +338,7 @@ def quantize_dual_1x128_128x1_t(
     if row_valid.shape[0] != M:
         raise ValueError(f"{fn}: row_valid must have shape ({M},), got {tuple(row_valid.shape)}")
     count, check = _count_arg(fn, nonfinite_count, dev)
-    Mb = triton.cdiv(M, GROUP)
+    Mb = cdiv(M, GROUP)
     y = torch.empty((M, C), dtype=FP8_DTYPE, device=dev)
     s = torch.empty((M, C // GROUP), dtype=torch.float32, device=dev)
     yT = empty_transposed(C, M, dev)
@@ -345,7 +347,7 @@ def quantize_dual_1x128_128x1_t(
         return y, s, yT, sT
     interpret = interpret_mode()
     _check_end_row(fn, end_row, dev)
-    _kernel_variant(_quant_dual_kernel, interpret)[(Mb, C // GROUP)](
+    launch(_quant_dual_kernel, (Mb, C // GROUP),
         x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
         yT.stride(0), C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None, num_warps=_DUAL_WARPS,
     )

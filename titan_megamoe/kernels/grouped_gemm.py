@@ -25,7 +25,7 @@ Which rows get written (tests poison outputs with NaN and check this):
     * combine_topk writes every token row.
 
 Interpreter (``TRITON_INTERPRET=1``, CPU tests): read from the environment at *launch* time, not at
-import time (``_kernel_variant``), so importing this module early does not fix the mode. In that mode
+import time (``kernels/launch.py``), so importing this module early does not fix the mode. In that mode
 operands are upcast to fp32 before ``tl.dot`` (bf16 dot returns garbage in the interpreter, DESIGN 7);
 the fp32 -> bf16 output casts truncate there instead of rounding (still within bf16 tolerance).
 
@@ -51,7 +51,8 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.comm.signals import wait_flags
-from titan_megamoe.kernels.jit import grouped_tile
+from titan_megamoe.kernels.jit import cdiv, flavor, grouped_tile, next_pow2
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.configs import GemmConfig, config_for
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
 
@@ -309,27 +310,9 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_VARIANTS: dict[tuple[object, bool], object] = {}
-
-
-def _kernel_variant(kernel, interpret: bool):
-    """The launchable object of ``kernel`` for the requested mode.
-
-    ``@triton.jit`` picks interpreter or compiler when this module is imported; this rebuilds the
-    other flavour from the same Python function, so the mode follows ``TRITON_INTERPRET`` at launch
-    (pytest may import this module before a test file sets the variable). Also used by the sm_90a
-    compile test to get a ``JITFunction`` while the interpreter is on.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    want = InterpretedFunction if interpret else JITFunction
-    if isinstance(kernel, want):
-        return kernel
-    key = (kernel.fn, interpret)
-    if key not in _VARIANTS:
-        _VARIANTS[key] = want(kernel.fn)
-    return _VARIANTS[key]
+#: The kernel in the interpreted or compiled flavor (``kernels/jit.py``); the sm_90a compile tests and
+#: scripts ask for the compiled one with it.
+_kernel_variant = flavor
 
 
 def _tma_alloc(size: int, alignment: int, stream):
@@ -469,7 +452,7 @@ def gemm1_swiglu_fwd(
     if use_tma and not interpret:
         _ensure_tma_allocator()
 
-    grid = (layout.n_tiles_cap, triton.cdiv(F, cfg.block_n))
+    grid = (layout.n_tiles_cap, cdiv(F, cfg.block_n))
     extra = {}
     if wait is not None:
         if T != wait.t_cap * (wait.flags.numel() // wait.n_blocks):
@@ -478,7 +461,7 @@ def gemm1_swiglu_fwd(
         extra = dict(flags_ptr=wait.flags, epoch_ptr=wait.epoch, status_ptr=wait.status, max_polls=wait.max_polls,
                      timeout_ns=wait.timeout_ns, WAIT=True, T_CAP=wait.t_cap, FB=wait.flag_block,
                      NB=wait.n_blocks, SITE=wait.site, USE_TIMER=wait.use_timer)
-    _kernel_variant(_gemm1_swiglu_fwd_kernel, interpret)[grid](
+    launch(_gemm1_swiglu_fwd_kernel, grid,
         x_TD, w1_EFD, w3_EFD, layout.row_pair, layout.tile_expert, gate_up_out, h_out,
         E, F, D,
         K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -554,8 +537,8 @@ def gemm2_scatter_fwd(
     if use_tma and not interpret:
         _ensure_tma_allocator()
 
-    grid = (layout.n_tiles_cap, triton.cdiv(D, cfg.block_n))
-    _kernel_variant(_gemm2_scatter_fwd_kernel, interpret)[grid](
+    grid = (layout.n_tiles_cap, cdiv(D, cfg.block_n))
+    launch(_gemm2_scatter_fwd_kernel, grid,
         h_NF, w2_EDF, scores_TK, layout.row_pair, layout.tile_expert, out_pairs,
         N, E, F, D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -591,9 +574,9 @@ def combine_topk(y_PD: Tensor, T: int, K: int) -> Tensor:
     if T == 0 or D == 0:
         return out_TD
     interpret = interpret_mode()
-    block_d = 64 if interpret else min(1024, triton.next_power_of_2(D))
-    grid = (T, triton.cdiv(D, block_d))
-    _kernel_variant(_combine_topk_fwd_kernel, interpret)[grid](
+    block_d = 64 if interpret else min(1024, next_pow2(D))
+    grid = (T, cdiv(D, block_d))
+    launch(_combine_topk_fwd_kernel, grid,
         y_PD, out_TD, D, K=K, BLOCK_D=block_d, num_warps=1 if interpret else 4,
     )
     return out_TD

@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import grouped_tile
+from titan_megamoe.kernels.jit import cdiv, grouped_tile
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for tests / callers)
     _ACT,
     _WGRAD_DTYPES,
@@ -63,7 +64,6 @@ from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for 
     _interp_int,
     _interpreting,
     _launch_opts,
-    _runnable,
     _tma_ok,
     default_bwd_config,
 )
@@ -320,7 +320,7 @@ def gemm2_dgrad_swiglu_bwd(
         raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
     cfg = config or default_bwd_config("gemm2_dgrad", layout, D, F)
     _check_row_config(cfg, layout)
-    nb = triton.cdiv(F, cfg.block_n)
+    nb = cdiv(F, cfg.block_n)
     n_tiles = layout.n_tiles_cap
     if out is None:
         dgate_up = torch.empty((layout.n_cap, 2 * F), dtype=_ACT, device=dev)
@@ -334,7 +334,7 @@ def gemm2_dgrad_swiglu_bwd(
     use_tma = _tma_ok(cfg, w2_EDF)
     w2_arg = _desc(w2_EDF, [E, D, F], [1, cfg.block_k, cfg.block_n]) if use_tma else w2_EDF
     if n_tiles * nb:
-        _runnable(_gemm2_dgrad_swiglu_bwd_kernel)[(n_tiles * nb,)](
+        launch(_gemm2_dgrad_swiglu_bwd_kernel, (n_tiles * nb,),
             dout_TD, w2_arg, gate_up_N2F, scores_TK, layout.row_pair, layout.tile_expert, dgate_up,
             dscore_part, dgate_up if hs_out is None else hs_out, n_tiles, D, F, K, nb,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
@@ -368,7 +368,7 @@ def reduce_dscore(
     _check(dscore, "out (dscore)", (T, K), torch.float32, dev)
     P, block = T * K, 128
     if P:
-        _runnable(_reduce_dscore_kernel)[(triton.cdiv(P, block),)](
+        launch(_reduce_dscore_kernel, (cdiv(P, block),),
             dscore_partial, layout.pair_row, dscore, P, dscore_partial.shape[1], BLOCK=block, num_warps=4,
         )
     return dscore
@@ -405,7 +405,7 @@ def gemm1_dgrad(
     _check_row_config(cfg, layout)
     dx_rows = torch.empty((layout.n_cap, D), dtype=_ACT, device=dev) if out is None else out
     _check(dx_rows, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
-    nbd = triton.cdiv(D, cfg.block_n)
+    nbd = cdiv(D, cfg.block_n)
     n_tiles = layout.n_tiles_cap
     use_tma = _tma_ok(cfg, dgate_up_N2F, w1_EFD, w3_EFD) and F % 8 == 0  # (N_cap, 2, F) view: F*2 B rows
     if use_tma:
@@ -415,7 +415,7 @@ def gemm1_dgrad(
     else:
         args = (dgate_up_N2F, w1_EFD, w3_EFD)
     if n_tiles * nbd:
-        _runnable(_gemm1_dgrad_kernel)[(n_tiles * nbd,)](
+        launch(_gemm1_dgrad_kernel, (n_tiles * nbd,),
             *args, layout.row_pair, layout.tile_expert, dx_rows, n_tiles, D, F, nbd,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
             **_launch_opts(cfg),
@@ -449,7 +449,7 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
     _check(dx, "out (dx)", (T, D), _ACT, dev)
     bt, bd = 32, 128
     if T * D:
-        _runnable(_scatter_dx_kernel)[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
+        launch(_scatter_dx_kernel, (cdiv(T, bt), cdiv(D, bd)),
             dx_rows_ND, layout.pair_row, dx, T, D, K, BT=bt, BD=bd, num_warps=4,
         )
     return dx

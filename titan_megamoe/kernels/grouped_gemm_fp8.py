@@ -94,16 +94,18 @@ Dims are constexpr (one compile per layer shape), as in ``grouped_gemm.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import grouped_tile
+from titan_megamoe.kernels.jit import cdiv, grouped_tile
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
-from titan_megamoe.kernels.grouped_gemm import _check_layout, _kernel_variant, interpret_mode
+from titan_megamoe.kernels.grouped_gemm import _check_layout, interpret_mode
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.routing import RoutingLayout
 
 __all__ = [
@@ -342,6 +344,7 @@ def fp8_interpreter_config() -> GemmConfig:
     return GemmConfig(block_m=16, block_n=32, block_k=SCALE_BLOCK, num_warps=1, num_stages=1, group_m=2)
 
 
+@functools.lru_cache(maxsize=None)  # asked on every launch; fixed per (kind, D, F)
 def fp8_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
     """Launch config of ``kind`` ("gemm1" or "gemm2") for a layer with dims D and F.
 
@@ -509,8 +512,8 @@ def gemm1_swiglu_fwd_fp8(
     if layout.n_tiles_cap == 0:
         return res
 
-    grid = (layout.n_tiles_cap, triton.cdiv(F, cfg.block_n))
-    _kernel_variant(_gemm1_swiglu_fwd_fp8_kernel, interpret)[grid](
+    grid = (layout.n_tiles_cap, cdiv(F, cfg.block_n))
+    launch(_gemm1_swiglu_fwd_fp8_kernel, grid,
         x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout.row_pair, layout.tile_expert,
         gate_up_out, h_out, hs, nonfinite_count,
         F=F, D=D, K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -596,8 +599,8 @@ def gemm2_scatter_fwd_fp8(
     if layout.n_tiles_cap == 0:
         return out
 
-    grid = (layout.n_tiles_cap, triton.cdiv(D, cfg.block_n))
-    _kernel_variant(_gemm2_scatter_fwd_fp8_kernel, interpret)[grid](
+    grid = (layout.n_tiles_cap, cdiv(D, cfg.block_n))
+    launch(_gemm2_scatter_fwd_fp8_kernel, grid,
         h_fp8, h_scale, w2_fp8, w2_scale, scores_TK, layout.row_pair, layout.tile_expert, out,
         F=F, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_N=D % cfg.block_n == 0, BY_ROW=by_row,

@@ -67,6 +67,7 @@ Predicted speed: as the FP8 forward (wgmma.wait_group 0 per K block while the pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -77,8 +78,9 @@ from titan_megamoe.kernels._bwd_common import _check, _check_layout, _interp_int
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed, empty_transposed
-from titan_megamoe.kernels.grouped_gemm import _kernel_variant, interpret_mode
-from titan_megamoe.kernels.jit import grouped_tile
+from titan_megamoe.kernels.grouped_gemm import interpret_mode
+from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.jit import cdiv, grouped_tile
 from titan_megamoe.kernels.routing import RoutingLayout
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP
 
@@ -391,6 +393,7 @@ def _wgrad_fp8_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)  # asked on every launch; fixed per (kind, D, F)
 def fp8_bwd_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
     """Launch config of ``kind`` ("gemm2_dgrad", "gemm1_dgrad", "wgrad_w2", "wgrad_w13").
 
@@ -508,7 +511,7 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     _check(scores_TK, "topk_scores", (T, K), torch.float32, dev)
     if layout.pair_row.shape[0] != T * K:
         raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
-    N, nb, n_tiles = layout.n_cap, triton.cdiv(F, cfg.block_n), layout.n_tiles_cap
+    N, nb, n_tiles = layout.n_cap, cdiv(F, cfg.block_n), layout.n_tiles_cap
     dgu = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev) if store_dgate_up else None
     part = torch.empty((N, nb), dtype=torch.float32, device=dev)
     hsT = empty_transposed(F, N, dev)
@@ -521,7 +524,7 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     interpret = interpret_mode()
     if n_tiles * nb:
         qa = q or (hsT, hsTs, hsT, hsTs)  # unused pointers when not quantizing
-        _kernel_variant(_gemm2_dgrad_swiglu_bwd_fp8_kernel, interpret)[(n_tiles * nb,)](
+        launch(_gemm2_dgrad_swiglu_bwd_fp8_kernel, (n_tiles * nb,),
             dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout.row_pair, layout.tile_expert,
             dgu if dgu is not None else part, part, hsT, hsTs, *qa,
             nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, hsT.stride(0), qa[2].stride(0),
@@ -568,9 +571,9 @@ def gemm1_dgrad_fp8(
         _check(q, f"{n}_q", (layout.num_experts, D, F), FP8_DTYPE, dev)
         _check(s, f"{n}_s", (E, -(-D // GROUP), F // GROUP), torch.float32, dev)
     dx_rows = torch.empty((layout.n_cap, D), dtype=torch.bfloat16, device=dev)
-    nbd, n_tiles = triton.cdiv(D, cfg.block_n), layout.n_tiles_cap
+    nbd, n_tiles = cdiv(D, cfg.block_n), layout.n_tiles_cap
     if n_tiles * nbd:
-        _kernel_variant(_gemm1_dgrad_fp8_kernel, interpret_mode())[(n_tiles * nbd,)](
+        launch(_gemm1_dgrad_fp8_kernel, (n_tiles * nbd,),
             dgu_q, dgu_s, w1t_q, w1t_s, w3t_q, w3t_s, layout.row_pair, layout.tile_expert, dx_rows, n_tiles,
             D=D, F=F, NBD=nbd, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -626,10 +629,10 @@ def wgrad_fp8(
         raise ValueError(f"split={split} must be in (0, {MA}) and a multiple of block_m={cfg.block_m}")
     out1 = torch.empty((E, M1, NC), dtype=out_dtype, device=dev)
     out2 = torch.empty((E, MA - M1, NC), dtype=out_dtype, device=dev) if split is not None else out1
-    nbm, nbn = triton.cdiv(MA, cfg.block_m), triton.cdiv(NC, cfg.block_n)
+    nbm, nbn = cdiv(MA, cfg.block_m), cdiv(NC, cfg.block_n)
     interpret = interpret_mode()
     if E * nbm * nbn:
-        _kernel_variant(_wgrad_fp8_kernel, interpret)[(nbm * nbn, E)](
+        launch(_wgrad_fp8_kernel, (nbm * nbn, E),
             aT_q, aT_s, bT_q, bT_s, layout.offsets, out1, out2, aT_q.stride(0), bT_q.stride(0),
             MA=MA, M1=M1, NC=NC, NBM=nbm, NBN=nbn, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             GROUP_M=cfg.group_m, INTERPRET=interpret, MAX_IMPRECISE=_max_imprecise_acc, num_warps=cfg.num_warps,

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import grouped_tile
+from titan_megamoe.kernels.jit import cdiv, grouped_tile, next_pow2
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (
     _ACT,
     _WGRAD_DTYPES,
@@ -36,7 +37,6 @@ from titan_megamoe.kernels._bwd_common import (
     _desc,
     _interp_int,
     _launch_opts,
-    _runnable,
     _tma_ok,
     default_bwd_config,
 )
@@ -110,9 +110,9 @@ def gather_rows(src_TD: Tensor, layout: RoutingLayout) -> Tensor:
     """
     T, D = src_TD.shape
     out = torch.empty((layout.n_cap, D), dtype=src_TD.dtype, device=src_TD.device)
-    BR, BD = 16, min(512, triton.next_power_of_2(D))
-    grid = (triton.cdiv(layout.n_cap, BR), triton.cdiv(D, BD))
-    _runnable(_gather_rows_kernel)[grid](src_TD, layout.row_pair, layout.offsets, out, D, layout.top_k,
+    BR, BD = 16, min(512, next_pow2(D))
+    grid = (cdiv(layout.n_cap, BR), cdiv(D, BD))
+    launch(_gather_rows_kernel, grid, src_TD, layout.row_pair, layout.offsets, out, D, layout.top_k,
                                          layout.num_experts, BR=BR, BD=BD)
     return out
 
@@ -310,7 +310,7 @@ def wgrad_w2(
         return _grouped_mm_wgrad(gather_rows(dout_TD, layout).t(), hs_NF, layout)
     cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
     dw2 = _wgrad_out(out, (E, D, F), out_dtype, dev, "out (dw2)")
-    nbm, nbn = triton.cdiv(D, cfg.block_m), triton.cdiv(F, cfg.block_n)
+    nbm, nbn = cdiv(D, cfg.block_m), cdiv(F, cfg.block_n)
     use_tma = _tma_ok(cfg, gate_up_N2F) and F % 8 == 0  # (N_cap, 2, F) view needs F*2 B aligned rows
     if use_tma:
         gu_arg = _desc(gate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_n])
@@ -318,7 +318,7 @@ def wgrad_w2(
     else:
         gu_arg, hs_arg = gate_up_N2F, gate_up_N2F if hs_NF is None else hs_NF
     if E * nbm * nbn:
-        _runnable(_wgrad_w2_kernel)[(nbm * nbn, E)](
+        launch(_wgrad_w2_kernel, (nbm * nbn, E),
             dout_TD, gu_arg, hs_arg, scores_TK, layout.row_pair, layout.offsets, dw2, D, F, K, nbm, nbn,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
             HS_SAVED=hs_NF is not None, **_launch_opts(cfg),
@@ -371,12 +371,12 @@ def wgrad_w13(
     cfg = config or default_bwd_config("wgrad_w13", layout, D, F)
     dw1 = _wgrad_out(None if out is None else out[0], (E, F, D), out_dtype, dev, "out[0] (dw1)")
     dw3 = _wgrad_out(None if out is None else out[1], (E, F, D), out_dtype, dev, "out[1] (dw3)")
-    nbf, nbn = triton.cdiv(F, cfg.block_m), triton.cdiv(D, cfg.block_n)
+    nbf, nbn = cdiv(F, cfg.block_m), cdiv(D, cfg.block_n)
     use_tma = _tma_ok(cfg, dgate_up_N2F) and F % 8 == 0
     dgu_arg = (_desc(dgate_up_N2F, [layout.n_cap, 2, F], [cfg.block_k, 1, cfg.block_m])
                if use_tma else dgate_up_N2F)
     if E * nbf * nbn:
-        _runnable(_wgrad_w13_kernel)[(nbf * nbn, E)](
+        launch(_wgrad_w13_kernel, (nbf * nbn, E),
             dgu_arg, x_TD, layout.row_pair, layout.offsets, dw1, dw3, D, F, K, nbf, nbn,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
             **_launch_opts(cfg),

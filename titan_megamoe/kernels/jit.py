@@ -1,10 +1,10 @@
 """The interpreter / compiled switch shared by the kernel modules.
 
 ``triton.jit`` picks the interpreted or the compiled flavor of a kernel when its decorator runs
-(import time), but tests set ``TRITON_INTERPRET`` per run: the launchers ask ``runnable(kernel)`` at
-launch time instead, which re-wraps ``kernel.fn`` in the flavor the flag asks for now (the kernels
-call only Triton's library functions and ``@triton.jit`` helpers such as ``grouped_tile`` below, whose
-flavor follows the flag at import: set it before importing, as tests/conftest.py does).
+(import time), but tests set ``TRITON_INTERPRET`` per run: the launchers ask for the flavor at launch
+time instead (``kernels/launch.py``), which re-wraps ``kernel.fn`` in the flavor the flag asks for now
+(the kernels call only Triton's library functions and ``@triton.jit`` helpers such as ``grouped_tile``
+below, whose flavor follows the flag at import: set it before importing, as tests/conftest.py does).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "runnable", "grouped_tile"]
+__all__ = ["interpreting", "flavor", "runnable", "cdiv", "next_pow2", "grouped_tile"]
 
 _FLAVORS: dict = {}
 
@@ -24,17 +24,34 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def runnable(kernel):
-    """``kernel`` as an ``InterpretedFunction`` or a compiled ``JITFunction``, as the flag says now."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
+def flavor(kernel, interpret: bool):
+    """``kernel`` as an ``InterpretedFunction`` (``interpret``) or a compiled ``JITFunction``, one object
+    per (function, flavor); the sm_90a compile tests ask for the compiled one while interpreting."""
+    key = (kernel.fn, interpret)
+    got = _FLAVORS.get(key)
+    if got is None:  # imports here, not above the lookup: an import statement costs ~1 us per launch
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
 
-    interp = interpreting()
-    key = (kernel.fn, interp)
-    if key not in _FLAVORS:
-        want = InterpretedFunction if interp else JITFunction
-        _FLAVORS[key] = kernel if isinstance(kernel, want) else want(kernel.fn)
-    return _FLAVORS[key]
+        want = InterpretedFunction if interpret else JITFunction
+        got = _FLAVORS[key] = kernel if isinstance(kernel, want) else want(kernel.fn)
+    return got
+
+
+def runnable(kernel):
+    """``kernel`` in the flavor ``TRITON_INTERPRET`` asks for now."""
+    return flavor(kernel, interpreting())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code: ``triton.cdiv`` is a constexpr function whose host call costs ~3 us
+    (argument unwrapping), ~100x this, and launchers call it on every launch."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (0 for 0), ``triton.next_power_of_2`` without its host-call cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @triton.jit

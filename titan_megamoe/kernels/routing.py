@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.kernels.jit import interpreting as _interpreting
-from titan_megamoe.kernels.jit import runnable as _runnable
+from titan_megamoe.kernels.launch import launch
 
 try:  # triton is a Linux-only dependency: elsewhere only the torch build exists
     import triton
@@ -333,8 +333,8 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
     pair_row = _empty_i32(P, dev)
     tile_expert = _empty_i32(n_tiles, dev)
     opts = {} if interp else dict(num_warps=4)
-    _runnable(_count_kernel)[(E, S)](ids_P, hist, P, chunk, S, BLOCK=block, **opts)
-    _runnable(_layout_kernel)[(E + 1, S)](
+    launch(_count_kernel, (E, S), ids_P, hist, P, chunk, S, BLOCK=block, **opts)
+    launch(_layout_kernel, (E + 1, S),
         ids_P, hist, counts, offsets, row_pair, pair_row, tile_expert, P, chunk, S, E, n_cap, n_tiles,
         BM=BM, BM_PAD=_next_pow2(BM), E_PAD=_next_pow2(E), S_PAD=_next_pow2(S), BLOCK=block, **opts,
     )
