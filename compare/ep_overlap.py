@@ -178,8 +178,12 @@ def x_row_bytes(D: int, payload: str) -> int:
 def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int, x_payload: str = "bf16") -> dict[str, int]:
     """Bytes one rank sends to other ranks (max over ranks), v1's protocol: x rows once per (token,
     remote rank holding one of its experts), bf16 or (``x_payload`` "fp8", the forward of "fp8") e4m3 +
-    scales (:func:`x_row_bytes`); combine rows fp32 back once per such pair; the backward sends bf16 x
-    and dy rows and the dx rows back (d scores and ids / scores metadata excluded)."""
+    scales (:func:`x_row_bytes`); combine rows (``comm.workspace.COMBINE_DTYPE``: bf16, or fp32) back once
+    per such pair; the backward sends bf16 x and dy rows and the dx rows back (d scores and ids / scores
+    metadata excluded)."""
+    from titan_megamoe.comm.workspace import COMBINE_DTYPE
+
+    cb = COMBINE_DTYPE.itemsize
     owner = ids_all.view(R, T, -1) // e_l  # (R, T, K) rank holding each slot's expert
     sent_rows, recv_rows = [0] * R, [0] * R
     for src in range(R):
@@ -188,8 +192,8 @@ def nvlink_bytes(ids_all: torch.Tensor, R: int, T: int, D: int, e_l: int, x_payl
                 n = int((owner[src] == dst).any(-1).sum())
                 sent_rows[src] += n  # src pushes n rows to dst
                 recv_rows[dst] += n  # dst pushes n combine rows back to src
-    fwd = [sent_rows[r] * x_row_bytes(D, x_payload) + recv_rows[r] * D * 4 for r in range(R)]
-    bwd = [sent_rows[r] * D * 4 + recv_rows[r] * D * 4 for r in range(R)]
+    fwd = [sent_rows[r] * x_row_bytes(D, x_payload) + recv_rows[r] * D * cb for r in range(R)]
+    bwd = [sent_rows[r] * D * 4 + recv_rows[r] * D * cb for r in range(R)]
     return {"fwd": max(fwd), "bwd": max(bwd), "fwdbwd": max(f + b for f, b in zip(fwd, bwd))}
 
 
@@ -474,6 +478,7 @@ def _setup(args, shape: LayerShape, T: int, routing: str, device, real: bool, R:
 
 
 def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: str, R: int) -> dict:
+    from titan_megamoe.comm.workspace import COMBINE_DTYPE
     from titan_megamoe.ops.fp8_backend import FUSED_DGU_QUANT, NONFINITE
 
     it, wu = args.iters, args.warmup
@@ -481,7 +486,9 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
                iters=it, warmup=wu, emulated=not drv.real, status="ok", reason=None,
                weights=FP8_WEIGHTS_NOTE if drv.precision != "bf16" else "bf16", x_payload=_x_payload(drv, mode),
                # FP8 backward: dgate_up quantized in gemm2_dgrad's epilogue (TITAN_MEGAMOE_FP8_FUSED_DGU=1)
-               fused_dgu_quant=FUSED_DGU_QUANT if drv.precision != "bf16" else None)
+               fused_dgu_quant=FUSED_DGU_QUANT if drv.precision != "bf16" else None,
+               # dtype of the combine rows (TITAN_MEGAMOE_COMBINE_DTYPE, comm/workspace.py)
+               combine_dtype=str(COMBINE_DTYPE).replace("torch.", ""))
     drv.run(_full(drv, mode, True))  # fills every workspace region (x, dy, ids, scores) once
     pre = drv.run(_compute(drv, True, mode))
     local = {

@@ -21,8 +21,9 @@ ids         (R, T_cap, K)          int32   source ranks: local expert id of each
                                            slot's expert lives elsewhere or t >= T (every row
                                            rewritten every call, so nothing stale is read)
 scores      (R, T_cap, K)          fp32    source ranks (0 where ids is -1)
-comb        (R, T_cap, D)          fp32    destination ranks: their pre-summed rows for this
-                                           rank's tokens (forward output, backward dx)
+comb        (R, T_cap, D)          bf16    destination ranks: their pre-summed rows for this
+                                           rank's tokens (forward output, backward dx); fp32
+                                           with TITAN_MEGAMOE_COMBINE_DTYPE=fp32 (below)
 dscore      (T_cap, K)             fp32    the owner rank of each slot (backward d score)
 xflag       (R, NB)                int32   source ranks (overlap v2): epoch of the call whose x
                                            rows of token block b (FB = ``flag_block`` tokens,
@@ -41,18 +42,35 @@ them before its arrival), so the two are never alive at the same time, as the x 
 all layers. The dy region is sized ``max(2 D, D + 4 ceil(D / 128) + alignment)`` bytes per row,
 which is ``2 D`` for any D >= 128 and R * T_cap >= 2.
 
-Size: ``R * T_cap * (8 D + 8 K) + 4 T_cap K + 4 R NB`` bytes (+ alignment; unchanged by the FP8
-slab, which lives in dy). Qwen3-30B-A3B, EP = 2, 16384 tokens: 0.54 GB per GPU; Qwen3-235B-A22B,
-EP = 8, 16384 tokens: 4.3 GB.
+The comb rows are bf16: a destination sums a token's slots on it in fp32 (k order) and rounds that
+partial sum once to bf16 for the trip back; the source sums the ranks' partials in fp32 (rank order)
+and rounds once more to the bf16 output. Half the bytes of fp32 partials on the wire (the combine is
+the largest transfer: 134 MB of fp32 per rank and direction at the 30B shape, EP 2) for at most one
+extra bf16 rounding per rank holding two or more of the token's slots; with one slot per rank the
+partial *is* the bf16 expert row, so top-1 / top-2 results are unchanged bit for bit. DeepGEMM's
+Mega MoE and stock TorchTitan move bf16 expert rows too (per slot). ``TITAN_MEGAMOE_COMBINE_DTYPE=fp32``
+(read at import, the same on every rank) keeps fp32 partials.
+
+Size: ``R * T_cap * (6 D + 8 K) + 4 T_cap K + 4 R NB`` bytes (+ alignment; ``8 D`` with fp32 comb rows;
+unchanged by the FP8 slab, which lives in dy). Qwen3-30B-A3B, EP = 2, 16384 tokens: 0.40 GB per GPU;
+Qwen3-235B-A22B, EP = 8, 16384 tokens: 3.2 GB.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["WorkspaceLayout", "workspace_bytes"]
+__all__ = ["COMBINE_DTYPE", "WorkspaceLayout", "workspace_bytes"]
+
+#: dtype of the comb rows (module docstring): bf16, or fp32 with TITAN_MEGAMOE_COMBINE_DTYPE=fp32.
+_COMBINE_CHOICES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_combine_env = os.environ.get("TITAN_MEGAMOE_COMBINE_DTYPE", "bf16")
+if _combine_env not in _COMBINE_CHOICES:
+    raise ValueError(f"TITAN_MEGAMOE_COMBINE_DTYPE={_combine_env!r}: choose one of {sorted(_COMBINE_CHOICES)}")
+COMBINE_DTYPE = _COMBINE_CHOICES[_combine_env]
 
 _ALIGN = 256
 _REGIONS = (  # name, dtype, shape as a function of (R, T_cap, D, K)
@@ -60,7 +78,7 @@ _REGIONS = (  # name, dtype, shape as a function of (R, T_cap, D, K)
     ("dy", torch.bfloat16, lambda R, T, D, K: (R, T, D)),
     ("ids", torch.int32, lambda R, T, D, K: (R, T, K)),
     ("scores", torch.float32, lambda R, T, D, K: (R, T, K)),
-    ("comb", torch.float32, lambda R, T, D, K: (R, T, D)),
+    ("comb", None, lambda R, T, D, K: (R, T, D)),  # COMBINE_DTYPE, read when a layout is built
     ("dscore", torch.float32, lambda R, T, D, K: (T, K)),
 )
 #: Regions that share the bytes of another one (never alive at the same time, module docstring):
@@ -108,6 +126,7 @@ class WorkspaceLayout:
         offsets, shapes, dtypes, pos = {}, {}, {}, 0
         nb = -(-t_cap // flag_block)
         for name, dtype, shape_fn in _REGIONS + (("xflag", torch.int32, lambda R, T, D, K: (R, nb)),):
+            dtype = COMBINE_DTYPE if name == "comb" else dtype
             shape = shape_fn(world, t_cap, dim, top_k)
             pos = -(-pos // _ALIGN) * _ALIGN
             offsets[name], shapes[name], dtypes[name] = pos, shape, dtype
@@ -133,8 +152,9 @@ class WorkspaceLayout:
     def describe(self) -> str:
         """One log line: the sizes and the GiB, for the start of training."""
         return (f"megamoe EP workspace: R={self.world}, T_cap={self.t_cap}, D={self.dim}, K={self.top_k}: "
-                f"{self.nbytes / 2**30:.3f} GiB per GPU (R*T_cap*(8D+8K) + 4*T_cap*K + 4*R*NB bytes; the FP8 "
-                f"x slab, R*T_cap*(D+4*D/128) bytes, shares the dy region)")
+                f"{self.nbytes / 2**30:.3f} GiB per GPU (R*T_cap*({4 + 2 * self.dtypes['comb'].itemsize}D+8K) + "
+                f"4*T_cap*K + 4*R*NB bytes, {str(self.dtypes['comb']).replace('torch.', '')} combine rows; the "
+                f"FP8 x slab, R*T_cap*(D+4*D/128) bytes, shares the dy region)")
 
 
 def _numel(shape: tuple) -> int:

@@ -208,10 +208,11 @@ def _combine_push_kernel(
     pair_row_P,       # (P',) int32, layout row of each received pair, -1 if not placed here
     peer_bases, rank, OFF_COMB,
     T_CAP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    COMB_BF16: tl.constexpr = True,  # comb rows bf16 (comm/workspace.py COMBINE_DTYPE), else fp32
 ):
     """Grid (R, cdiv(T_cap, BT), cdiv(D, BD)): program (src, i, c) sums, for slab rows of source src,
-    the rows of their placed slots in fp32 (k order) and stores the sum into src's comb[rank, t]
-    (only for rows with a placed slot: the source knows which ranks to read)."""
+    the rows of their placed slots in fp32 (k order) and stores the sum, rounded to the comb dtype, into
+    src's comb[rank, t] (only for rows with a placed slot: the source knows which ranks to read)."""
     src = tl.program_id(0)
     tt = tl.program_id(1) * BT + tl.arange(0, BT)
     dd = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -227,8 +228,13 @@ def _combine_push_kernel(
         acc += v.to(tl.float32)
         hit = tl.maximum(hit, ok.to(tl.int32))
     base = _peer_base(peer_bases, src)
-    dst = (base + OFF_COMB).to(tl.pointer_type(tl.float32)) + (rank * T_CAP + tt).to(tl.int64)[:, None] * D + dd[None, :]
-    tl.store(dst, acc, mask=(hit > 0)[:, None] & d_ok[None, :])
+    row_off = (rank * T_CAP + tt).to(tl.int64)[:, None] * D + dd[None, :]
+    if COMB_BF16:
+        tl.store((base + OFF_COMB).to(tl.pointer_type(tl.bfloat16)) + row_off, acc.to(tl.bfloat16),
+                 mask=(hit > 0)[:, None] & d_ok[None, :])
+    else:
+        tl.store((base + OFF_COMB).to(tl.pointer_type(tl.float32)) + row_off, acc,
+                 mask=(hit > 0)[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -258,7 +264,7 @@ def _dscore_push_kernel(
 
 @triton.jit
 def _combine_sum_kernel(
-    comb_RTD,         # (R, T_cap, D) fp32, this rank's comb region
+    comb_RTD,         # (R, T_cap, D) bf16 | fp32, this rank's comb region
     ids_TK,           # (T, K) global expert ids of this rank's tokens
     out_TD,           # (T, D) out (bf16 or fp32)
     T,
@@ -279,7 +285,7 @@ def _combine_sum_kernel(
     for r in tl.static_range(R):
         has = tl.max((owner == r).to(tl.int32), axis=1) > 0
         acc += tl.load(comb_RTD + (r * T_CAP + tt64)[:, None] * D + dd[None, :],
-                       mask=(has & t_ok)[:, None] & d_ok[None, :], other=0.0)
+                       mask=(has & t_ok)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     tl.store(out_TD + tt64[:, None] * D + dd[None, :], acc.to(out_TD.dtype.element_ty),
              mask=t_ok[:, None] & d_ok[None, :])
 
@@ -431,7 +437,8 @@ def dispatch_rows(x_TD: Tensor, topk_ids_TK: Tensor, ws: WorkspaceLayout, peer_b
 
 
 def combine_push(rows_ND: Tensor, layout: RoutingLayout, ws: WorkspaceLayout, peer_bases: int, rank: int) -> None:
-    """Push each received slab row's pre-summed (fp32, k order) placed rows to its source's comb.
+    """Push each received slab row's pre-summed (fp32, k order) placed rows to its source's comb, as
+    ``ws.dtypes["comb"]`` (bf16 by default: ``comm/workspace.py``).
 
     Args:
         rows_ND: (N_cap', D) bf16 rows in the receive layout's order (GEMM2 ``by_row`` output, or the
@@ -440,11 +447,14 @@ def combine_push(rows_ND: Tensor, layout: RoutingLayout, ws: WorkspaceLayout, pe
     """
     D = rows_ND.shape[1]
     bt, bd = _blocks(D)
-    bd = min(bd, 256)  # K unrolled row loads in flight: 512 columns spill registers at 4 warps
+    comb_bf16 = ws.dtypes["comb"] == torch.bfloat16
+    # K unrolled row loads in flight: at 4 warps, 512 columns spill registers, and 256 with fp32 rows
+    # (sm_90a build, tests/test_ep_triton.py: bf16 16 x 256 184 registers, fp32 16 x 256 8 bytes of stack)
+    bd = min(bd, 256 if comb_bf16 else 128)
     grid = (ws.world, cdiv(ws.t_cap, bt), cdiv(D, bd))
     launch(_combine_push_kernel, grid,
         rows_ND, layout.pair_row, peer_bases, rank, ws.offsets["comb"],
-        T_CAP=ws.t_cap, D=D, K=ws.top_k, BT=bt, BD=bd, **_opts(),
+        T_CAP=ws.t_cap, D=D, K=ws.top_k, BT=bt, BD=bd, COMB_BF16=comb_bf16, **_opts(),
     )
 
 
@@ -461,10 +471,10 @@ def dscore_push(dscore_part_NB: Tensor, layout: RoutingLayout, ws: WorkspaceLayo
 
 
 def combine_sum(comb_RTD: Tensor, topk_ids_TK: Tensor, experts_per_rank: int, out_dtype: torch.dtype) -> Tensor:
-    """out[t] = sum over the ranks holding one of t's experts, in rank order, of comb[r, t] (fp32).
+    """out[t] = sum over the ranks holding one of t's experts, in rank order, of comb[r, t] (in fp32).
 
     Args:
-        comb_RTD: (R, T_cap, D) fp32, this rank's comb region (after the barrier that follows
+        comb_RTD: (R, T_cap, D) bf16 or fp32, this rank's comb region (after the barrier that follows
             ``combine_push`` on every rank).
         topk_ids_TK: (T, K) global expert ids of this rank's tokens.
         experts_per_rank: E_l.

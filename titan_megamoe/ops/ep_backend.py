@@ -9,7 +9,7 @@ Forward, on every rank (barriers are stream-ordered, no host sync anywhere):
     barrier
     receive layout from the ids region (slots of other ranks are -1; capacity ``max_rows``) ->
     GEMM1 (+SwiGLU) gathering slab rows -> GEMM2 (+score) by layout row -> combine_push
-    (fp32 pre-sum of a slab row's slots, into the source's comb[this rank, t])
+    (fp32 pre-sum of a slab row's slots, as bf16 into the source's comb[this rank, t]: comm/workspace.py)
     barrier
     combine_sum: out[t] = sum over ranks holding t's experts, rank order, fp32 -> bf16
 Backward: barrier, dispatch_push of x and dy, barrier, GEMM2 dgrad + SwiGLU bwd + d score partials,
