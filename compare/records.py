@@ -215,6 +215,10 @@ def provenance(*, device, world_size: int, dist_backend: str | None, hostnames: 
         "command": command_line(argv, world_size, module),
         "argv": [sys.argv[0], *argv],
         "options": options,
+        # the package's switches set in this run's environment (fast launch, persistent GEMM2, combine
+        # dtype, FP8 variants...): part of what produced the numbers
+        "switches": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith("TITAN_MEGAMOE_") and k not in ("TITAN_MEGAMOE_GIT_REV", "TITAN_MEGAMOE_GIT_DIRTY")},
         "flop_model": "compare/flops.py: routed GEMMs 2*T*K*D*F*3 fwd, x2 bwd, x3 fwd+bwd",
     }
 

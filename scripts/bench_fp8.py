@@ -88,6 +88,14 @@ def _bench_shape(name: str, T: int) -> dict:
     c2 = dataclasses.replace(config_for("gemm2", D, F, SMOKE), **bm)
     f1 = dataclasses.replace(fp8_config_for("gemm1", D, F, SMOKE), **bm)
     f2 = dataclasses.replace(fp8_config_for("gemm2", D, F, SMOKE), **bm)
+    # the persistent GEMM2 configs (GemmConfig.persistent; TITAN_MEGAMOE_PERSISTENT_GEMM2=1 selects them)
+    from titan_megamoe.kernels.configs import HOPPER_GEMM2_PERSISTENT
+    from titan_megamoe.kernels.grouped_gemm_fp8 import HOPPER_GEMM2_FP8_PERSISTENT
+
+    c2p = dataclasses.replace(c2, persistent=True) if SMOKE else dataclasses.replace(
+        HOPPER_GEMM2_PERSISTENT, block_n=c2.block_n, block_k=c2.block_k)
+    f2p = dataclasses.replace(f2, persistent=True) if SMOKE else dataclasses.replace(
+        HOPPER_GEMM2_FP8_PERSISTENT, block_n=f2.block_n)
 
     # ---- operands (every FP8 operand from the kernels that make it in the op) ----------------------
     w1q, w1s, w1tq, w1ts = quantize_weights(w1, transposed=True, forward=True, count=None, name="w1")
@@ -116,6 +124,10 @@ def _bench_shape(name: str, T: int) -> dict:
                                     if b.dtype == FP8 else b[:end]) for a, b in zip(fq[4:6], dq8[:2]))
     fused_bitwise &= torch.equal(fq[6][:, :end].contiguous().view(u8), dq8[2][:, :end].contiguous().view(u8))
     fused_bitwise &= torch.equal(fq[7][: end // 128], dq8[3][: end // 128])
+    # the persistent GEMM2s: bitwise the grid kernels' outputs
+    y8p = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, config=f2p)
+    y16p = gg.gemm2_scatter_fwd(h16, w2, scores, L, config=c2p)
+    persistent_bitwise = {"fp8": torch.equal(y8p, y8), "bf16": torch.equal(y16p, y16)}
     checks = {
         "gemm1_fwd_h": rel_err(h8[rows], h16[rows]), "gemm2_fwd_y": rel_err(y8, y16),
         "gemm2_dgrad_dgate_up": rel_err(dgu8[rows], dgu16[rows]),
@@ -137,6 +149,10 @@ def _bench_shape(name: str, T: int) -> dict:
         ("gemm2_fwd", "fp8", g2, lambda: gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, out=y8,
                                                                config=f2)),
         ("gemm2_fwd", "bf16", g2, lambda: gg.gemm2_scatter_fwd(h16, w2, scores, L, out_pairs=y16, config=c2)),
+        ("gemm2_fwd_persistent", "fp8", g2, lambda: gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, L, out=y8p,
+                                                                          config=f2p)),
+        ("gemm2_fwd_persistent", "bf16", g2, lambda: gg.gemm2_scatter_fwd(h16, w2, scores, L, out_pairs=y16p,
+                                                                          config=c2p)),
         ("gemm2_dgrad", "fp8", g2, lambda: gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gu16, scores, L)),
         ("gemm2_dgrad", "bf16", g2, lambda: gb.gemm2_dgrad_swiglu_bwd(dout, w2, gu16, scores, L, hs_out=hs16)),
         # + dgate_up quantized 1x128 / 128x1 in the epilogue, no bf16 dgate_up: replaces gemm2_dgrad/fp8 +
@@ -181,7 +197,8 @@ def _bench_shape(name: str, T: int) -> dict:
         print(f"[bench_fp8] {name} {key}: {out[key]}", file=sys.stderr, flush=True)
     return {"shape": name, "T": T, "D": D, "F": F, "E": E, "K": K, "rows_padded": N,
             "rel_err_fp8_vs_bf16": {k: round(v, 5) for k, v in checks.items()},
-            "gemm2_dgrad_quant_dgu_bitwise_dual": bool(fused_bitwise), "kernels": out}
+            "gemm2_dgrad_quant_dgu_bitwise_dual": bool(fused_bitwise),
+            "gemm2_persistent_bitwise_grid": persistent_bitwise, "kernels": out}
 
 
 def _scaled_grouped_mm_cases(x, dout, w1, w3, w2, L, D, F, g1, g2) -> list:

@@ -61,15 +61,10 @@ def _stages():
     from titan_megamoe.ops import triton_backend as tb
 
     routing._use_triton = lambda ids, E: True  # CPU tensors: the Triton layout, as on a GPU
-    g = torch.Generator().manual_seed(0)
-    T, K, E, D, F = 64, 8, 8, 2048, 768
-    bf = torch.bfloat16
-    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int64)
-    x = torch.randn(T, D, generator=g).to(bf)
-    w1, w3 = torch.randn(E, F, D, generator=g).to(bf), torch.randn(E, F, D, generator=g).to(bf)
-    w2 = torch.randn(E, D, F, generator=g).to(bf)
-    scores = torch.rand(T, K, generator=g)
-    dout = torch.randn(T, D, generator=g).to(bf)
+    v = {"torch": torch}
+    exec(_INPUTS, v)  # the op's inputs, the same code as the --baseline-tree subprocesses run
+    T, K, E, D, F, bf = (v[n] for n in ("T", "K", "E", "D", "F", "bf"))
+    ids, x, w1, w3, w2, scores, dout = (v[n] for n in ("ids", "x", "w1", "w3", "w2", "s", "dout"))
     lay = routing.build_routing_layout(ids, E, 128)
     gu = torch.zeros(lay.n_cap, 2 * F, dtype=bf)
     h = torch.zeros(lay.n_cap, F, dtype=bf)
@@ -97,6 +92,19 @@ def _stages():
     }
 
 
+#: The op's inputs (CPU tensors at the 30B dims, few tokens and experts), run by exec in this process and
+#: in the --baseline-tree subprocesses, so both time the same call.
+_INPUTS = """
+g = torch.Generator().manual_seed(0)
+T, K, E, D, F = 64, 8, 8, 2048, 768
+bf = torch.bfloat16
+ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int64)
+x = torch.randn(T, D, generator=g).to(bf)
+w1, w3 = torch.randn(E, F, D, generator=g).to(bf), torch.randn(E, F, D, generator=g).to(bf)
+w2 = torch.randn(E, D, F, generator=g).to(bf)
+s, dout = torch.rand(T, K, generator=g), torch.randn(T, D, generator=g).to(bf)
+"""
+
 _OP_TIMER = r"""
 import importlib.util, json, os, statistics, sys, time
 os.environ["TRITON_INTERPRET"] = "0"
@@ -109,14 +117,7 @@ from titan_megamoe.kernels import routing
 from titan_megamoe.ops import triton_backend as tb
 routing._use_triton = lambda ids, E: True
 iters = int(sys.argv[3])
-g = torch.Generator().manual_seed(0)
-T, K, E, D, F = 64, 8, 8, 2048, 768
-bf = torch.bfloat16
-ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int64)
-x = torch.randn(T, D, generator=g).to(bf)
-w1, w3 = torch.randn(E, F, D, generator=g).to(bf), torch.randn(E, F, D, generator=g).to(bf)
-w2 = torch.randn(E, D, F, generator=g).to(bf)
-s, dout = torch.rand(T, K, generator=g), torch.randn(T, D, generator=g).to(bf)
+exec(sys.argv[4])  # _INPUTS
 def med(fn):
     for _ in range(max(50, iters // 2)):  # a fresh process: allocator and interpreter warm-up
         fn()
@@ -140,7 +141,7 @@ def _baseline_rows(base_tree: str, iters: int, rounds: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for _ in range(rounds):
         for tree in (base_tree, here):
-            out = subprocess.run([sys.executable, "-c", _OP_TIMER, tree, drv, str(iters)], capture_output=True,
+            out = subprocess.run([sys.executable, "-c", _OP_TIMER, tree, drv, str(iters), _INPUTS], capture_output=True,
                                  text=True, env=env, check=True).stdout
             got = json.loads(out.strip().splitlines()[-1])
             if os.path.realpath(os.path.dirname(got["package"])) != os.path.realpath(tree):
@@ -220,7 +221,8 @@ def main(argv=None) -> int:
                        "shape": {"T": 64, "E": 8, "D": 2048, "F": 768, "K": 8},
                        "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
                        "git_rev": rev, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "command": "TRITON_INTERPRET=0 python scripts/host_overhead_cpu.py " + " ".join(argv or sys.argv[1:]),
+                       "command": "TRITON_INTERPRET=0 python scripts/host_overhead_cpu.py "
+                                  + " ".join(argv or sys.argv[1:]),
                        "iters": a.iters, "rounds": a.rounds, "stages": rows}, f, indent=1)
     return 0
 

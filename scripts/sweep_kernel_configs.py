@@ -51,6 +51,9 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
             if (n, k, w, s) != (base.block_n, base.block_k, base.num_warps, base.num_stages):
                 out.append(r(base, block_n=n, block_k=k, num_warps=w, num_stages=s))
     out += [r(base, group_m=8), r(base, use_tma=not base.use_tma)]
+    if kind == "gemm2":  # persistent (GemmConfig.persistent): flattened tile x K loop, pointer loads, 1 CTA / SM
+        out += [r(base, persistent=True, use_tma=False, block_n=n, block_k=k, num_stages=s_)
+                for n, k, s_ in [(256, 64, 3), (256, 64, 4), (128, 64, 4), (128, 64, 5)]]
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

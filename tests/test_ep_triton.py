@@ -179,7 +179,8 @@ def test_bf16_combine_rows_against_fp32(monkeypatch, K):
         else:
             assert not torch.equal(a_all, b_all), f"{name}: K=4 never rounded a partial (the test is too weak)"
             assert rel_err(b_all, want) - rel_err(a_all, want) < 2**-8, (
-                f"{name}: bf16 comb rows {rel_err(b_all, want):.4f} vs fp32 {rel_err(a_all, want):.4f} against the oracle")
+                f"{name}: bf16 comb rows {rel_err(b_all, want):.4f} vs fp32 {rel_err(a_all, want):.4f} "
+                "against the oracle")
     for r in range(R):
         for i, name in enumerate(("dscores", "dw1", "dw2", "dw3"), start=1):
             assert torch.equal(f32b[r][i], bf_b[r][i]), f"rank {r} {name}"

@@ -327,6 +327,23 @@ def test_gemm2_by_row():
     assert torch.equal(y_rows[layout.pair_row.long()], r["y"])
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("by_row", [False, True])
+def test_gemm2_persistent_is_bitwise_the_grid(name, by_row):
+    """GemmConfig.persistent: 3 programs (interpreter) loop over the live tiles and write bitwise what
+    the one-program-per-tile grid writes, unwritten (NaN-poisoned) rows included."""
+    g8 = _kernels()
+    r = _run(name)
+    layout, case, cfg = r["layout"], r["case"], r["cfg"]
+    rows = layout.n_cap if by_row else case.T * case.K
+    outs = [g8.gemm2_scatter_fwd_fp8(r["hq"], r["hs"], r["w2q"], r["w2s"], r["scores"], layout, by_row=by_row,
+                                     out=_poisoned((rows, case.D)), config=dataclasses.replace(cfg, persistent=p))
+            for p in (False, True)]
+    n_tiles = int(layout.offsets[-1]) // layout.block_m * (-(-case.D // cfg.block_n))
+    assert n_tiles > 3, f"{name}: {n_tiles} tiles, too few for 3 programs to loop"
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"{name}: persistent FP8 GEMM2 differs"
+
+
 # ------------------------------------------------------------------------------------------------
 # (b) Against the unquantized oracle: e4m3 quantization error
 # ------------------------------------------------------------------------------------------------
@@ -534,17 +551,19 @@ COMPILE_CASES = [
     ("gemm1_fp8_235b", "gemm1", 4096, 1536, "bf16", None),
     ("gemm2_fp8_235b", "gemm2", 4096, 1536, "bf16", None),
     ("gemm2_fp8_30b_fp32out", "gemm2", 2048, 768, "fp32", None),
+    ("gemm2_fp8_persistent_30b", "gemm2", 2048, 768, "bf16", None),
+    ("gemm2_fp8_persistent_235b", "gemm2", 4096, 1536, "bf16", None),
 ]
 
 
-def _compile_one(kind: str, D: int, F: int, out: str, block_n: int | None) -> dict:
+def _compile_one(kind: str, D: int, F: int, out: str, block_n: int | None, persistent: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
     from titan_megamoe.kernels import grouped_gemm_fp8 as g8
     from titan_megamoe.kernels.grouped_gemm import _kernel_variant
 
-    cfg = g8.fp8_config_for(kind, D, F, False)
+    cfg = g8.HOPPER_GEMM2_FP8_PERSISTENT if persistent else g8.fp8_config_for(kind, D, F, False)
     if block_n:
         cfg = dataclasses.replace(cfg, block_n=block_n)
     tile = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
@@ -557,8 +576,11 @@ def _compile_one(kind: str, D: int, F: int, out: str, block_n: int | None) -> di
     else:
         fn = _kernel_variant(g8._gemm2_scatter_fwd_fp8_kernel, False)
         sig = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w2_ptr": "*fp8e4nv", "w2s_ptr": "*fp32",
-               "scores_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "out_ptr": f"*{out}"}
-        cx = dict(F=F, D=D, EVEN_N=D % cfg.block_n == 0, BY_ROW=False, **tile)
+               "scores_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "out_ptr": f"*{out}",
+               "offsets_ptr": "*i32", "E": "i32"}
+        # every constexpr given: triton.compile does not apply the kernel's defaults
+        cx = dict(F=F, D=D, EVEN_N=D % cfg.block_n == 0, BY_ROW=False, PERSISTENT=cfg.persistent,
+                  NUM_PROGS=132 if cfg.persistent else 1, INTERPRET=False, **tile)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     res = compile_sm90(fn, sig, cx, **opts)
     # the PTX itself (same source and options: a cache hit) for the wgmma operand types
@@ -572,7 +594,7 @@ def _compile_one(kind: str, D: int, F: int, out: str, block_n: int | None) -> di
 
 
 def _compile_sm90_all() -> list[dict]:
-    return [dict(label=c[0], **_compile_one(*c[1:])) for c in COMPILE_CASES]
+    return [dict(label=c[0], **_compile_one(*c[1:], persistent="persistent" in c[0])) for c in COMPILE_CASES]
 
 
 @functools.lru_cache(maxsize=1)
@@ -593,6 +615,8 @@ def test_compiles_for_sm90a(label):
         assert r["cp_async"] > 0, f"{label}: the x-row gather is not pipelined through cp.async"
     assert r["shared"] <= HOPPER_SMEM_BYTES, f"{label}: {r['shared']} bytes of shared memory"
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
+    if "persistent" in label:  # the tile loop and the K loop are one loop (else no prefetch across tiles)
+        assert r["loops"] == 1, f"{label}: {r['loops']} loops in the TTGIR, the tile loop was not flattened"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -219,6 +219,36 @@ def test_gemm2_scatter_rows(name):
     assert_close_rel(y.float(), expect, torch.bfloat16, name="y")
 
 
+@pytest.mark.parametrize("name", ["uniform_k2", "uniform_k1", "zero_expert_k4", "one_expert_k2", "skewed_k4",
+                                  "uneven_k_pointer"])
+@pytest.mark.parametrize("by_row", [False, True])
+def test_gemm2_persistent_is_bitwise_the_grid(name, by_row):
+    """GemmConfig.persistent: a few programs loop over the live tiles (3 in the interpreter, so each
+    takes several) and write bitwise what the one-program-per-tile grid writes, NaN-poisoned rows left
+    unwritten included (pair order and layout-row order)."""
+    gg = _kernels()
+    r = _run(name)
+    case, layout = r["case"], r["layout"]
+    cfg = dataclasses.replace(r["cfg"], use_tma=False)
+    rows = layout.n_cap if by_row else case.T * case.K
+    grid_y = gg.gemm2_scatter_fwd(r["h"], r["w2"], r["scores"], layout, out_pairs=_poisoned((rows, case.D)),
+                                  config=cfg, by_row=by_row)
+    pers_y = gg.gemm2_scatter_fwd(r["h"], r["w2"], r["scores"], layout, out_pairs=_poisoned((rows, case.D)),
+                                  config=dataclasses.replace(cfg, persistent=True), by_row=by_row)
+    n_tiles = int(layout.offsets[-1]) // layout.block_m * (-(-case.D // cfg.block_n))
+    assert n_tiles > 3, f"{name}: {n_tiles} tiles, too few for 3 programs to loop"
+    assert torch.equal(grid_y.view(torch.int16), pers_y.view(torch.int16)), f"{name}: persistent GEMM2 differs"
+    if not by_row:
+        assert torch.isfinite(pers_y).all(), "a pair row was not written"
+
+
+def test_persistent_config_needs_pointer_loads():
+    from titan_megamoe.kernels.configs import GemmConfig
+
+    with pytest.raises(ValueError, match="pointer loads only"):
+        GemmConfig(persistent=True, use_tma=True)
+
+
 def test_combine_topk_fixed_order():
     gg = _kernels()
     # worked example of the docstring: K=2, token 0 rows [1, 2] and [3, 4] -> [4, 6]
@@ -356,6 +386,8 @@ COMPILE_CASES = [
     ("gemm1_tma_235b", "gemm1", 4096, 1536, True),
     ("gemm2_ptr_235b", "gemm2", 4096, 1536, False),
     ("gemm2_tma_235b", "gemm2", 4096, 1536, True),
+    ("gemm2_persistent_30b", "gemm2", 2048, 768, False),
+    ("gemm2_persistent_235b", "gemm2", 4096, 1536, False),
     ("combine", "combine", 2048, 768, False),
 ]
 
@@ -374,6 +406,8 @@ def _compile_sm90_all() -> list[dict]:
             opts = dict(num_warps=4, num_stages=1)
         else:
             cfg = dataclasses.replace(config_for(kind, D, F, False), use_tma=use_tma)
+            if "persistent" in label:
+                from titan_megamoe.kernels.configs import HOPPER_GEMM2_PERSISTENT as cfg
             tile = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                         USE_TMA=use_tma, UPCAST_FP32=False)
             if kind == "gemm1":
@@ -384,8 +418,11 @@ def _compile_sm90_all() -> list[dict]:
             else:
                 fn = gg._kernel_variant(gg._gemm2_scatter_fwd_kernel, False)
                 sig = {"h_ptr": "*bf16", "w2_ptr": "*bf16", "scores_ptr": "*fp32", "row_pair_ptr": "*i32",
-                       "tile_expert_ptr": "*i32", "out_pairs_ptr": "*bf16", "N_cap": "i32", "E": "i32"}
-                cx = dict(F=F, D=D, EVEN_K=F % cfg.block_k == 0, **tile)
+                       "tile_expert_ptr": "*i32", "out_pairs_ptr": "*bf16", "offsets_ptr": "*i32", "N_cap": "i32",
+                       "E": "i32"}
+                # every constexpr given: triton.compile does not apply the kernel's defaults
+                cx = dict(F=F, D=D, EVEN_K=F % cfg.block_k == 0, BY_ROW=False, PERSISTENT=cfg.persistent,
+                          NUM_PROGS=132 if cfg.persistent else 1, **tile)
             opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         r = compile_sm90(fn, sig, cx, num_warps=opts["num_warps"], num_stages=opts["num_stages"],
                          divisible=("N_cap",))
@@ -412,6 +449,8 @@ def test_compiles_for_sm90a(label):
             assert r["cp_async"] > 0, f"{label}: the x-row gather is not pipelined through cp.async"
     assert r["shared"] <= SMEM_LIMIT_SM90, f"{label}: {r['shared']} bytes of shared memory > {SMEM_LIMIT_SM90}"
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
+    if "persistent" in label:  # the tile loop and the K loop are one loop (else no prefetch across tiles)
+        assert r["loops"] == 1, f"{label}: {r['loops']} loops in the TTGIR, the tile loop was not flattened"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,18 +12,9 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most, config_for
+from titan_megamoe.kernels.jit import interp_int as _interp_int  # noqa: F401  (the bwd kernels' range bounds)
 from titan_megamoe.kernels.jit import interpreting as _interpreting
 from titan_megamoe.kernels.routing import RoutingLayout
-
-@triton.constexpr_function
-def _interp_int(x):
-    """Interpreter only: the Python int of a scalar tensor, for range() bounds read from memory.
-
-    Called solely under ``INTERPRET`` (interpreter) ternaries, so the compiler never evaluates it. The
-    interpreter's ``__index__`` does ``int()`` of a 1-element numpy array, which numpy >= 2.3 refuses.
-    """
-    return int(x.handle.data.reshape(-1)[0])
-
 
 # --------------------------------------------------------------------------------------------------
 # Launch helpers
@@ -53,11 +44,11 @@ def _default_bwd_config(kind: str, block_m: int, D: int, F: int, interp: bool) -
     if kind == "gemm2_dgrad":
         return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=block_m, use_tma=not interp)
     if kind == "gemm1_dgrad":
-        cfg = config_for("gemm2", D, F, interp)
+        cfg = dataclasses.replace(config_for("gemm2", D, F, interp), persistent=False)  # no persistent mode here
         return dataclasses.replace(cfg, block_m=block_m, use_tma=False, group_m=1,
                                    num_stages=cfg.num_stages if interp else 3)
     if kind in ("wgrad_w2", "wgrad_w13"):
-        base = config_for("gemm2", D, F, interp)
+        base = dataclasses.replace(config_for("gemm2", D, F, interp), persistent=False)
         if interp:
             return dataclasses.replace(base, block_m=16, block_n=16, block_k=16)
         m_dim, n_dim = (D, F) if kind == "wgrad_w2" else (F, D)

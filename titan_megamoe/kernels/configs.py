@@ -42,9 +42,10 @@ Interpreter (CPU, ``TRITON_INTERPRET=1``): small 16 x 16 x 16 tiles, 1 warp, 1 s
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
-__all__ = ["GemmConfig", "HOPPER_GEMM1", "HOPPER_GEMM2", "interpreter_config", "config_for"]
+__all__ = ["GemmConfig", "HOPPER_GEMM1", "HOPPER_GEMM2", "interpreter_config", "config_for", "persistent_programs"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class GemmConfig:
         use_tma: load weight tiles (and GEMM2's contiguous h tiles) through TMA tensor descriptors
             (``tl.make_tensor_descriptor``) instead of pointer loads; GEMM1's gathered x rows always
             use pointer loads. Default False: pointer loads measured faster (module docstring).
+        persistent: one program per SM looping over the live tiles in one flattened loop (the next
+            tile's operands load under this tile's last steps and epilogue); the kernels that have the
+            mode (GEMM2, bf16 and FP8) give bitwise the same results. Pointer loads only. Default False:
+            not measured on a GPU yet (docs/NOTES.md, session 6).
     """
 
     block_m: int = 128
@@ -71,6 +76,7 @@ class GemmConfig:
     num_stages: int = 4
     group_m: int = 1
     use_tma: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -81,11 +87,21 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
         if self.num_stages < 1 or self.group_m < 1:
             raise ValueError("GemmConfig.num_stages and group_m must be >= 1")
+        if self.persistent and self.use_tma:
+            raise ValueError("GemmConfig: persistent=True supports pointer loads only (use_tma=False)")
 
 
 #: Hopper defaults (see the module docstring for the arithmetic).
 HOPPER_GEMM1 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1, use_tma=False)
 HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=8, use_tma=False)
+#: GEMM2 persistent (``GemmConfig.persistent``): one program per SM over a flattened tile x K loop. 3
+#: stages: the flattening adds a buffer (sm_90a build at the 30B and 235B shapes: 235 registers, 176 KiB,
+#: no spills; 4 stages: 255 registers and 224 KiB, at both limits). Selected by
+#: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 until measured on a GPU (docs/NOTES.md, session 6).
+HOPPER_GEMM2_PERSISTENT = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8,
+                                     persistent=True)
+#: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 (read at import): GEMM2 (bf16 and FP8) runs its persistent config.
+PERSISTENT_GEMM2 = os.environ.get("TITAN_MEGAMOE_PERSISTENT_GEMM2", "0") == "1"
 
 
 def interpreter_config() -> GemmConfig:
@@ -114,11 +130,33 @@ def config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
         raise ValueError(f"config_for: unknown kind {kind!r}; choose 'gemm1' or 'gemm2'")
     if interpret:
         return interpreter_config()
-    base = HOPPER_GEMM1 if kind == "gemm1" else HOPPER_GEMM2
+    base = HOPPER_GEMM1 if kind == "gemm1" else (HOPPER_GEMM2_PERSISTENT if PERSISTENT_GEMM2 else HOPPER_GEMM2)
     n_dim, k_dim = (F, D) if kind == "gemm1" else (D, F)
     block_n = _pow2_at_most(n_dim, base.block_n)
     block_k = _pow2_at_most(k_dim, base.block_k)
     return GemmConfig(
         block_m=base.block_m, block_n=block_n, block_k=block_k, num_warps=base.num_warps,
-        num_stages=base.num_stages, group_m=base.group_m, use_tma=base.use_tma,
+        num_stages=base.num_stages, group_m=base.group_m, use_tma=base.use_tma, persistent=base.persistent,
     )
+
+
+#: Programs of a persistent kernel in the interpreter: several tiles per program, so CPU tests cover
+#: the tile loop.
+INTERPRETER_PROGRAMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device, n_work: int, interpret: bool) -> int:
+    """Grid size of a persistent kernel: one program per SM (the flattened GEMM2 kernels hold one CTA
+    per SM: 223-244 registers x 256 threads), never more than ``n_work`` (an upper bound of the tiles),
+    at least 1; ``INTERPRETER_PROGRAMS`` in the interpreter."""
+    if interpret or getattr(device, "type", "cuda") != "cuda":
+        return max(1, min(INTERPRETER_PROGRAMS, n_work))
+    index = device.index if device.index is not None else __import__("torch").cuda.current_device()
+    return max(1, min(_sm_count(index), n_work))

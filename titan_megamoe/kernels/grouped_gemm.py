@@ -51,9 +51,9 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.comm.signals import wait_flags
-from titan_megamoe.kernels.jit import cdiv, flavor, grouped_tile, next_pow2
+from titan_megamoe.kernels.jit import cdiv, flavor, grouped_tile, live_tile_range, next_pow2
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.configs import GemmConfig, config_for
+from titan_megamoe.kernels.configs import GemmConfig, config_for, persistent_programs
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
 
 __all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_mode"]
@@ -192,49 +192,23 @@ def _gemm1_swiglu_fwd_kernel(
 
 
 @triton.jit
-def _gemm2_scatter_fwd_kernel(
-    h_ptr,  # (N_cap, F) bf16, SwiGLU output rows in the padded layout
-    w2_ptr,  # (E, D, F) bf16, down projection
-    scores_ptr,  # (P,) fp32, routing score of pair p = t*K + k
-    row_pair_ptr,  # (N_cap,) int32, pair of each padded row, -1 for padding
-    tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
-    out_pairs_ptr,  # (P, D) bf16 out, token-major weighted expert outputs
-    N_cap,  # i32, rows of the padded layout
-    E,  # i32, experts
-    F: tl.constexpr,  # expert hidden dim (reduction)
-    D: tl.constexpr,  # model dim (output columns)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,  # F % BLOCK_K == 0
-    USE_TMA: tl.constexpr,  # h and weight tiles through TMA descriptors (else pointer loads)
-    UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot
-    BY_ROW: tl.constexpr = False,  # store at the layout row (N_cap, D) instead of the pair (P, D)
-):
-    """Grouped GEMM2 with the routing score and the token-major scatter in the epilogue.
-
-    Grid: (n_tiles_cap, cdiv(D, BLOCK_N)), launch ids remapped to the same grouped order as GEMM1.
-    Each program owns one (row tile m, column block n): it computes h[rows] @ w2[e][cols].T and stores
-    columns [n*BN, (n+1)*BN) of out_pairs[p] for every row of the tile with pair p >= 0. Every pair
-    has exactly one layout row, so each output element is written exactly once (no atomics).
-    Tiles with expert -1 return at once. h's padding rows are never stored, whatever they hold.
-    Preconditions: N_cap a multiple of BM, D and F multiples of 16, contiguous tensors; no host sync.
-    """
-    num_pid_m = tl.num_programs(0)
-    num_pid_n = tl.num_programs(1)
-    pid = tl.program_id(0) + tl.program_id(1) * num_pid_m  # hardware launch order: axis 0 fastest
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
-        return
-
+def _gemm2_tile(h_ptr, w2_ptr, scores_ptr, row_pair_ptr, out_pairs_ptr, N_cap, E, pid_m, pid_n, expert,
+                F: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, UPCAST_FP32: tl.constexpr,
+                BY_ROW: tl.constexpr, EPILOGUE_FIRST: tl.constexpr):
+    """One (row tile pid_m of ``expert``, column block pid_n) of GEMM2: h[rows] @ w2[e][cols].T, times the
+    routing score, stored by pair (or layout row). ``EPILOGUE_FIRST`` loads the tile's pairs and scores
+    before the K loop (the persistent kernel: in its flattened loop they would otherwise wait in the
+    epilogue; same values, same results)."""
     row0 = pid_m * BLOCK_M
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_row0 = expert * D + pid_n * BLOCK_N  # first weight row in the (E*D, F) view
+    if EPILOGUE_FIRST:
+        pair_M = tl.load(row_pair_ptr + offs_m)
+        row_ok_M = pair_M >= 0
+        score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
 
     if USE_TMA:
         h_desc = tl.make_tensor_descriptor(h_ptr, shape=[N_cap, F], strides=[F, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -266,9 +240,10 @@ def _gemm2_scatter_fwd_kernel(
             acc = tl.dot(a, b, acc)
 
     # ---- epilogue: routing score (fp32), then the scatter to token-major pair rows ------------------
-    pair_M = tl.load(row_pair_ptr + offs_m)
-    row_ok_M = pair_M >= 0
-    score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
+    if not EPILOGUE_FIRST:
+        pair_M = tl.load(row_pair_ptr + offs_m)
+        row_ok_M = pair_M >= 0
+        score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
     y = (acc * score_M[:, None]).to(tl.bfloat16)
     # ---- scatter store. EP combine will push these rows to the source GPU here. -------------------
     # int64: pair * D overflows int32 once P*D > 2^31.
@@ -276,6 +251,68 @@ def _gemm2_scatter_fwd_kernel(
     dst_ptrs = out_pairs_ptr + dst_M.to(tl.int64)[:, None] * D + offs_n[None, :]
     tl.store(dst_ptrs, y, mask=row_ok_M[:, None] & (offs_n < D)[None, :])
     # ---- end of scatter store --------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm2_scatter_fwd_kernel(
+    h_ptr,  # (N_cap, F) bf16, SwiGLU output rows in the padded layout
+    w2_ptr,  # (E, D, F) bf16, down projection
+    scores_ptr,  # (P,) fp32, routing score of pair p = t*K + k
+    row_pair_ptr,  # (N_cap,) int32, pair of each padded row, -1 for padding
+    tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
+    out_pairs_ptr,  # (P, D) bf16 out, token-major weighted expert outputs
+    offsets_ptr,  # (E + 1,) int32 expert offsets (PERSISTENT: live row tiles = offsets[E] // BM)
+    N_cap,  # i32, rows of the padded layout
+    E,  # i32, experts
+    F: tl.constexpr,  # expert hidden dim (reduction)
+    D: tl.constexpr,  # model dim (output columns)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # F % BLOCK_K == 0
+    USE_TMA: tl.constexpr,  # h and weight tiles through TMA descriptors (else pointer loads)
+    UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot
+    BY_ROW: tl.constexpr = False,  # store at the layout row (N_cap, D) instead of the pair (P, D)
+    PERSISTENT: tl.constexpr = False,  # NUM_PROGS programs loop over the live tiles (flattened loop)
+    NUM_PROGS: tl.constexpr = 1,  # PERSISTENT: the grid size
+):
+    """Grouped GEMM2 with the routing score and the token-major scatter in the epilogue.
+
+    Grid: (n_tiles_cap, cdiv(D, BLOCK_N)), launch ids remapped to the same grouped order as GEMM1.
+    Each program owns one (row tile m, column block n): it computes h[rows] @ w2[e][cols].T and stores
+    columns [n*BN, (n+1)*BN) of out_pairs[p] for every row of the tile with pair p >= 0. Every pair
+    has exactly one layout row, so each output element is written exactly once (no atomics).
+    Tiles with expert -1 return at once. h's padding rows are never stored, whatever they hold.
+    Preconditions: N_cap a multiple of BM, D and F multiples of 16, contiguous tensors; no host sync.
+
+    PERSISTENT (grid (NUM_PROGS,), pointer loads only): program i takes tiles i, i + NUM_PROGS, ... of the
+    offsets[E] // BM live row tiles x the column blocks, in the same grouped order, in one loop that
+    Triton flattens with each tile's K loop (``tl.range(..., flatten=True)``): the next tile's first K
+    blocks load while this tile finishes and stores (GEMM2's K loop is short: F / BK = 12 steps at the
+    30B shape, so a non-persistent program waits for its operands at every start). Tiles past the live
+    ones are never visited (no expert -1 test inside the loop, which would stop the flattening). Same
+    tiles, same arithmetic per tile: bitwise the output of the non-persistent grid.
+    """
+    if PERSISTENT:
+        num_n: tl.constexpr = (D + BLOCK_N - 1) // BLOCK_N
+        first, n_tiles, n_live = live_tile_range(offsets_ptr, E, BLOCK_M, num_n, UPCAST_FP32)
+        for tile in tl.range(first, n_tiles, NUM_PROGS, flatten=True):
+            pid_m, pid_n = grouped_tile(tile, n_live, num_n, GROUP_M)
+            expert = tl.load(tile_expert_ptr + pid_m)
+            _gemm2_tile(h_ptr, w2_ptr, scores_ptr, row_pair_ptr, out_pairs_ptr, N_cap, E, pid_m, pid_n, expert,
+                        F, D, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, UPCAST_FP32, BY_ROW, True)
+    else:
+        num_pid_m = tl.num_programs(0)
+        num_pid_n = tl.num_programs(1)
+        pid = tl.program_id(0) + tl.program_id(1) * num_pid_m  # hardware launch order: axis 0 fastest
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        _gemm2_tile(h_ptr, w2_ptr, scores_ptr, row_pair_ptr, out_pairs_ptr, N_cap, E, pid_m, pid_n, expert,
+                    F, D, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, UPCAST_FP32, BY_ROW, False)
 
 
 @triton.jit
@@ -537,12 +574,17 @@ def gemm2_scatter_fwd(
     if use_tma and not interpret:
         _ensure_tma_allocator()
 
-    grid = (layout.n_tiles_cap, cdiv(D, cfg.block_n))
+    num_n = cdiv(D, cfg.block_n)
+    if cfg.persistent:
+        grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interpret),)
+    else:
+        grid = (layout.n_tiles_cap, num_n)
     launch(_gemm2_scatter_fwd_kernel, grid,
-        h_NF, w2_EDF, scores_TK, layout.row_pair, layout.tile_expert, out_pairs,
+        h_NF, w2_EDF, scores_TK, layout.row_pair, layout.tile_expert, out_pairs, layout.offsets,
         N, E, F, D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=F % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret, BY_ROW=by_row,
+        PERSISTENT=cfg.persistent, NUM_PROGS=grid[0] if cfg.persistent else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out_pairs

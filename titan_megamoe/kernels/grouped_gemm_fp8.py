@@ -101,8 +101,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import cdiv, grouped_tile
-from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
+from titan_megamoe.kernels.jit import cdiv, grouped_tile, live_tile_range
+from titan_megamoe.kernels.configs import PERSISTENT_GEMM2, GemmConfig, _pow2_at_most, persistent_programs
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.grouped_gemm import _check_layout, interpret_mode
 from titan_megamoe.kernels.launch import launch
@@ -127,6 +127,11 @@ SCALE_BLOCK = 128  # channels per activation scale, rows / columns per weight sc
 #: Hopper defaults (module docstring: registers bound GEMM1 to BN = 64 per operand).
 HOPPER_GEMM1_FP8 = GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=4, group_m=1)
 HOPPER_GEMM2_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)
+#: FP8 GEMM2 persistent (``GemmConfig.persistent``, with TITAN_MEGAMOE_PERSISTENT_GEMM2=1 as the bf16 one,
+#: ``configs.PERSISTENT_GEMM2``): 3 stages, the flattened loop holds one more buffer (sm_90a build, 30B and
+#: 235B shapes: 225 registers, 128 KiB; by_row 247; 4 stages 242 / 253, 5 stages spill with by_row).
+HOPPER_GEMM2_FP8_PERSISTENT = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8,
+                                         persistent=True)
 #: GEMM1 with h quantized in its epilogue (``quantize_h=True``): BN = 128 per operand owns whole 1 x 128
 #: groups of h; 16 warps keep the two accumulators + partials at 128 registers, no spills (sm_90a build).
 HOPPER_GEMM1_FP8_QH = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=16, num_stages=4, group_m=1)
@@ -254,47 +259,22 @@ def _gemm1_swiglu_fwd_fp8_kernel(
 
 
 @triton.jit
-def _gemm2_scatter_fwd_fp8_kernel(
-    h_ptr,  # (N_cap, F) e4m3, SwiGLU output rows in the padded layout
-    hs_ptr,  # (N_cap, F // 128) fp32, h scale per row per 128 channels
-    w2_ptr,  # (E, D, F) e4m3, down projection
-    w2s_ptr,  # (E, NB_D, F // 128) fp32, w2 scale per 128 x 128 block
-    scores_ptr,  # (P,) fp32, routing score of pair p = t*K + k
-    row_pair_ptr,  # (N_cap,) int32, pair of each padded row, -1 for padding
-    tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
-    out_ptr,  # (P, D) or, BY_ROW, (N_cap, D) bf16 | fp32 out
-    F: tl.constexpr,  # expert hidden dim (reduction), a multiple of 128
-    D: tl.constexpr,  # model dim (output columns)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # power of two <= 128
-    BLOCK_K: tl.constexpr,  # 128
-    GROUP_M: tl.constexpr,
-    EVEN_N: tl.constexpr,  # D % BLOCK_N == 0
-    BY_ROW: tl.constexpr,  # store at the layout row instead of the pair
-):
-    """Blockwise-FP8 grouped GEMM2 with the routing score and the token-major scatter in the epilogue.
-
-    Grid: (n_tiles_cap, cdiv(D, BLOCK_N)), grouped order as GEMM1. Each program computes the scaled
-    product for BM rows x BN columns and stores columns [n*BN, (n+1)*BN) of y[p] (or y[r] with BY_ROW)
-    for every row of the tile with pair p >= 0: each output element written exactly once, no atomics.
-    Tiles with expert -1 return at once. Padding rows of h / h_scale are read but never stored.
-    Preconditions (checked by the launcher): F % 128 == 0, D % 16 == 0, BN <= 128, BK == 128.
-    """
+def _gemm2_fp8_tile(h_ptr, hs_ptr, w2_ptr, w2s_ptr, scores_ptr, row_pair_ptr, out_ptr, pid_m, pid_n, expert,
+                    F: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, BY_ROW: tl.constexpr,
+                    EPILOGUE_FIRST: tl.constexpr):
+    """One (row tile pid_m of ``expert``, column block pid_n) of the FP8 GEMM2 (kernel docstring below).
+    ``EPILOGUE_FIRST``: the tile's pairs and scores are loaded before the K loop (persistent kernel)."""
     KB: tl.constexpr = F // BLOCK_K
     NB: tl.constexpr = (D + BLOCK_K - 1) // BLOCK_K
-    num_pid_m = tl.num_programs(0)
-    num_pid_n = tl.num_programs(1)
-    pid = tl.program_id(0) + tl.program_id(1) * num_pid_m
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
-        return
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows64 = offs_m.to(tl.int64)  # int64: row * F and row * D overflow int32 for large layers
+    if EPILOGUE_FIRST:
+        pair_M = tl.load(row_pair_ptr + offs_m)
+        row_ok_M = pair_M >= 0
+        score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
     a_ptrs = h_ptr + rows64[:, None] * F + offs_k[None, :]
     as_ptrs = hs_ptr + rows64 * KB
     w_ptrs = w2_ptr + (expert * D + pid_n * BLOCK_N).to(tl.int64) * F + tl.arange(0, BLOCK_N)[None, :] * F \
@@ -317,9 +297,10 @@ def _gemm2_scatter_fwd_fp8_kernel(
         w_ptrs += BLOCK_K
 
     # ---- epilogue: routing score (fp32), then the scatter to token-major pair rows ------------------
-    pair_M = tl.load(row_pair_ptr + offs_m)
-    row_ok_M = pair_M >= 0
-    score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
+    if not EPILOGUE_FIRST:
+        pair_M = tl.load(row_pair_ptr + offs_m)
+        row_ok_M = pair_M >= 0
+        score_M = tl.load(scores_ptr + pair_M, mask=row_ok_M, other=0.0)
     y = (acc * score_M[:, None]).to(out_ptr.dtype.element_ty)
     dst_M = offs_m if BY_ROW else pair_M
     dst_ptrs = out_ptr + dst_M.to(tl.int64)[:, None] * D + offs_n[None, :]  # int64: pair * D > 2^31
@@ -327,6 +308,64 @@ def _gemm2_scatter_fwd_fp8_kernel(
         tl.store(dst_ptrs, y, mask=row_ok_M[:, None])
     else:
         tl.store(dst_ptrs, y, mask=row_ok_M[:, None] & (offs_n < D)[None, :])
+
+
+@triton.jit
+def _gemm2_scatter_fwd_fp8_kernel(
+    h_ptr,  # (N_cap, F) e4m3, SwiGLU output rows in the padded layout
+    hs_ptr,  # (N_cap, F // 128) fp32, h scale per row per 128 channels
+    w2_ptr,  # (E, D, F) e4m3, down projection
+    w2s_ptr,  # (E, NB_D, F // 128) fp32, w2 scale per 128 x 128 block
+    scores_ptr,  # (P,) fp32, routing score of pair p = t*K + k
+    row_pair_ptr,  # (N_cap,) int32, pair of each padded row, -1 for padding
+    tile_expert_ptr,  # (n_tiles_cap,) int32, expert of each BM-row tile, -1 past the last expert
+    out_ptr,  # (P, D) or, BY_ROW, (N_cap, D) bf16 | fp32 out
+    offsets_ptr,  # (E + 1,) int32 expert offsets (PERSISTENT: live row tiles = offsets[E] // BM)
+    E,  # i32, experts
+    F: tl.constexpr,  # expert hidden dim (reduction), a multiple of 128
+    D: tl.constexpr,  # model dim (output columns)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # power of two <= 128
+    BLOCK_K: tl.constexpr,  # 128
+    GROUP_M: tl.constexpr,
+    EVEN_N: tl.constexpr,  # D % BLOCK_N == 0
+    BY_ROW: tl.constexpr,  # store at the layout row instead of the pair
+    PERSISTENT: tl.constexpr = False,  # NUM_PROGS programs loop over the live tiles (flattened loop)
+    NUM_PROGS: tl.constexpr = 1,  # PERSISTENT: the grid size
+    INTERPRET: tl.constexpr = False,  # PERSISTENT in the interpreter (its range() bound)
+):
+    """Blockwise-FP8 grouped GEMM2 with the routing score and the token-major scatter in the epilogue.
+
+    Grid: (n_tiles_cap, cdiv(D, BLOCK_N)), grouped order as GEMM1. Each program computes the scaled
+    product for BM rows x BN columns and stores columns [n*BN, (n+1)*BN) of y[p] (or y[r] with BY_ROW)
+    for every row of the tile with pair p >= 0: each output element written exactly once, no atomics.
+    Tiles with expert -1 return at once. Padding rows of h / h_scale are read but never stored.
+    Preconditions (checked by the launcher): F % 128 == 0, D % 16 == 0, BN <= 128, BK == 128.
+
+    PERSISTENT (grid (NUM_PROGS,)): as the bf16 kernel's (``grouped_gemm._gemm2_scatter_fwd_kernel``):
+    the live tiles in one loop that Triton flattens with each tile's K loop, so the next tile's operands
+    load under this one's last K blocks and epilogue — FP8 GEMM2's K loop is F / 128 = 6 steps at the
+    30B shape, as long as the pipeline fill. Bitwise the non-persistent result.
+    """
+    if PERSISTENT:
+        num_n: tl.constexpr = (D + BLOCK_N - 1) // BLOCK_N
+        first, n_tiles, n_live = live_tile_range(offsets_ptr, E, BLOCK_M, num_n, INTERPRET)
+        for tile in tl.range(first, n_tiles, NUM_PROGS, flatten=True):
+            pid_m, pid_n = grouped_tile(tile, n_live, num_n, GROUP_M)
+            expert = tl.load(tile_expert_ptr + pid_m)
+            _gemm2_fp8_tile(h_ptr, hs_ptr, w2_ptr, w2s_ptr, scores_ptr, row_pair_ptr, out_ptr, pid_m, pid_n, expert,
+                            F, D, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, BY_ROW, True)
+    else:
+        num_pid_m = tl.num_programs(0)
+        num_pid_n = tl.num_programs(1)
+        pid = tl.program_id(0) + tl.program_id(1) * num_pid_m
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        _gemm2_fp8_tile(h_ptr, hs_ptr, w2_ptr, w2s_ptr, scores_ptr, row_pair_ptr, out_ptr, pid_m, pid_n, expert,
+                        F, D, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, BY_ROW, False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,7 +394,10 @@ def fp8_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
         raise ValueError(f"fp8_config_for: unknown kind {kind!r}; choose 'gemm1' or 'gemm2'")
     if interpret:
         return fp8_interpreter_config()
-    base = HOPPER_GEMM1_FP8 if kind == "gemm1" else HOPPER_GEMM2_FP8
+    if kind == "gemm1":
+        base = HOPPER_GEMM1_FP8
+    else:
+        base = HOPPER_GEMM2_FP8_PERSISTENT if PERSISTENT_GEMM2 else HOPPER_GEMM2_FP8
     n_dim = F if kind == "gemm1" else D
     return dataclasses.replace(base, block_n=_pow2_at_most(n_dim, base.block_n))
 
@@ -599,11 +641,15 @@ def gemm2_scatter_fwd_fp8(
     if layout.n_tiles_cap == 0:
         return out
 
-    grid = (layout.n_tiles_cap, cdiv(D, cfg.block_n))
+    num_n = cdiv(D, cfg.block_n)
+    interp = interpret_mode()
+    grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interp),) if cfg.persistent else \
+        (layout.n_tiles_cap, num_n)
     launch(_gemm2_scatter_fwd_fp8_kernel, grid,
-        h_fp8, h_scale, w2_fp8, w2_scale, scores_TK, layout.row_pair, layout.tile_expert, out,
+        h_fp8, h_scale, w2_fp8, w2_scale, scores_TK, layout.row_pair, layout.tile_expert, out, layout.offsets, E,
         F=F, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_N=D % cfg.block_n == 0, BY_ROW=by_row,
+        EVEN_N=D % cfg.block_n == 0, BY_ROW=by_row, PERSISTENT=cfg.persistent,
+        NUM_PROGS=grid[0] if cfg.persistent else 1, INTERPRET=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -14,7 +14,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "flavor", "runnable", "cdiv", "next_pow2", "grouped_tile"]
+__all__ = ["interpreting", "flavor", "runnable", "cdiv", "next_pow2", "interp_int", "grouped_tile", "live_tile_range"]
 
 _FLAVORS: dict = {}
 
@@ -54,6 +54,17 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+@triton.constexpr_function
+def interp_int(x):
+    """Interpreter only: the Python int of a scalar tensor, for range() bounds read from memory.
+
+    Called solely under interpreter-only ternaries (``interp_int(n) if INTERPRET else n``), so the compiler
+    never evaluates it. The interpreter's ``__index__`` does ``int()`` of a 1-element numpy array, which
+    numpy >= 2.3 refuses.
+    """
+    return int(x.handle.data.reshape(-1)[0])
+
+
 @triton.jit
 def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of launch id ``pid`` in grouped order: GROUP_M row tiles sweep all column
@@ -63,3 +74,16 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     first_m = (pid // width) * GROUP_M
     group = tl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (pid % width) % group, (pid % width) // group
+
+
+@triton.jit
+def live_tile_range(offsets_ptr, E, BLOCK_M: tl.constexpr, NUM_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """(first tile, tile count, live row tiles) of a persistent grouped-GEMM program: the live row tiles
+    are offsets[E] // BLOCK_M (every one has an expert), times NUM_N column blocks; the program starts
+    at its id and strides by the grid size. ``INTERPRET``: Python ints, for the interpreter's range()."""
+    n_live = tl.load(offsets_ptr + E) // BLOCK_M
+    n_tiles = n_live * NUM_N
+    first = tl.program_id(0)
+    if INTERPRET:
+        first, n_tiles = interp_int(first), interp_int(n_tiles)
+    return first, n_tiles, n_live

@@ -55,7 +55,11 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
 
     Returns:
         dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
-        cp_async, shared (bytes), usage (cuobjdump register line or "")).
+        cp_async, shared (bytes), usage (cuobjdump register line or ""), loops (``scf.for`` ops in the
+        TTGIR: a flattened persistent kernel has one)).
+
+    Triton does not apply a kernel's defaults here: give every constexpr in ``constexprs`` (a left-out
+    one is not its default: a ``COMB_BF16=True`` default compiled as its False branch).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -79,7 +83,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
     return dict(target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
                 tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
-                shared=ck.metadata.shared, usage=regs[0] if regs else "")
+                shared=ck.metadata.shared, usage=regs[0] if regs else "", loops=ck.asm["ttgir"].count("scf.for "))
 
 
 def compile_in_subprocess(script: str | os.PathLike, *args: str, timeout_s: float = 300) -> dict[str, dict]:
