@@ -21,8 +21,9 @@ Prints one JSON line per stage {"stage", "triton_path_us", "fast_path_us", "rati
 provenance to ``--out``.
 
 ``--baseline-tree DIR`` (a checkout of an earlier revision, e.g. ``git worktree add /tmp/base REV``)
-also times the op's forward and backward host steps with DIR's package, in subprocesses alternating
-with this tree's, through this tree's host-only driver: the before / after of a host-side change.
+also times the op's forward and backward host steps (EP = 1, and EP = 2 with two emulated ranks in
+lockstep, per rank) with DIR's package, in subprocesses alternating with this tree's, through this
+tree's host-only driver: the before / after of a host-side change.
 """
 
 from __future__ import annotations
@@ -125,11 +126,25 @@ def med(fn):
     for _ in range(iters):
         t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e6
+from titan_megamoe.comm.peers import emulated_group
+from titan_megamoe.comm.workspace import WorkspaceLayout
+from titan_megamoe.ops.ep_backend import EPRank, ep_backward_steps, ep_forward_steps, run_lockstep
 with hd.host_only_driver(record=False):
     out, gu, lay = tb.triton_fwd(x, ids, s, w1, w2, w3)
+    # EP = 2, two emulated ranks in lockstep (their barriers launch nothing; on GPUs each is a kernel)
+    R, El = 2, E // 2
+    ws = WorkspaceLayout.build(R, T, D, K)
+    peers = emulated_group(R, ws.nbytes, "cpu")
+    ctxs = [EPRank(peers[r], ws, El, R * T * K, 128) for r in range(R)]
+    loc = [tuple(w[r * El:(r + 1) * El] for w in (w1, w2, w3)) for r in range(R)]
+    ep_fwd = lambda: run_lockstep([ep_forward_steps(ctxs[r], x, ids, s, *loc[r]) for r in range(R)])
+    f = ep_fwd()
+    ep_bwd = lambda: run_lockstep([ep_backward_steps(ctxs[r], dout, x, ids, s, *loc[r], f[r][1], f[r][2])
+                                   for r in range(R)])
     print(json.dumps({"package": os.path.dirname(titan_megamoe.__file__),
                       "fwd": med(lambda: tb.triton_fwd(x, ids, s, w1, w2, w3)),
-                      "bwd": med(lambda: tb.triton_bwd(dout, x, s, w1, w2, w3, gu, lay))}))
+                      "bwd": med(lambda: tb.triton_bwd(dout, x, s, w1, w2, w3, gu, lay)),
+                      "ep_fwd": med(ep_fwd) / R, "ep_bwd": med(ep_bwd) / R}))
 """
 
 
@@ -149,7 +164,9 @@ def _baseline_rows(base_tree: str, iters: int, rounds: int) -> list[dict]:
                                    "(an editable install's finder shadows it?)")
             per[tree].append(got)
     rows = []
-    for k, name in (("fwd", "bf16 forward host steps (triton_fwd)"), ("bwd", "bf16 backward host steps (triton_bwd)")):
+    for k, name in (("fwd", "bf16 forward host steps (triton_fwd)"), ("bwd", "bf16 backward host steps (triton_bwd)"),
+                    ("ep_fwd", "bf16 EP 2 forward host steps per rank (ep_forward_steps, 2 emulated ranks)"),
+                    ("ep_bwd", "bf16 EP 2 backward host steps per rank (ep_backward_steps, 2 emulated ranks)")):
         old = [r[k] for r in per[base_tree]]
         new = [r[k] for r in per[here]]
         # median over rounds, and the least round: other processes on this machine only ever add time

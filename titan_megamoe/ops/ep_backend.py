@@ -27,7 +27,7 @@ tests, which run R emulated ranks in one process in lockstep (``run_lockstep``).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -61,14 +61,24 @@ class EPRank:
     experts_per_rank: int
     max_rows: int
     block_m: int
+    # typed views of the workspace regions, made once: the buffer never moves, and each view costs a few
+    # torch view ops of host time per phase of every layer call (ops/ep_library.py keeps the EPRank)
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
 
     def region(self, name: str) -> Tensor:
-        return self.ws.view(self.peers.buffer(), name)
+        v = self._views.get(name)
+        if v is None:
+            v = self._views[name] = self.ws.view(self.peers.buffer(), name)
+        return v
 
     def received(self, name: str) -> Tensor:
         """Region ``name`` of this rank flattened over (src, t): (R * T_cap, ...)."""
-        t = self.region(name)
-        return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+        key = ("received", name)
+        v = self._views.get(key)
+        if v is None:
+            t = self.region(name)
+            v = self._views[key] = t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+        return v
 
 
 def _no_mark(label: str) -> None:

@@ -47,6 +47,8 @@ CAPACITY = CapacityMonitor()
 #: Pending checks of the bounded cross-rank waits (see comm/signals.py).
 WAITS = WaitMonitor()
 _PEERS: dict[tuple, object] = {}
+#: (group, T_cap, D, K, E_l, max_rows, BM) -> the EPRank of those layers (``_ep_rank``), over ``_PEERS``.
+_RANKS: dict[tuple, EPRank] = {}
 #: Bound of every cross-rank wait of workspaces created from now on (``set_timeout_ms``).
 _TIMEOUT_MS = [DEFAULT_TIMEOUT_MS]
 
@@ -66,6 +68,12 @@ def _group(group_name: str):
 
 
 def _ep_rank(group_name: str, t_cap: int, D: int, K: int, e_l: int, max_rows: int) -> EPRank:
+    # one EPRank per layer configuration, kept: building the layout and resolving the group cost host
+    # time on every call, and the EPRank keeps the workspace's region views
+    rkey = (group_name, t_cap, D, K, e_l, max_rows, _block_m())
+    ctx = _RANKS.get(rkey)
+    if ctx is not None:
+        return ctx
     from titan_megamoe.comm.peers import make_peers
 
     key = (group_name, t_cap, D, K)
@@ -75,7 +83,8 @@ def _ep_rank(group_name: str, t_cap: int, D: int, K: int, e_l: int, max_rows: in
         _PEERS[key] = make_peers(group, ws.nbytes, tag=f"{t_cap}_{D}_{K}", timeout_ms=_TIMEOUT_MS[0])
         if _PEERS[key].rank == 0:
             logger.info(ws.describe())
-    return EPRank(_PEERS[key], ws, e_l, max_rows, _block_m())
+    ctx = _RANKS[rkey] = EPRank(_PEERS[key], ws, e_l, max_rows, _block_m())
+    return ctx
 
 
 def _layout(L: tuple, e_l: int, K: int, max_rows: int) -> RoutingLayout:
