@@ -69,7 +69,8 @@ def fast_launch_supported() -> bool:
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """Launch the ``@triton.jit`` ``kernel`` on ``grid`` (a tuple of 1-3 ints) with ``args`` / ``kwargs``
+    """Launch the ``@triton.jit`` ``kernel`` on ``grid`` (a tuple of 1-3 ints, or a function of the bound
+    arguments returning one, as Triton takes) with ``args`` / ``kwargs``
     (constexprs and launch options such as ``num_warps`` by keyword, as for ``kernel[grid](...)``).
 
     Same semantics as ``kernel[grid](*args, **kwargs)`` in the mode ``TRITON_INTERPRET`` asks for at
@@ -102,6 +103,8 @@ def _launch_cached(fn, grid, args, kwargs):
         if kernel is not None and hasattr(kernel, "function"):
             cache[key] = kernel
         return kernel
+    if callable(grid):  # Triton's grid-function form: grid(bound arguments)
+        grid = grid(bound)
     n = len(grid)
     stream = _driver.active.get_current_stream(device)
     enter, exit_ = _runtime.launch_enter_hook, _runtime.launch_exit_hook
