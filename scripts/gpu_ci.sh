@@ -55,7 +55,7 @@ LOSS_TOL=${LOSS_TOL:-0.25}
 EARLY_STEPS=${EARLY_STEPS:-15}
 EARLY_LOSS_TOL=${EARLY_LOSS_TOL:-0.002}
 STEPS=${STEPS:-100}
-LAYER_BASELINE=${LAYER_BASELINE:-benchmarks/results/layer_1xh200_ep1_triton_20261130.json}
+LAYER_BASELINE=${LAYER_BASELINE:-benchmarks/results/layer_1xh200_ep1_triton_gmm_wgrad_20261130.json}
 TRAIN_BASELINE=${TRAIN_BASELINE:-benchmarks/results/train_debug_1xh200_triton_20261130.json}
 status=0
 note() { echo "[gpu_ci] $*"; }
