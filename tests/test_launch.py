@@ -182,6 +182,22 @@ def test_fast_launch_caches_one_kernel_per_specialization():
     assert _results()["cache"]["combine_variants"] == 2
 
 
+def test_env_flag_reads_0_1_and_refuses_the_rest(monkeypatch):
+    """The on/off switches (TITAN_MEGAMOE_FAST_LAUNCH, _PERSISTENT_GEMM2, _FP8_FUSED_DGU): unset -> the
+    default, "1" / "0" -> on / off, anything else ("true", "off", "") -> a ValueError naming the variable."""
+    from titan_megamoe.kernels.jit import env_flag
+
+    monkeypatch.delenv("TITAN_MEGAMOE_TEST_FLAG", raising=False)
+    assert env_flag("TITAN_MEGAMOE_TEST_FLAG", True) is True and env_flag("TITAN_MEGAMOE_TEST_FLAG", False) is False
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("TITAN_MEGAMOE_TEST_FLAG", value)
+        assert env_flag("TITAN_MEGAMOE_TEST_FLAG", not want) is want
+    for bad in ("true", "off", ""):
+        monkeypatch.setenv("TITAN_MEGAMOE_TEST_FLAG", bad)
+        with pytest.raises(ValueError, match="TITAN_MEGAMOE_TEST_FLAG=.*set it to 1 .on. or 0 .off."):
+            env_flag("TITAN_MEGAMOE_TEST_FLAG", True)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["host-launch-check"]:
         print(json.dumps(_check_all()))

@@ -7,12 +7,10 @@ import dataclasses
 import functools
 
 import torch
-import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most, config_for
-from titan_megamoe.kernels.jit import interp_int as _interp_int  # noqa: F401  (the bwd kernels' range bounds)
 from titan_megamoe.kernels.jit import interpreting as _interpreting
 from titan_megamoe.kernels.routing import RoutingLayout
 

@@ -42,8 +42,9 @@ Interpreter (CPU, ``TRITON_INTERPRET=1``): small 16 x 16 x 16 tiles, 1 warp, 1 s
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
+
+from titan_megamoe.kernels.jit import env_flag
 
 __all__ = ["GemmConfig", "HOPPER_GEMM1", "HOPPER_GEMM2", "interpreter_config", "config_for", "persistent_programs"]
 
@@ -101,7 +102,7 @@ HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num
 HOPPER_GEMM2_PERSISTENT = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8,
                                      persistent=True)
 #: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 (read at import): GEMM2 (bf16 and FP8) runs its persistent config.
-PERSISTENT_GEMM2 = os.environ.get("TITAN_MEGAMOE_PERSISTENT_GEMM2", "0") == "1"
+PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", False)
 
 
 def interpreter_config() -> GemmConfig:
@@ -156,7 +157,9 @@ def persistent_programs(device, n_work: int, interpret: bool) -> int:
     """Grid size of a persistent kernel: one program per SM (the flattened GEMM2 kernels hold one CTA
     per SM: 223-244 registers x 256 threads), never more than ``n_work`` (an upper bound of the tiles),
     at least 1; ``INTERPRETER_PROGRAMS`` in the interpreter."""
-    if interpret or getattr(device, "type", "cuda") != "cuda":
+    if interpret or device.type != "cuda":
         return max(1, min(INTERPRETER_PROGRAMS, n_work))
-    index = device.index if device.index is not None else __import__("torch").cuda.current_device()
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return max(1, min(_sm_count(index), n_work))

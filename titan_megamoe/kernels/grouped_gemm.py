@@ -43,15 +43,13 @@ Blackwell-only).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.comm.signals import wait_flags
-from titan_megamoe.kernels.jit import cdiv, flavor, grouped_tile, live_tile_range, next_pow2
+from titan_megamoe.kernels.jit import cdiv, flavor, grouped_tile, interpreting, live_tile_range, next_pow2
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.configs import GemmConfig, config_for, persistent_programs
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
@@ -342,9 +340,8 @@ def _combine_topk_fwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def interpret_mode() -> bool:
-    """True when kernels run in the Triton interpreter (``TRITON_INTERPRET=1``), read at call time."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+#: True when kernels run in the Triton interpreter, read at call time (``kernels/jit.py``).
+interpret_mode = interpreting
 
 
 #: The kernel in the interpreted or compiled flavor (``kernels/jit.py``); the sm_90a compile tests and

@@ -61,7 +61,6 @@ from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for 
     _check_layout,
     _check_row_config,
     _desc,
-    _interp_int,
     _interpreting,
     _launch_opts,
     _tma_ok,

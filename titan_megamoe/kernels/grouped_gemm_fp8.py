@@ -642,14 +642,13 @@ def gemm2_scatter_fwd_fp8(
         return out
 
     num_n = cdiv(D, cfg.block_n)
-    interp = interpret_mode()
-    grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interp),) if cfg.persistent else \
+    grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interpret),) if cfg.persistent else \
         (layout.n_tiles_cap, num_n)
     launch(_gemm2_scatter_fwd_fp8_kernel, grid,
         h_fp8, h_scale, w2_fp8, w2_scale, scores_TK, layout.row_pair, layout.tile_expert, out, layout.offsets, E,
         F=F, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_N=D % cfg.block_n == 0, BY_ROW=by_row, PERSISTENT=cfg.persistent,
-        NUM_PROGS=grid[0] if cfg.persistent else 1, INTERPRET=interp,
+        NUM_PROGS=grid[0] if cfg.persistent else 1, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

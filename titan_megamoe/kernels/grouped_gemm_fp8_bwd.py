@@ -74,13 +74,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels._bwd_common import _check, _check_layout, _interp_int
+from titan_megamoe.kernels._bwd_common import _check, _check_layout
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed, empty_transposed
 from titan_megamoe.kernels.grouped_gemm import interpret_mode
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.jit import cdiv, grouped_tile
+from titan_megamoe.kernels.jit import interp_int as _interp_int
 from titan_megamoe.kernels.routing import RoutingLayout
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP
 

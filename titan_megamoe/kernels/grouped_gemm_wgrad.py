@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.kernels.jit import cdiv, grouped_tile, next_pow2
+from titan_megamoe.kernels.jit import interp_int as _interp_int
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (
     _ACT,
@@ -35,7 +36,6 @@ from titan_megamoe.kernels._bwd_common import (
     _check,
     _check_layout,
     _desc,
-    _interp_int,
     _launch_opts,
     _tma_ok,
     default_bwd_config,

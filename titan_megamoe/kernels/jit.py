@@ -14,9 +14,23 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "flavor", "runnable", "cdiv", "next_pow2", "interp_int", "grouped_tile", "live_tile_range"]
+__all__ = ["env_flag", "interpreting", "flavor", "runnable", "cdiv", "next_pow2", "interp_int", "grouped_tile", "live_tile_range"]
 
 _FLAVORS: dict = {}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off switch of the environment: unset -> ``default``; "1" on, "0" off.
+
+    Raises:
+        ValueError: any other value (``=true`` / ``=off`` would otherwise be read the wrong way).
+    """
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: set it to 1 (on) or 0 (off), or unset it (default: {int(default)})")
+    return value == "1"
 
 
 def interpreting() -> bool:

@@ -34,15 +34,13 @@ packed metadata and the two hooks, hooks as ``HookChain``); any other release go
 
 from __future__ import annotations
 
-import os
-
-from titan_megamoe.kernels.jit import flavor, interpreting
+from titan_megamoe.kernels.jit import env_flag, flavor, interpreting
 from titan_megamoe.kernels.sm90_check import VERIFIED_TRITON
 
 __all__ = ["FAST_LAUNCH", "launch", "fast_launch_supported", "cached_kernels"]
 
 #: Launch compiled kernels through the cache of this module (module docstring); False: Triton's path.
-FAST_LAUNCH = os.environ.get("TITAN_MEGAMOE_FAST_LAUNCH", "1") != "0"
+FAST_LAUNCH = env_flag("TITAN_MEGAMOE_FAST_LAUNCH", True)
 
 _SUPPORTED: bool | None = None
 _CACHES: dict = {}  # id(JITFunction) -> {(device, specialization, options): CompiledKernel}; the

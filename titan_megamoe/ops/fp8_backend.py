@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.config import MegaMoEConfigError
+from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "check_fp8_supported",
@@ -58,7 +59,7 @@ FUSE_H_QUANT = True
 #: results; the bf16 dgate_up is then not written, unless the bf16 wgrad diagnosis needs it). Off until
 #: measured on a GPU (docs/NOTES.md, "dgate_up quantized in GEMM2 dgrad's epilogue"; scripts/gpu_s6_a.sh).
 #: Read from TITAN_MEGAMOE_FP8_FUSED_DGU=1 at import, or set directly.
-FUSED_DGU_QUANT = os.environ.get("TITAN_MEGAMOE_FP8_FUSED_DGU", "0") == "1"
+FUSED_DGU_QUANT = env_flag("TITAN_MEGAMOE_FP8_FUSED_DGU", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: Private diagnosis switch (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from the bf16
