@@ -210,7 +210,7 @@ def _op_ep_worker(rank, R):
     dw1-3 vs the fp32 reference within the FP8 bounds. Then the whole MegaMoE layer at EP = 2 as
     ``compare.builders.build_layer`` makes it for compare.layer (megamoe-triton fp8 vs
     megamoe-reference bf16)."""
-    from titan_megamoe.ops import ep_library
+    from titan_megamoe.ops import eager, ep_library
     from titan_megamoe.ops.fp8_backend import Fp8WeightCache
 
     T, D, F, E, K = 20, 128, 128, 2, 1  # one expert per rank, top-1: one live tile per rank
@@ -227,10 +227,12 @@ def _op_ep_worker(rank, R):
         for p in local:
             p.grad = None
         xl, sl = x.clone().requires_grad_(), s.clone().requires_grad_()
+        eager.ENABLED = call != 1  # the second call through the custom op: bitwise the eager first
         out = mega_moe(xl, ids, sl, *local, num_experts=E, ep_group=dist.group.WORLD, backend="triton",
                        precision=precision, recv_capacity=R * T * K, max_tokens_per_rank=T, layer_name="layers.0.moe",
                        fp8_cache=cache)
         out.backward(dout)
+        eager.ENABLED = True
         assert ep_library._PEERS, "the EP op did not run (no workspace was created)"
         got = [out.detach(), xl.grad, sl.grad] + [p.grad for p in local]
         want = [t[a:a + x.shape[0]] for t in ref[:3]] + [t[rank:rank + 1] for t in ref[3:]]
@@ -240,7 +242,7 @@ def _op_ep_worker(rank, R):
             assert err <= bound, f"call {call} {precision} {name}: {err:.4f} > {bound}"
         if call == 0:
             first = got
-        if call == 1:  # the second fp8 call: cached weights, the same bits
+        if call == 1:  # the second fp8 call: cached weights, the custom op's path, the same bits
             assert (cache.misses, cache.hits) == (3, 3), (cache.misses, cache.hits)
             assert all(torch.equal(g, f) for g, f in zip(got, first)), "a repeated call differs"
     # the whole layer as compare.layer builds it (MegaMoE + TorchTitan's EP plan, the experts' own weight

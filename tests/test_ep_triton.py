@@ -388,12 +388,22 @@ def _layer_ep_worker(rank, R):
     ref = single.float()(xs)
     ref.backward(g.float())
     tok = slice(rank * T, (rank + 1) * T)
-    for call in range(2):  # twice: the shared workspace is reused
+    from titan_megamoe.ops import eager
+
+    first = None
+    for call in range(2):  # twice: the shared workspace is reused; the eager path, then the custom op's
+        eager.ENABLED = call == 0
         xm = x[:, tok].clone().requires_grad_()
         for p in ep_layer.parameters():
             p.grad = None
         out = ep_layer(xm)
         out.backward(g[:, tok])
+        eager.ENABLED = True
+        got = [out.detach(), xm.grad] + [getattr(ep_layer.experts, n).grad.to_local() for n in ("w1", "w2", "w3")]
+        if first is None:
+            first = got
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(got, first)), "the custom op differs from the eager path"
         from titan_megamoe.ops import ep_library
 
         assert ep_library._PEERS, "the EP triton op did not run (no workspace was created)"

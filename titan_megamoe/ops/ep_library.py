@@ -35,6 +35,7 @@ from titan_megamoe.comm.peers import DEFAULT_TIMEOUT_MS
 from titan_megamoe.comm.signals import WaitMonitor
 from titan_megamoe.comm.workspace import WorkspaceLayout
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
+from titan_megamoe.ops import eager
 from titan_megamoe.ops.ep_backend import BACKWARD_STEPS, FORWARD_STEPS, EPRank, run_with_barriers
 from titan_megamoe.ops.triton_backend import _block_m
 
@@ -93,11 +94,7 @@ def _layout(L: tuple, e_l: int, K: int, max_rows: int) -> RoutingLayout:
                          tile_expert=tile_expert, block_m=_block_m(), num_experts=e_l, top_k=K, max_rows=max_rows)
 
 
-@torch.library.custom_op("megamoe::bf16_mega_moe_ep_fwd", mutates_args=())
-def bf16_mega_moe_ep_fwd(
-    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-    group_name: str, t_cap: int, max_rows: int, layer_name: str, overlap: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name, overlap):
     K = topk_ids.shape[1]
     e_l, _, D = w1.shape
     ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
@@ -108,6 +105,14 @@ def bf16_mega_moe_ep_fwd(
     CAPACITY.record(layer_name, L.counts, max_rows)
     WAITS.record(layer_name, ctx.peers.sync)
     return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+
+
+@torch.library.custom_op("megamoe::bf16_mega_moe_ep_fwd", mutates_args=())
+def bf16_mega_moe_ep_fwd(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str, overlap: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows, layer_name, overlap)
 
 
 @bf16_mega_moe_ep_fwd.register_fake
@@ -122,12 +127,8 @@ def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, group_name, t_cap, max_rows,
             torch.empty((n_tiles,), **i32))
 
 
-@torch.library.custom_op("megamoe::bf16_mega_moe_ep_bwd", mutates_args=())
-def bf16_mega_moe_ep_bwd(
-    dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-    gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
-    group_name: str, t_cap: int, max_rows: int, layer_name: str, overlap: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _bf16_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row, tile_expert,
+              group_name, t_cap, max_rows, layer_name, overlap):
     K = topk_ids.shape[1]
     e_l, _, D = w1.shape
     ctx = _ep_rank(group_name, t_cap, D, K, e_l, max_rows)
@@ -137,6 +138,16 @@ def bf16_mega_moe_ep_bwd(
     res = run_with_barriers(steps, ctx.peers)
     WAITS.record(f"{layer_name} (backward)", ctx.peers.sync)
     return res
+
+
+@torch.library.custom_op("megamoe::bf16_mega_moe_ep_bwd", mutates_args=())
+def bf16_mega_moe_ep_bwd(
+    dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+    gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str, overlap: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _bf16_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row,
+                     tile_expert, group_name, t_cap, max_rows, layer_name, overlap)
 
 
 @bf16_mega_moe_ep_bwd.register_fake
@@ -159,12 +170,13 @@ def _backward(ctx, dout, *unused):
     if dout is None:
         # every rank must still run the backward's barriers in step: a zero gradient, not a skip
         dout = torch.zeros_like(x)
-    dx, dscores, dw1, dw2, dw3 = bf16_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up,
-                                                      *layout, *ctx.meta)
+    bwd = _bf16_bwd if getattr(ctx, "eager", False) else bf16_mega_moe_ep_bwd  # ops/eager.py
+    dx, dscores, dw1, dw2, dw3 = bwd(dout, x, topk_ids, topk_scores, w1, w2, w3, gate_up, *layout, *ctx.meta)
     return dx, None, dscores, dw1, dw2, dw3, None, None, None, None, None
 
 
 bf16_mega_moe_ep_fwd.register_autograd(_backward, setup_context=_setup_context)
+_BF16 = eager.OpFunctions(_bf16_fwd, _setup_context, _backward)
 
 
 def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
@@ -203,9 +215,9 @@ def mega_moe_ep_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor
     if x_TD.shape[0] > max_tokens_per_rank:
         raise CapacityError(f"{layer_name}: {x_TD.shape[0]} tokens in one call on this rank, more than "
                             f"max_tokens_per_rank={max_tokens_per_rank}. Raise [megamoe] max_tokens_per_rank.")
-    return torch.ops.megamoe.bf16_mega_moe_ep_fwd(
-        x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, ep_group.group_name, max_tokens_per_rank, recv_capacity,
-        layer_name, overlap)[0]
+    return eager.call(torch.ops.megamoe.bf16_mega_moe_ep_fwd, _BF16,
+                      x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, ep_group.group_name, max_tokens_per_rank,
+                      recv_capacity, layer_name, overlap)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,11 +239,7 @@ def _fp8_w_dtype(w1: Tensor) -> torch.dtype:
     return w1.dtype if w1.dtype == torch.float32 else torch.bfloat16
 
 
-@torch.library.custom_op("megamoe::fp8_mega_moe_ep_fwd", mutates_args=())
-def fp8_mega_moe_ep_fwd(
-    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, wq: list[Tensor],
-    fp8_forward: bool, group_name: str, t_cap: int, max_rows: int, layer_name: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, group_name, t_cap, max_rows, layer_name):
     from titan_megamoe.ops.ep_fp8_backend import ep_fp8_forward_steps
     from titan_megamoe.ops.fp8_backend import NONFINITE
 
@@ -248,6 +256,14 @@ def fp8_mega_moe_ep_fwd(
     return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
 
 
+@torch.library.custom_op("megamoe::fp8_mega_moe_ep_fwd", mutates_args=())
+def fp8_mega_moe_ep_fwd(
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, wq: list[Tensor],
+    fp8_forward: bool, group_name: str, t_cap: int, max_rows: int, layer_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, group_name, t_cap, max_rows, layer_name)
+
+
 @fp8_mega_moe_ep_fwd.register_fake
 def _fp8_fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, group_name, t_cap, max_rows, layer_name):
     from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M
@@ -262,12 +278,8 @@ def _fp8_fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, group_n
             torch.empty((n_tiles,), **i32))
 
 
-@torch.library.custom_op("megamoe::fp8_mega_moe_ep_bwd", mutates_args=())
-def fp8_mega_moe_ep_bwd(
-    dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, wq_bwd: list[Tensor],
-    gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
-    group_name: str, t_cap: int, max_rows: int, layer_name: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _fp8_bwd(dout, x, topk_ids, topk_scores, w1, wq_bwd, gate_up, counts, offsets, row_pair, pair_row, tile_expert,
+             group_name, t_cap, max_rows, layer_name):
     from titan_megamoe.ops.ep_fp8_backend import ep_fp8_backward_steps
     from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M
 
@@ -282,6 +294,16 @@ def fp8_mega_moe_ep_bwd(
     res = run_with_barriers(steps, ctx.peers)
     WAITS.record(f"{layer_name} (backward)", ctx.peers.sync)
     return res
+
+
+@torch.library.custom_op("megamoe::fp8_mega_moe_ep_bwd", mutates_args=())
+def fp8_mega_moe_ep_bwd(
+    dout: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, wq_bwd: list[Tensor],
+    gate_up: Tensor, counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor,
+    group_name: str, t_cap: int, max_rows: int, layer_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _fp8_bwd(dout, x, topk_ids, topk_scores, w1, wq_bwd, gate_up, counts, offsets, row_pair, pair_row,
+                    tile_expert, group_name, t_cap, max_rows, layer_name)
 
 
 @fp8_mega_moe_ep_bwd.register_fake
@@ -310,13 +332,14 @@ def _fp8_backward(ctx, dout, *unused):
     if dout is None:
         # every rank must still run the backward's barriers in step: a zero gradient, not a skip
         dout = torch.zeros_like(x)
-    dx, dscores, dw1, dw2, dw3 = fp8_mega_moe_ep_bwd(dout, x, topk_ids, topk_scores, w1, list(wq_bwd), gate_up,
-                                                     *layout, *ctx.meta)
+    bwd = _fp8_bwd if getattr(ctx, "eager", False) else fp8_mega_moe_ep_bwd  # ops/eager.py
+    dx, dscores, dw1, dw2, dw3 = bwd(dout, x, topk_ids, topk_scores, w1, list(wq_bwd), gate_up, *layout, *ctx.meta)
     dw1, dw2, dw3 = (g.to(d) for g, d in zip((dw1, dw2, dw3), ctx.w_dtypes))
     return dx, None, dscores, dw1, dw2, dw3, [None] * ctx.n_wq, None, None, None, None, None
 
 
 fp8_mega_moe_ep_fwd.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+_FP8 = eager.OpFunctions(_fp8_fwd, _fp8_setup_context, _fp8_backward)
 
 
 def mega_moe_ep_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
@@ -357,6 +380,6 @@ def mega_moe_ep_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Te
         raise CapacityError(f"{layer_name}: {x_TD.shape[0]} tokens in one call on this rank, more than "
                             f"max_tokens_per_rank={max_tokens_per_rank}. Raise [megamoe] max_tokens_per_rank.")
     wq = prepare_weights(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
-    return torch.ops.megamoe.fp8_mega_moe_ep_fwd(
-        x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, wq, fp8_forward, ep_group.group_name, max_tokens_per_rank,
-        recv_capacity, layer_name)[0]
+    return eager.call(torch.ops.megamoe.fp8_mega_moe_ep_fwd, _FP8,
+                      x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, wq, fp8_forward, ep_group.group_name,
+                      max_tokens_per_rank, recv_capacity, layer_name)

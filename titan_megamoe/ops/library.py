@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.kernels.routing import layout_caps
+from titan_megamoe.ops import eager
 from titan_megamoe.ops import triton_backend as tb
 
 __all__ = ["mega_moe_triton", "mega_moe_triton_fp8"]
@@ -25,12 +26,21 @@ __all__ = ["mega_moe_triton", "mega_moe_triton_fp8"]
 _LayoutT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+def _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3):
+    out, gate_up, L = tb.triton_fwd(x, topk_ids, topk_scores, w1, w2, w3)
+    return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+
+
+def _bf16_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row, tile_expert, top_k):
+    L = tb.layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, tb._block_m(), w1.shape[0], top_k)
+    return tb.triton_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, L)
+
+
 @torch.library.custom_op("megamoe::bf16_mega_moe_fwd", mutates_args=())
 def bf16_mega_moe_fwd(
     x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out, gate_up, L = tb.triton_fwd(x, topk_ids, topk_scores, w1, w2, w3)
-    return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+    return _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3)
 
 
 @bf16_mega_moe_fwd.register_fake
@@ -50,8 +60,8 @@ def bf16_mega_moe_bwd(
     dout: Tensor, x: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, gate_up: Tensor,
     counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor, top_k: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    L = tb.layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, tb._block_m(), w1.shape[0], top_k)
-    return tb.triton_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, L)
+    return _bf16_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pair, pair_row, tile_expert,
+                     top_k)
 
 
 @bf16_mega_moe_bwd.register_fake
@@ -74,17 +84,20 @@ def _backward(ctx, dout, *unused):
     x, topk_scores, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
     if dout is None:  # the output was not used in the loss
         return None, None, None, None, None, None
-    dx, dscores, dw1, dw2, dw3 = bf16_mega_moe_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, *layout, ctx.top_k)
+    bwd = _bf16_bwd if getattr(ctx, "eager", False) else bf16_mega_moe_bwd  # ops/eager.py
+    dx, dscores, dw1, dw2, dw3 = bwd(dout, x, topk_scores, w1, w2, w3, gate_up, *layout, ctx.top_k)
     return dx, None, dscores, dw1, dw2, dw3
 
 
 bf16_mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)
+_BF16 = eager.OpFunctions(_bf16_fwd, _setup_context, _backward)
 
 
 def mega_moe_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
                     w3: Tensor) -> Tensor:
-    """Fused bf16 MoE experts on one GPU (EP = 1): (T, D) bf16 out. See ops/triton_backend.py."""
-    return torch.ops.megamoe.bf16_mega_moe_fwd(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3)[0]
+    """Fused bf16 MoE experts on one GPU (EP = 1): (T, D) bf16 out. See ops/triton_backend.py; eager
+    calls skip the custom op's dispatch (ops/eager.py)."""
+    return eager.call(torch.ops.megamoe.bf16_mega_moe_fwd, _BF16, x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,15 +114,28 @@ def mega_moe_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w
 # the FP8 backward they share.
 
 
+def _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name):
+    from titan_megamoe.ops import fp8_backend as fb
+
+    out, gate_up, L = fb.fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name)
+    return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+
+
+def _fp8_bwd(dout, x, topk_scores, w1, wq_bwd, gate_up, counts, offsets, row_pair, pair_row, tile_expert, top_k,
+             layer_name):
+    from titan_megamoe.ops import fp8_backend as fb
+
+    L = tb.layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, fb.FP8_BLOCK_M, w1.shape[0], top_k)
+    w_dtype = w1.dtype if w1.dtype == torch.float32 else torch.bfloat16
+    return fb.fp8_bwd(dout, x, topk_scores, wq_bwd, gate_up, L, w_dtype, layer_name)
+
+
 @torch.library.custom_op("megamoe::fp8_mega_moe_fwd", mutates_args=())
 def fp8_mega_moe_fwd(
     x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, wq: list[Tensor],
     fp8_forward: bool, layer_name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from titan_megamoe.ops import fp8_backend as fb
-
-    out, gate_up, L = fb.fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name)
-    return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
+    return _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name)
 
 
 @fp8_mega_moe_fwd.register_fake
@@ -132,11 +158,8 @@ def fp8_mega_moe_bwd(
     counts: Tensor, offsets: Tensor, row_pair: Tensor, pair_row: Tensor, tile_expert: Tensor, top_k: int,
     layer_name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from titan_megamoe.ops import fp8_backend as fb
-
-    L = tb.layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, fb.FP8_BLOCK_M, w1.shape[0], top_k)
-    w_dtype = w1.dtype if w1.dtype == torch.float32 else torch.bfloat16
-    return fb.fp8_bwd(dout, x, topk_scores, wq_bwd, gate_up, L, w_dtype, layer_name)
+    return _fp8_bwd(dout, x, topk_scores, w1, wq_bwd, gate_up, counts, offsets, row_pair, pair_row, tile_expert,
+                    top_k, layer_name)
 
 
 @fp8_mega_moe_bwd.register_fake
@@ -165,13 +188,15 @@ def _fp8_backward(ctx, dout, *unused):
     layout, wq_bwd = rest[:5], rest[5:]
     if dout is None:
         return None, None, None, None, None, None, [None] * ctx.n_wq, None, None
-    dx, dscores, dw1, dw2, dw3 = fp8_mega_moe_bwd(dout, x, topk_scores, w1, list(wq_bwd), gate_up, *layout,
-                                                  ctx.top_k, ctx.layer_name)
+    bwd = _fp8_bwd if getattr(ctx, "eager", False) else fp8_mega_moe_bwd  # ops/eager.py
+    dx, dscores, dw1, dw2, dw3 = bwd(dout, x, topk_scores, w1, list(wq_bwd), gate_up, *layout, ctx.top_k,
+                                     ctx.layer_name)
     dw1, dw2, dw3 = (g.to(d) for g, d in zip((dw1, dw2, dw3), ctx.w_dtypes))
     return dx, None, dscores, dw1, dw2, dw3, [None] * ctx.n_wq, None, None
 
 
 fp8_mega_moe_fwd.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+_FP8 = eager.OpFunctions(_fp8_fwd, _fp8_setup_context, _fp8_backward)
 
 
 def mega_moe_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
@@ -182,5 +207,5 @@ def mega_moe_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tenso
     from titan_megamoe.ops.fp8_backend import prepare_weights
 
     wq = prepare_weights(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
-    return torch.ops.megamoe.fp8_mega_moe_fwd(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, wq, fp8_forward,
-                                              layer_name)[0]
+    return eager.call(torch.ops.megamoe.fp8_mega_moe_fwd, _FP8, x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, wq,
+                      fp8_forward, layer_name)
