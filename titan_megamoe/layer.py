@@ -16,6 +16,8 @@ from torchtitan.models.moe.moe import MoE, MoEArgs, TokenChoiceTopKRouter
 
 from titan_megamoe.config import MegaMoEConfig
 from titan_megamoe.experts import MegaMoEExperts
+from titan_megamoe.kernels import jit
+from titan_megamoe.kernels import router as fused_router
 from titan_megamoe.parallelize import strip_torchtitan_ep_hooks
 
 __all__ = ["MegaMoE", "MegaMoERouter", "moe_args_of"]
@@ -25,12 +27,41 @@ class MegaMoERouter(TokenChoiceTopKRouter):
     """TorchTitan's token-choice top-k router (softmax / sigmoid, expert_bias for selection only,
     node-limited groups, route_norm, route_scale), with the per-expert counts taken by a
     ``scatter_add_`` of ones (exact integer counts in fp32, so deterministic; no host sync, unlike
-    ``torch.bincount``; runs on CPU, where ``histc`` of int64 does not)."""
+    ``torch.bincount``; runs on CPU, where ``histc`` of int64 does not).
+
+    Fused path: in eager mode everything after the gate linear is one Triton launch plus one
+    ``torch.zeros`` (``kernels/router.py``, with its own backward) instead of ~12 torch ops, when all
+    hold: not under ``torch.compile`` (Inductor fuses the torch code), no node-limited groups, no
+    ``_debug_force_load_balance``, ``TITAN_MEGAMOE_FUSED_ROUTER`` not ``0`` (read every call; ``1`` or
+    unset: on), the gate output (and expert_bias) plain tensors (not DTensors) on CUDA, or on CPU under
+    ``TRITON_INTERPRET=1``, with at most ``kernels.router.MAX_EXPERTS`` experts and 1 <= top_k <= E.
+    Otherwise the torch code below runs (it is the reference). Same return contract either way; the
+    fused path orders each token's slots by descending choice value with ties to the lowest expert
+    id, where ``torch.topk(sorted=False)``'s slot order is unspecified (the layer ignores slot order).
+    """
+
+    def _fused_ok(self, logits: Tensor, expert_bias: Tensor | None) -> bool:
+        """Whether ``forward`` takes the fused path for this gate output (class docstring)."""
+        if torch.compiler.is_compiling() or self.num_expert_groups is not None or self._debug_force_load_balance:
+            return False
+        if fused_router.triton is None or self.score_func not in fused_router.SCORE_FUNCS:
+            return False
+        if type(logits) is not Tensor or not (expert_bias is None or type(expert_bias) is Tensor):
+            return False
+        if not 1 <= self.top_k <= self.num_experts <= fused_router.MAX_EXPERTS:
+            return False
+        if not (logits.is_cuda or (logits.device.type == "cpu" and jit.interpreting())):
+            return False
+        return jit.env_flag("TITAN_MEGAMOE_FUSED_ROUTER", True)
 
     def forward(self, x: Tensor, expert_bias: Tensor | None = None):
         """x (T, D) -> top_scores (T, K) fp32, selected_experts_indices (T, K) int64,
         num_tokens_per_expert (E,) fp32."""
         scores = self.gate(x)
+        if self._fused_ok(scores, expert_bias):
+            return fused_router.topk_route_differentiable(
+                scores, self.top_k, score_func=self.score_func, expert_bias=expert_bias,
+                route_norm=self.route_norm, route_scale=self.route_scale)
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(scores.to(torch.float32))
         elif self.score_func == "softmax":
