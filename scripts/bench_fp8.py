@@ -88,9 +88,15 @@ def _bench_shape(name: str, T: int) -> dict:
     c2 = dataclasses.replace(config_for("gemm2", D, F, SMOKE), **bm)
     f1 = dataclasses.replace(fp8_config_for("gemm1", D, F, SMOKE), **bm)
     f2 = dataclasses.replace(fp8_config_for("gemm2", D, F, SMOKE), **bm)
-    # the persistent GEMM2 configs (GemmConfig.persistent; TITAN_MEGAMOE_PERSISTENT_GEMM2=1 selects them)
-    from titan_megamoe.kernels.configs import HOPPER_GEMM2_PERSISTENT
-    from titan_megamoe.kernels.grouped_gemm_fp8 import HOPPER_GEMM2_FP8_PERSISTENT
+    # the persistent GEMM2 configs (GemmConfig.persistent; the FP8 default, TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8;
+    # TITAN_MEGAMOE_PERSISTENT_GEMM2=1 for bf16); the plain rows are the grid kernels whatever the default
+    from titan_megamoe.kernels.configs import HOPPER_GEMM2, HOPPER_GEMM2_PERSISTENT
+    from titan_megamoe.kernels.grouped_gemm_fp8 import HOPPER_GEMM2_FP8, HOPPER_GEMM2_FP8_PERSISTENT
+
+    if c2.persistent:
+        c2 = dataclasses.replace(HOPPER_GEMM2, block_n=c2.block_n, block_k=c2.block_k, **bm)
+    if f2.persistent:
+        f2 = dataclasses.replace(HOPPER_GEMM2_FP8, block_n=f2.block_n, **bm)
 
     c2p = dataclasses.replace(c2, persistent=True) if SMOKE else dataclasses.replace(
         HOPPER_GEMM2_PERSISTENT, block_n=c2.block_n, block_k=c2.block_k)

@@ -97,12 +97,16 @@ HOPPER_GEMM1 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num
 HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=8, use_tma=False)
 #: GEMM2 persistent (``GemmConfig.persistent``): one program per SM over a flattened tile x K loop. 3
 #: stages: the flattening adds a buffer (sm_90a build at the 30B and 235B shapes: 235 registers, 176 KiB,
-#: no spills; 4 stages: 255 registers and 224 KiB, at both limits). Selected by
-#: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 until measured on a GPU (docs/NOTES.md, session 6).
+#: no spills; 4 stages: 255 registers and 224 KiB, at both limits). Opt-in for bf16: on one H200 it
+#: was 0.87 -> 0.93 ms at the 30B shape and 3.19 -> 3.13 ms at 235B (do_bench,
+#: benchmarks/results/bench_fp8_persistent_1xh200_20261201.json), no clear win.
 HOPPER_GEMM2_PERSISTENT = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8,
                                      persistent=True)
-#: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 (read at import): GEMM2 (bf16 and FP8) runs its persistent config.
+#: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 (read at import): the bf16 GEMM2 runs its persistent config.
 PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", False)
+#: TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8=0 (read at import): the FP8 GEMM2 runs its grid config. On by
+#: default: 0.78 -> 0.71 ms at 30B, 2.61 -> 2.51 ms at 235B (same file), bitwise the grid kernel's output.
+PERSISTENT_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", True)
 
 
 def interpreter_config() -> GemmConfig:

@@ -102,7 +102,7 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.kernels.jit import cdiv, grouped_tile, live_tile_range
-from titan_megamoe.kernels.configs import PERSISTENT_GEMM2, GemmConfig, _pow2_at_most, persistent_programs
+from titan_megamoe.kernels.configs import PERSISTENT_GEMM2_FP8, GemmConfig, _pow2_at_most, persistent_programs
 from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
 from titan_megamoe.kernels.grouped_gemm import _check_layout, interpret_mode
 from titan_megamoe.kernels.launch import launch
@@ -127,8 +127,8 @@ SCALE_BLOCK = 128  # channels per activation scale, rows / columns per weight sc
 #: Hopper defaults (module docstring: registers bound GEMM1 to BN = 64 per operand).
 HOPPER_GEMM1_FP8 = GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=4, group_m=1)
 HOPPER_GEMM2_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)
-#: FP8 GEMM2 persistent (``GemmConfig.persistent``, with TITAN_MEGAMOE_PERSISTENT_GEMM2=1 as the bf16 one,
-#: ``configs.PERSISTENT_GEMM2``): 3 stages, the flattened loop holds one more buffer (sm_90a build, 30B and
+#: FP8 GEMM2 persistent (``GemmConfig.persistent``; the default, TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8=0 turns it
+#: off, ``configs.PERSISTENT_GEMM2_FP8``): 3 stages, the flattened loop holds one more buffer (sm_90a build, 30B and
 #: 235B shapes: 225 registers, 128 KiB; by_row 247; 4 stages 242 / 253, 5 stages spill with by_row).
 HOPPER_GEMM2_FP8_PERSISTENT = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8,
                                          persistent=True)
@@ -397,7 +397,7 @@ def fp8_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
     if kind == "gemm1":
         base = HOPPER_GEMM1_FP8
     else:
-        base = HOPPER_GEMM2_FP8_PERSISTENT if PERSISTENT_GEMM2 else HOPPER_GEMM2_FP8
+        base = HOPPER_GEMM2_FP8_PERSISTENT if PERSISTENT_GEMM2_FP8 else HOPPER_GEMM2_FP8
     n_dim = F if kind == "gemm1" else D
     return dataclasses.replace(base, block_n=_pow2_at_most(n_dim, base.block_n))
 
