@@ -8,7 +8,8 @@ so no launch ever waits, then each stage is timed with ``time.perf_counter`` (me
     python scripts/host_overhead.py [--shape qwen3-30b-a3b] [--iters 50] [--out host.json]
 
 Each stage is timed with the fast launch path of ``kernels/launch.py`` off ("host_us", Triton's
-``JITFunction.run``) and on ("fast_launch_host_us"). Prints one JSON line per stage; writes them all
+``JITFunction.run``) and on ("fast_launch_host_us"). Stages named with TITAN_MEGAMOE_FUSED_ROUTER=0 /
+EAGER_AUTOGRAD=0 run with those switches off (layer.py's fused router, ops/eager.py). Prints one JSON line per stage; writes them all
 to ``--out`` if given. ``scripts/host_overhead_cpu.py`` is the CPU-machine counterpart.
 """
 
@@ -87,13 +88,28 @@ def main(argv=None) -> int:
             xb = x.view(1, T, shape.dim)
             record(f"{impl}: layer forward", lambda: moe(xb))
             record(f"{impl}: router", lambda: moe.router(x, moe.expert_bias))
+            if impl == "megamoe-triton":  # session 7's switches off: the router's torch ops, the custom op
+                from titan_megamoe.ops import eager
+
+                os.environ["TITAN_MEGAMOE_FUSED_ROUTER"] = "0"
+                record(f"{impl}: router, TITAN_MEGAMOE_FUSED_ROUTER=0", lambda: moe.router(x, moe.expert_bias))
+                eager.ENABLED = False
+                record(f"{impl}: layer forward, FUSED_ROUTER=0 and EAGER_AUTOGRAD=0", lambda: moe(xb))
+                eager.ENABLED = True
+                del os.environ["TITAN_MEGAMOE_FUSED_ROUTER"]
     moe = None
     built = build_layer("megamoe-triton", "bf16", shape, dev)
     ex = built.module.experts
     scores = torch.rand(T, K, device=dev).softmax(-1).requires_grad_()
     record("megamoe: experts module", lambda: ex(x, ids, scores))
     w1, w2, w3 = ex.w1, ex.w2, ex.w3
-    record("megamoe: custom op (autograd)", lambda: mega_moe_triton(x, ids, scores, w1, w2, w3))
+    record("megamoe: mega_moe_triton (autograd, eager Function)", lambda: mega_moe_triton(x, ids, scores, w1, w2, w3))
+    from titan_megamoe.ops import eager
+
+    eager.ENABLED = False
+    record("megamoe: mega_moe_triton (autograd, custom op: EAGER_AUTOGRAD=0)",
+           lambda: mega_moe_triton(x, ids, scores, w1, w2, w3))
+    eager.ENABLED = True
     with torch.no_grad():
         record("megamoe: custom op (no grad)", lambda: mega_moe_triton(x, ids, scores, w1, w2, w3))
         record("megamoe: triton_fwd (no op)", lambda: tb.triton_fwd(x, ids, scores, w1, w2, w3))

@@ -113,6 +113,7 @@ sys.path.insert(0, sys.argv[1])
 spec = importlib.util.spec_from_file_location("host_driver", sys.argv[2])
 hd = importlib.util.module_from_spec(spec); sys.modules["host_driver"] = hd; spec.loader.exec_module(hd)
 import torch
+torch.set_num_threads(1)  # the few real CPU ops here (the router's gate linear) must not wait on a thread pool
 import titan_megamoe
 from titan_megamoe.kernels import routing
 from titan_megamoe.ops import triton_backend as tb
@@ -141,7 +142,25 @@ with hd.host_only_driver(record=False):
     f = ep_fwd()
     ep_bwd = lambda: run_lockstep([ep_backward_steps(ctxs[r], dout, x, ids, s, *loc[r], f[r][1], f[r][2])
                                    for r in range(R)])
+    # the public op with autograd recording (what MegaMoEExperts calls), and the whole MegaMoE layer
+    from titan_megamoe.ops import mega_moe
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w2, w3)]
+    op_fwd = lambda: mega_moe(leaves[0], ids, leaves[1], *leaves[2:], num_experts=E, backend="triton")
+    from torchtitan.models.moe.moe import MoEArgs
+    from titan_megamoe.config import MegaMoEConfig
+    from titan_megamoe.layer import MegaMoE
+    layer = MegaMoE(MoEArgs(num_experts=E, top_k=K, score_func="softmax", route_norm=True, num_shared_experts=0,
+                            score_before_experts=False),
+                    D, F, config=MegaMoEConfig(backend="triton"))
+    with torch.no_grad():
+        layer.init_weights(0.02, torch.device("cpu"))
+    layer = layer.to(torch.bfloat16)
+    if hasattr(layer.router, "_fused_ok"):  # the fused router's GPU path (CPU tensors here, no interpreter)
+        layer.router._fused_ok = lambda *args: True
+    xl = x.view(1, T, D).clone().requires_grad_()
+    layer_fwd = lambda: layer(xl)
     print(json.dumps({"package": os.path.dirname(titan_megamoe.__file__),
+                      "op_fwd": med(op_fwd), "layer_fwd": med(layer_fwd),
                       "fwd": med(lambda: tb.triton_fwd(x, ids, s, w1, w2, w3)),
                       "bwd": med(lambda: tb.triton_bwd(dout, x, s, w1, w2, w3, gu, lay)),
                       "ep_fwd": med(ep_fwd) / R, "ep_bwd": med(ep_bwd) / R}))
@@ -164,7 +183,9 @@ def _baseline_rows(base_tree: str, iters: int, rounds: int) -> list[dict]:
                                    "(an editable install's finder shadows it?)")
             per[tree].append(got)
     rows = []
-    for k, name in (("fwd", "bf16 forward host steps (triton_fwd)"), ("bwd", "bf16 backward host steps (triton_bwd)"),
+    for k, name in (("op_fwd", "bf16 op forward, autograd on (ops.mega_moe)"),
+                    ("layer_fwd", "bf16 MegaMoE layer forward, router + experts, autograd on"),
+                    ("fwd", "bf16 forward host steps (triton_fwd)"), ("bwd", "bf16 backward host steps (triton_bwd)"),
                     ("ep_fwd", "bf16 EP 2 forward host steps per rank (ep_forward_steps, 2 emulated ranks)"),
                     ("ep_bwd", "bf16 EP 2 backward host steps per rank (ep_backward_steps, 2 emulated ranks)")):
         old = [r[k] for r in per[base_tree]]
