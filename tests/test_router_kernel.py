@@ -288,6 +288,29 @@ def test_every_output_written_and_deterministic(monkeypatch, poison):
     assert torch.equal(a[2], torch.bincount(a[1].reshape(-1), minlength=E).float())
 
 
+def test_counts_added_into_a_given_buffer():
+    """counts_into (the layer's tokens_per_expert): the kernel adds the exact counts into the buffer's
+    earlier values and returns None for them; the scores and ids are those of the plain call; a buffer
+    of the wrong dtype / shape is refused."""
+    E, K, T = 24, 3, 45
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, E, generator=gen).to(DEV)
+    kw = dict(score_func="softmax", route_norm=False, route_scale=1.0)
+    top, ids, counts = router.topk_route(x, K, **kw)
+    base = torch.rand(E, generator=gen).to(DEV) * 100 + 1
+    buf = base.clone()
+    top2, ids2, none = router.topk_route(x, K, counts_into=buf, **kw)
+    assert none is None and torch.equal(top2, top) and torch.equal(ids2, ids)
+    assert torch.equal(buf, base + counts) and counts.sum().item() == T * K
+    xl = x.clone().requires_grad_()
+    top3, _, none = router.topk_route_differentiable(xl, K, counts_into=buf, **kw)
+    top3.sum().backward()
+    assert none is None and torch.equal(buf, base + 2 * counts) and torch.isfinite(xl.grad).all()
+    for bad in (torch.zeros(E, dtype=torch.float64, device=DEV), torch.zeros(E + 1, device=DEV)):
+        with pytest.raises(ValueError, match="counts_into"):
+            router.topk_route(x, K, counts_into=bad, **kw)
+
+
 def test_block_t_choice():
     assert [router.block_t_for(e) for e in (2, 8, 60, 64, 128, 256, 1024)] == [64, 64, 64, 64, 32, 16, 4]
     assert [router.block_t_for(e) for e in (1, 61, 127, 255, 1023)] == [64, 32, 16, 8, 2]  # odd E: half
@@ -347,11 +370,12 @@ def test_layer_same_with_switch_on_and_off(monkeypatch, kernel_calls, style):
     x = torch.randn(2, T, D, generator=gen).to(DEV)
     g = torch.randn(2, T, D, generator=gen).to(DEV)
     results = []
+    base = torch.arange(E, dtype=torch.float32, device=DEV) * 3 + 0.5
     for flag in ("1", "0"):
         monkeypatch.setenv(FLAG, flag)
         n = len(kernel_calls)
         mega.zero_grad(set_to_none=True)
-        mega.tokens_per_expert.zero_()
+        mega.tokens_per_expert.copy_(base)  # not zeros: the fused path adds into the buffer
         xl = x.clone().requires_grad_()
         out = mega(xl)
         out.backward(g)
@@ -359,7 +383,7 @@ def test_layer_same_with_switch_on_and_off(monkeypatch, kernel_calls, style):
         grads = {n: p.grad.clone() for n, p in mega.named_parameters() if p.grad is not None}
         results.append((out.detach(), xl.grad, grads, mega.tokens_per_expert.clone()))
     (o1, dx1, g1, c1), (o0, dx0, g0, c0) = results
-    assert torch.equal(c1, c0) and c1.sum().item() == 2 * T * K
+    assert torch.equal(c1, c0) and (c1 - base).sum().item() == 2 * T * K
     assert_close_rel(o1, o0, torch.float32, "out")
     assert_close_rel(dx1, dx0, torch.float32, "dx")
     assert set(g1) == set(g0) and "router.gate.weight" in g1

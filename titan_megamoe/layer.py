@@ -54,14 +54,23 @@ class MegaMoERouter(TokenChoiceTopKRouter):
             return False
         return jit.env_flag("TITAN_MEGAMOE_FUSED_ROUTER", True)
 
-    def forward(self, x: Tensor, expert_bias: Tensor | None = None):
+    def forward(self, x: Tensor, expert_bias: Tensor | None = None, counts_into: Tensor | None = None):
         """x (T, D) -> top_scores (T, K) fp32, selected_experts_indices (T, K) int64,
-        num_tokens_per_expert (E,) fp32."""
+        num_tokens_per_expert (E,) fp32.
+
+        ``counts_into`` (the layer's ``tokens_per_expert``, fp32 (E,)): the fused path adds the counts
+        into it in its kernel and returns None for them (two host-side ops fewer); the torch path
+        ignores it and returns the counts (the caller adds them).
+        """
         scores = self.gate(x)
         if self._fused_ok(scores, expert_bias):
+            if counts_into is not None and (type(counts_into) is not Tensor or counts_into.dtype != torch.float32
+                                            or counts_into.device != scores.device
+                                            or not counts_into.is_contiguous()):
+                counts_into = None
             return fused_router.topk_route_differentiable(
                 scores, self.top_k, score_func=self.score_func, expert_bias=expert_bias,
-                route_norm=self.route_norm, route_scale=self.route_scale)
+                route_norm=self.route_norm, route_scale=self.route_scale, counts_into=counts_into)
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(scores.to(torch.float32))
         elif self.score_func == "softmax":
@@ -186,9 +195,14 @@ class MegaMoE(MoE):
         """x (bs, slen, dim) -> (bs, slen, dim)."""
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
-        top_scores, selected, counts = self.router(x, self.expert_bias)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts)
+        if isinstance(self.router, MegaMoERouter) and "forward" not in vars(self.router):
+            # the fused router adds the counts in its kernel (returns None for them)
+            top_scores, selected, counts = self.router(x, self.expert_bias, counts_into=self.tokens_per_expert)
+        else:  # a replaced router (compare.builders.inject_routing, tests): TorchTitan's signature
+            top_scores, selected, counts = self.router(x, self.expert_bias)
+        if counts is not None:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
         # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
         strip_torchtitan_ep_hooks(self.experts)
         out = self.experts(x, selected, top_scores)

@@ -189,7 +189,8 @@ def _empty(shape, dtype, device) -> Tensor:
 
 
 def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: Tensor | None = None,
-               route_norm: bool, route_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+               route_norm: bool, route_scale: float,
+               counts_into: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Token-choice top-k routing of gate logits in one Triton launch (no autograd; see
     :func:`topk_route_differentiable`).
 
@@ -213,15 +214,20 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
         expert_bias: optional (E,) float tensor added to the scores for selection only.
         route_norm: divide the K selected scores by (their sum + 1e-20).
         route_scale: factor applied to the selected scores last.
+        counts_into: optional (E,) fp32 contiguous tensor on logits' device (the layer's
+            ``tokens_per_expert``): the counts are added into it by the kernel, saving the separate
+            ``torch.zeros`` and ``add_`` (two host-side ops per layer call), and None is returned in
+            their place.
 
     Returns:
-        (top_scores (T, K) fp32, selected (T, K) int64, counts (E,) fp32): the selected scores (not
-        the biased choice values), the expert ids, and the exact number of (token, slot) pairs routed
-        to each expert.
+        (top_scores (T, K) fp32, selected (T, K) int64, counts (E,) fp32 or None): the selected scores
+        (not the biased choice values), the expert ids, and the exact number of (token, slot) pairs
+        routed to each expert (None with ``counts_into``).
 
     Raises:
         ValueError: logits not 2-D or of another dtype, E outside [1, MAX_EXPERTS], top_k outside
-            [1, E], an unknown score_func, or expert_bias not a float (E,) tensor on logits' device.
+            [1, E], an unknown score_func, expert_bias not a float (E,) tensor on logits' device, or
+            counts_into not a contiguous fp32 (E,) tensor on logits' device.
         RuntimeError: triton is not installed.
     """
     if triton is None:
@@ -231,9 +237,16 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
     dev = logits_TE.device
     top = _empty((T, top_k), torch.float32, dev)
     ids = _empty((T, top_k), torch.int64, dev)
-    counts = torch.zeros(E, dtype=torch.float32, device=dev)
+    if counts_into is None:
+        counts = torch.zeros(E, dtype=torch.float32, device=dev)
+    else:
+        if (tuple(counts_into.shape) != (E,) or counts_into.dtype != torch.float32 or counts_into.device != dev
+                or not counts_into.is_contiguous()):
+            raise ValueError(f"counts_into: expected a contiguous float32 ({E},) tensor on {dev}, got "
+                             f"{counts_into.dtype} {tuple(counts_into.shape)} on {counts_into.device}")
+        counts = counts_into
     if T == 0:
-        return top, ids, counts
+        return top, ids, (counts if counts_into is None else None)
     logits_TE = logits_TE.contiguous()  # no copy for the gate output
     bias = logits_TE if expert_bias is None else expert_bias.contiguous()  # unread without a bias
     block_t = block_t_for(E)
@@ -243,7 +256,7 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
            E=E, K=top_k, K_PAD=jit.next_pow2(top_k), E_PAD=jit.next_pow2(E), BLOCK_T=block_t,
            SOFTMAX=score_func == "softmax", HAS_BIAS=expert_bias is not None, ROUTE_NORM=bool(route_norm),
            UNROLL_K=UNROLL_K, **opts)
-    return top, ids, counts
+    return top, ids, (counts if counts_into is None else None)
 
 
 def _scores_fp32(logits_TE: Tensor, score_func: str) -> Tensor:
@@ -256,12 +269,12 @@ class TopKRouteFunction(torch.autograd.Function):
     buffer; the ids and counts are integer-valued)."""
 
     @staticmethod
-    def forward(ctx, logits_TE, expert_bias, top_k, score_func, route_norm, route_scale):
+    def forward(ctx, logits_TE, expert_bias, top_k, score_func, route_norm, route_scale, counts_into=None):
         top, ids, counts = topk_route(logits_TE, top_k, score_func=score_func, expert_bias=expert_bias,
-                                      route_norm=route_norm, route_scale=route_scale)
+                                      route_norm=route_norm, route_scale=route_scale, counts_into=counts_into)
         ctx.save_for_backward(logits_TE, ids)
         ctx.cfg = (score_func, bool(route_norm), float(route_scale))
-        ctx.mark_non_differentiable(ids, counts)
+        ctx.mark_non_differentiable(*(t for t in (ids, counts) if t is not None))
         return top, ids, counts
 
     @staticmethod
@@ -280,12 +293,13 @@ class TopKRouteFunction(torch.autograd.Function):
             dl = s * (ds - (ds * s).sum(dim=1, keepdim=True))
         else:
             dl = ds * s * (1.0 - s)
-        return dl.to(logits_TE.dtype), None, None, None, None, None
+        return dl.to(logits_TE.dtype), None, None, None, None, None, None
 
 
 def topk_route_differentiable(logits_TE: Tensor, top_k: int, *, score_func: str,
                               expert_bias: Tensor | None = None, route_norm: bool,
-                              route_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                              route_scale: float, counts_into: Tensor | None = None
+                              ) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`topk_route` with a backward to ``logits_TE`` (same arguments, returns and errors).
 
     d top_scores (T, K) -> d logits (T, E) in logits' dtype, the gradient of TorchTitan's torch code
@@ -293,6 +307,7 @@ def topk_route_differentiable(logits_TE: Tensor, top_k: int, *, score_func: str,
     a gradient this is ``topk_route`` itself (no autograd node).
     """
     if torch.is_grad_enabled() and logits_TE.requires_grad:
-        return TopKRouteFunction.apply(logits_TE, expert_bias, top_k, score_func, route_norm, route_scale)
+        return TopKRouteFunction.apply(logits_TE, expert_bias, top_k, score_func, route_norm, route_scale,
+                                       counts_into)
     return topk_route(logits_TE, top_k, score_func=score_func, expert_bias=expert_bias,
-                      route_norm=route_norm, route_scale=route_scale)
+                      route_norm=route_norm, route_scale=route_scale, counts_into=counts_into)
