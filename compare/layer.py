@@ -13,7 +13,11 @@ in compare/records.py), a markdown table on stdout, a PNG chart (compare/plots.p
 that cannot run are recorded as "skipped" with the reason; failures as "error" (exit code 1).
 
 Times (see compare/timing.py): fwd = the training forward (autograd on), bwd = the backward of
-that same step, timed separately, fwdbwd = the whole step; note that
+that same step, timed separately, fwdbwd = the whole step, each step started from an idle device
+(so host time before a kernel counts); every record also carries the host's enqueue time of the
+forward and of the step (``host_fwd_ms``, ``host_fwdbwd_ms``), and with ``--device-time`` a second
+pass of steps started behind a ~40 ms device sleep times the device's work alone (``*_device_ms``,
+second table): host-bound layers show it as fwd_ms well above fwd_device_ms. Note that
 shared/probes/stock_layer_baseline.py (DESIGN.md section 5) timed its "fwd" under torch.no_grad().
 tt-compile follows that probe (``torch.compile(moe.experts, fullgraph=False)``), not TorchTitan's
 ``apply_compile`` (which compiles the router / reorderer with fullgraph=True and patches
@@ -49,8 +53,8 @@ import torch.distributed as dist
 from compare import flops as flop_model
 from compare.builders import (IMPLS, PRECISIONS, build_layer, inject_routing, model_dtype, skip_reason,
                               stock_layer_context)
-from compare.records import (default_out_path, fill_speedups, markdown_table, new_record, provenance,
-                             write_results)
+from compare.records import (default_out_path, device_time_table, fill_speedups, markdown_table, new_record,
+                             provenance, write_results)
 from compare.shapes import LayerShape, parse_shape, shape_choices
 from compare.timing import (flush_l2, l2_flush_bytes, max_over_ranks, measure_gemm_tflops, percentiles, time_fwd_bwd,
                             timer_name)
@@ -88,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout (default 900)")
+    p.add_argument("--device-time", action="store_true",
+                   help="CUDA: also time --iters steps behind a device sleep, so the host enqueues ahead: the "
+                        "layer's device time alone (*_device_ms fields, second table)")
     p.add_argument("--tiny", action="store_true",
                    help=f"CPU smoke run: defaults {TINY} (explicit options still win)")
     return p
@@ -111,6 +118,7 @@ class Plan:
     warmup: int
     device: torch.device
     world_size: int
+    device_time: bool = False
 
 
 def _split(s: str) -> list[str]:
@@ -242,7 +250,12 @@ def parse_options(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
         print(f"compare.layer: warning: measuring {args.tokens} tokens/rank of {shapes[0].name}... on "
               "CPU will be very slow (use --tiny or a GPU)", file=sys.stderr)
     return args, Plan(shapes, impls, precisions, routings, args.tokens, args.iters, args.warmup,
-                      device, ws)
+                      device, ws, args.device_time)
+
+
+#: Device sleep queued before each step of the --device-time pass (ms): above the host's enqueue time of
+#: a whole step (a few ms on the H200 hosts seen so far; the record notes it when not).
+DEVICE_HEAD_START_MS = 40.0
 
 
 def _fixed_ids(spec: RoutingSpec, shape: LayerShape, T: int, ws: int, rank: int, seed: int,
@@ -316,7 +329,12 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank) -> dic
             if device.type == "cuda":  # the L2-flush scratch buffer is not the layer's
                 peak = (torch.cuda.max_memory_allocated(device) - l2_flush_bytes(device)) / 2**30
             tpe = moe.tokens_per_expert.detach().float().cpu().tolist()
-        return {"status": "ok", "samples": samples, "peak": peak, "counts": tpe, "notes": built.notes}
+            device_samples = None
+            if plan.device_time and device.type == "cuda":
+                device_samples = time_fwd_bwd(fwd, bwd, device=device, iters=plan.iters, warmup=1,
+                                              before_step=before_step, head_start_ms=DEVICE_HEAD_START_MS)
+        return {"status": "ok", "samples": samples, "peak": peak, "counts": tpe, "notes": built.notes,
+                "device_samples": device_samples}
     except Exception as err:  # recorded as status "error"; all ranks still reach the gather
         traceback.print_exc()
         msg = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
@@ -347,12 +365,23 @@ def _fill_measurements(rec: dict, results: list[dict], shape: LayerShape, T: int
     for phase in ("fwd", "bwd", "fwdbwd"):
         q = percentiles(max_over_ranks([r["samples"][phase] for r in results]))
         rec[f"{phase}_ms"], rec[f"{phase}_p20_ms"], rec[f"{phase}_p80_ms"] = q["median"], q["p20"], q["p80"]
+    for phase in ("fwd", "fwdbwd"):
+        rec[f"host_{phase}_ms"] = percentiles(max_over_ranks([r["samples"][f"host_{phase}"] for r in results]))["median"]
+    if all(r.get("device_samples") for r in results):
+        for phase in ("fwd", "bwd", "fwdbwd"):
+            rec[f"{phase}_device_ms"] = percentiles(max_over_ranks([r["device_samples"][phase] for r in results]))["median"]
+        host_max = max(max(r["device_samples"]["host_fwdbwd"]) for r in results)
+        rec["device_time_head_start_ms"] = DEVICE_HEAD_START_MS
+        if host_max >= DEVICE_HEAD_START_MS:  # the device caught up with the host: not device time alone
+            rec["notes"] = list(results[0]["notes"]) + [
+                f"device-time pass: a step's host enqueue took {host_max:.1f} ms >= the {DEVICE_HEAD_START_MS} ms head "
+                "start; *_device_ms include host time"]
     peaks = [r["peak"] for r in results if r["peak"] is not None]
     rec["peak_gib"] = max(peaks) if peaks else None
     counts = [sum(c) for c in zip(*[r["counts"] for r in results])]
     mean = sum(counts) / len(counts)
     rec["load_imbalance"] = max(counts) / mean if mean > 0 else None
-    rec["notes"] = results[0]["notes"]
+    rec["notes"] = rec["notes"] or results[0]["notes"]
     fl = flop_model.phase_flops(T, shape.top_k, shape.dim, shape.hidden)
     rec["flops"] = fl
     rec["tflops"] = flop_model.tflops(fl["fwdbwd"], rec["fwdbwd_ms"])
@@ -466,6 +495,8 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
                                                                note="tiny" if args.tiny else None)
         write_results(out, run, records)
         print(markdown_table(records))
+        if plan.device_time:
+            print("\n" + device_time_table(records))
         rate_txt = ", ".join(f"{k} {v:.4g}" if v else f"{k} n/a" for k, v in rates.items())
         print(f"\nGEMM rates (TFLOP/s, this run): {rate_txt}; times: median of {plan.iters} steps, "
               f"max over {ws} rank(s); wrote {out}")

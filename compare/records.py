@@ -36,6 +36,11 @@ Record fields (times in ms, median over timed steps of the per-step max over ran
                      own tokens_per_expert buffer (1.0 = perfectly balanced)
     ep, tokens_per_rank, iters, warmup
     fwd_ms, fwd_p20_ms, fwd_p80_ms, bwd_ms, bwd_p20_ms, bwd_p80_ms, fwdbwd_ms, fwdbwd_p20_ms, fwdbwd_p80_ms
+    host_fwd_ms, host_fwdbwd_ms   median (of the per-step max over ranks) host time to enqueue the
+                     forward / the whole step (time.perf_counter around the calls)
+    fwd_device_ms, bwd_device_ms, fwdbwd_device_ms   with --device-time (CUDA): the same medians for
+                     steps started behind a device sleep of device_time_head_start_ms, i.e. the
+                     device's work alone; null without it
     peak_gib         max over ranks of torch.cuda.max_memory_allocated (weights included) | null on CPU
     flops            {"fwd", "bwd", "fwdbwd"} per rank (compare/flops.py)
     tflops           effective fwd+bwd TFLOP/s per rank;  tflops_fwd, tflops_bwd
@@ -73,6 +78,7 @@ __all__ = [
     "write_results",
     "load_results",
     "markdown_table",
+    "device_time_table",
 ]
 
 SCHEMA = "titan_megamoe.compare.layer/1"
@@ -92,6 +98,8 @@ def new_record(*, implementation: str, family: str, backend: str | None, compile
     )
     for p in PHASES:
         rec[f"{p}_ms"] = rec[f"{p}_p20_ms"] = rec[f"{p}_p80_ms"] = None
+    rec.update(host_fwd_ms=None, host_fwdbwd_ms=None, fwd_device_ms=None, bwd_device_ms=None,
+               fwdbwd_device_ms=None, device_time_head_start_ms=None)
     rec.update(peak_gib=None, flops=None, tflops=None, tflops_fwd=None, tflops_bwd=None,
                floor_ms=None, floor_fwd_ms=None, floor_ratio=None, floor_ratio_fwd=None,
                speedup_vs={}, status="pending", reason=None, notes=[])
@@ -284,6 +292,23 @@ def load_results(path: str | Path) -> dict:
 
 def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
+
+
+def device_time_table(records: list[dict]) -> str:
+    """One row per ok record: the idle-start times beside the device-only times (--device-time) and
+    the host's enqueue times, so a host-bound layer shows as fwd ms well above fwd device ms."""
+    head = ("| shape | ep | impl | prec | fwd ms | fwd device ms | fwd+bwd ms | fwd+bwd device ms "
+            "| host enqueue fwd ms | host enqueue fwd+bwd ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        if r["status"] != "ok":
+            continue
+        lines.append(
+            f"| {r['shape']['name']} | {r['ep']} | {r['implementation']} | {r['precision']} | "
+            f"{_fmt(r['fwd_ms'], '.4g')} | {_fmt(r.get('fwd_device_ms'), '.4g')} | {_fmt(r['fwdbwd_ms'], '.4g')} | "
+            f"{_fmt(r.get('fwdbwd_device_ms'), '.4g')} | {_fmt(r.get('host_fwd_ms'), '.3g')} | "
+            f"{_fmt(r.get('host_fwdbwd_ms'), '.3g')} |")
+    return "\n".join(lines)
 
 
 def markdown_table(records: list[dict]) -> str:

@@ -7,6 +7,10 @@ What one timed step measures (:func:`time_fwd_bwd`), per rank::
     t0 | out = fwd() | t1 | bwd(out) | t2 | device sync
     fwd = t1 - t0,  bwd = t2 - t1,  fwdbwd = t2 - t0
 
+With ``head_start_ms`` (compare.layer --device-time) a device sleep is queued before t0, so the host
+enqueues the step while the device is busy and the events time the device's work alone; the host's
+own enqueue times (``time.perf_counter`` around fwd and around the step) are returned either way.
+
 So ``bwd`` is the backward of the forward graph saved in the same step, timed separately; fwd is
 the training forward (autograd recording on), not an inference forward. The barrier at the start
 of every step lines the ranks up, so step i on every rank is the same layer call; the reported
@@ -125,36 +129,72 @@ def time_fwd_bwd(
     warmup: int,
     before_step: Callable[[], None] | None = None,
     l2_flush: bool = True,
+    head_start_ms: float = 0.0,
 ) -> dict[str, list[float]]:
     """Time ``iters`` training steps of one layer after ``warmup`` untimed ones (warm-up also
     triggers torch.compile and any autotuning). See the module docstring for what is timed.
 
+    ``head_start_ms`` > 0 (CUDA only): each step's stream first gets a ``torch.cuda._sleep`` of about
+    that many ms, so the host enqueues the step while the device is still busy and the events time
+    the device's work alone (the layer's *device time*), as long as the host's enqueue time (the
+    ``host_*`` samples) stays below the head start. 0: the step starts from an idle device, as a
+    layer called after a sync does, and any host time before a kernel shows up in the times.
+
     Returns:
-        this rank's per-step samples in ms: {"fwd": [...], "bwd": [...], "fwdbwd": [...]}.
+        this rank's per-step samples in ms: {"fwd": [...], "bwd": [...], "fwdbwd": [...],
+        "host_fwd": [...], "host_fwdbwd": [...]} (host_*: ``time.perf_counter`` around the calls,
+        the host's time to enqueue the forward and the whole step).
     """
     for _ in range(warmup):
         if before_step is not None:
             before_step()
         bwd(fwd())
-    out: dict[str, list[float]] = {"fwd": [], "bwd": [], "fwdbwd": []}
+    out: dict[str, list[float]] = {"fwd": [], "bwd": [], "fwdbwd": [], "host_fwd": [], "host_fwdbwd": []}
     t0, t1, t2 = _Stamp(device), _Stamp(device), _Stamp(device)
+    cycles = _sleep_cycles(device, head_start_ms) if head_start_ms > 0 and device.type == "cuda" else 0
     for _ in range(iters):
         if before_step is not None:
             before_step()
         if l2_flush:
             flush_l2(device)
         barrier(device)
+        if cycles:
+            torch.cuda._sleep(cycles)
+        h0 = time.perf_counter()
         t0.record()
         y = fwd()
         t1.record()
+        h1 = time.perf_counter()
         bwd(y)
         t2.record()
+        h2 = time.perf_counter()
         sync(device)
         del y
         out["fwd"].append(t1.ms_since(t0))
         out["bwd"].append(t2.ms_since(t1))
         out["fwdbwd"].append(t2.ms_since(t0))
+        out["host_fwd"].append((h1 - h0) * 1e3)
+        out["host_fwdbwd"].append((h2 - h0) * 1e3)
     return out
+
+
+_cycles_per_ms: dict[torch.device, float] = {}
+
+
+def _sleep_cycles(device: torch.device, ms: float) -> int:
+    """``torch.cuda._sleep`` argument for about ``ms`` of device time (calibrated once per device)."""
+    rate = _cycles_per_ms.get(device)
+    if rate is None:
+        n = 10_000_000
+        a, b = _Stamp(device), _Stamp(device)
+        torch.cuda._sleep(n // 10)  # first call: module load
+        sync(device)
+        a.record()
+        torch.cuda._sleep(n)
+        b.record()
+        sync(device)
+        rate = _cycles_per_ms[device] = n / max(b.ms_since(a), 1e-3)
+    return int(rate * ms)
 
 
 def time_fn(fn: Callable[[], object], *, device: torch.device, iters: int, warmup: int) -> list[float]:

@@ -14,6 +14,8 @@
 #     (gpu_s7.sh PART b).
 #   PART=c (2 H200, ~9 min): ep_overlap fp8 v1 with TITAN_MEGAMOE_FP8_WGRAD=bf16, then compare.train
 #     30B-8L fp8 EP 2 vs stock fp8, 30 steps (gpu_s7.sh PART d).
+# Every compare.layer run adds --device-time (the device's work alone, behind a 40 ms device sleep, beside
+# the from-idle times): the host-side changes should cut fwd ms and leave fwd device ms unchanged.
 # Predictions (docs/NOTES.md, session 7): EP 1 30B fwd -0.25..-0.45 ms on the H200 host from the eager
 # Function, another -0.2..-0.4 ms from the fused router (host time before GEMM1); fwd+bwd less (the
 # backward is device-bound); FP8 fwd unchanged within noise (host-bound), fp8 fwd+bwd -0.05 ms.
@@ -32,20 +34,20 @@ if [ "$PART" = a ]; then
     > "$OUT/host.log" 2>&1
   echo "[t=$((SECONDS - t0))s] host_overhead rc $?"; grep stage "$OUT/host.log"
   timeout 150 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
-    --precisions bf16 --routings random --iters 20 --warmup 5 --no-plot --out "$OUT/keep/layer_1xh200_ep1.json" \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1.json" \
     > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep1 rc $?"; grep "^|" "$OUT/layer.log"
   for mode in "0 0 0" "1 0 0" "1 1 1"; do
     set -- $mode
     TITAN_MEGAMOE_EAGER_AUTOGRAD=$1 TITAN_MEGAMOE_FUSED_ROUTER=$2 TITAN_MEGAMOE_PERSISTENT_GEMM2=$3 timeout 45 \
       python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions bf16 --routings random \
-      --iters 20 --warmup 5 --no-plot --out "$OUT/keep/layer_1xh200_ep1_eager$1_router$2_pers$3.json" \
+      --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_eager$1_router$2_pers$3.json" \
       > "$OUT/layer_$1$2$3.log" 2>&1
     echo "[t=$((SECONDS - t0))s] layer ep1 EAGER_AUTOGRAD=$1 FUSED_ROUTER=$2 PERSISTENT_GEMM2=$3 rc $?"
     grep "^| qwen" "$OUT/layer_$1$2$3.log"
   done
   timeout 70 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
-    --routings random --iters 20 --warmup 5 --no-plot --out "$OUT/keep/layer_1xh200_ep1_fp8.json" > "$OUT/layer_fp8.log" 2>&1
+    --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_fp8.json" > "$OUT/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep1 fp8 rc $?"; grep "^| qwen" "$OUT/layer_fp8.log"
 fi
 if [ "$PART" = b ]; then
@@ -55,7 +57,7 @@ if [ "$PART" = b ]; then
   grep -v "^\[W\|UserWarning\|warnings.warn" "$OUT/ep_worker.log" | grep -i "fail\|error\|mismatch\|assert" | head
   timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m compare.layer \
     --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton --precisions bf16,fp8 \
-    --routings random --iters 15 --warmup 4 --no-plot --out "$OUT/keep/layer_2xh200_ep2.json" > "$OUT/layer_ep2.log" 2>&1
+    --routings random --iters 15 --warmup 4 --device-time --no-plot --out "$OUT/keep/layer_2xh200_ep2.json" > "$OUT/layer_ep2.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep2 rc $?"; grep "^|\|rror" "$OUT/layer_ep2.log" | head -14
   for cd in fp32 bf16; do
     mkdir -p "$OUT/comb_$cd"

@@ -17,7 +17,8 @@ SHAPE = "custom:64,32,8,2"  # D=64, F=32, E=8, K=2: small enough for CPU bf16 in
 RECORD_FIELDS = {
     "implementation", "precision", "shape", "routing", "ep", "tokens_per_rank", "fwd_ms", "bwd_ms",
     "fwdbwd_ms", "fwd_p20_ms", "fwd_p80_ms", "fwdbwd_p20_ms", "fwdbwd_p80_ms", "peak_gib", "tflops",
-    "floor_ms", "floor_ratio", "speedup_vs", "status", "reason", "routing_note",
+    "floor_ms", "floor_ratio", "speedup_vs", "status", "reason", "routing_note", "host_fwd_ms", "host_fwdbwd_ms",
+    "fwd_device_ms", "bwd_device_ms", "fwdbwd_device_ms", "device_time_head_start_ms",
 }
 RUN_FIELDS = {"gpu", "torch", "triton", "torchtitan", "git_rev", "git_dirty", "date_utc", "command",
               "hostnames", "gemm_rates_tflops"}
@@ -216,6 +217,33 @@ def test_flop_model_and_percentiles():
     q = timing.percentiles([5.0, 1.0, 3.0, 2.0, 4.0])
     assert q == {"median": 3.0, "p20": pytest.approx(1.8), "p80": pytest.approx(4.2)}
     assert timing.max_over_ranks([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
+
+
+def test_host_enqueue_times_and_device_time_option(tmp_path, capsys):
+    """Every record carries the host's enqueue times; --device-time adds the device-only pass on CUDA
+    (on CPU there is no device to run ahead of: the fields stay null) and its table."""
+    from compare.layer import main
+
+    calls = []
+
+    def fwd():
+        calls.append("f")
+        return torch.ones(3, requires_grad=True) * 2
+
+    s = timing.time_fwd_bwd(fwd, lambda y: y.sum().backward(), device=torch.device("cpu"), iters=4, warmup=1,
+                            head_start_ms=5.0)
+    assert len(calls) == 5 and all(len(s[k]) == 4 for k in ("fwd", "bwd", "fwdbwd", "host_fwd", "host_fwdbwd"))
+    assert all(0 < a <= b for a, b in zip(s["host_fwd"], s["host_fwdbwd"]))
+    out = tmp_path / "layer.json"
+    assert main(["--tiny", "--out", str(out), "--routings", "random", "--impls", "tt-eager,megamoe-reference",
+                 "--precisions", "bf16", "--device-time", "--no-plot"]) == 0
+    stdout = capsys.readouterr().out
+    assert "| fwd device ms |" in stdout
+    recs = json.loads(out.read_text())["records"]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["status"] == "ok" and 0 < r["host_fwd_ms"] <= r["host_fwdbwd_ms"]
+        assert r["fwd_device_ms"] is None and r["fwdbwd_device_ms"] is None  # CPU
 
 
 # ---------------------------------------------------------------------------------- capture_topk
