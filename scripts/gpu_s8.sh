@@ -5,7 +5,8 @@
 #   PART=a (1 H200 is enough, ~8 min): GPU tests (single-GPU tests of tests/test_gpu.py, and the eager
 #     autograd / fused router tests compiled); host_overhead.py (stages with the eager Function and the
 #     fused router on / off); compare.layer EP 1: both shapes, stock compiled vs megamoe bf16 with today's
-#     defaults, then megamoe alone at 30B with (EAGER_AUTOGRAD, FUSED_ROUTER, PERSISTENT_GEMM2) = (0,0,0),
+#     defaults plus the opt-in fused router (TITAN_MEGAMOE_FUSED_ROUTER=1: make it the default if its GPU
+#     tests pass and it is faster), then megamoe alone at 30B with (EAGER_AUTOGRAD, FUSED_ROUTER, PERSISTENT_GEMM2) = (0,0,0),
 #     (1,0,0), (1,1,1) (the before, the halfway, and the bf16 persistent GEMM2 again: session 7's layer run
 #     said -0.17 ms fwd, its do_bench +0.06 ms), one process each, then 30B fp8 / fp8_bwd (persistent FP8
 #     GEMM2 now the default). 7 files back.
@@ -33,7 +34,8 @@ if [ "$PART" = a ]; then
   timeout 60 python3 scripts/host_overhead.py --iters 40 --out "$OUT/keep/host_overhead_30b_1xh200.json" \
     > "$OUT/host.log" 2>&1
   echo "[t=$((SECONDS - t0))s] host_overhead rc $?"; grep stage "$OUT/host.log"
-  timeout 150 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+  TITAN_MEGAMOE_FUSED_ROUTER=1 timeout 150 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b \
+    --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1.json" \
     > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep1 rc $?"; grep "^|" "$OUT/layer.log"

@@ -8,8 +8,9 @@ so no launch ever waits, then each stage is timed with ``time.perf_counter`` (me
     python scripts/host_overhead.py [--shape qwen3-30b-a3b] [--iters 50] [--out host.json]
 
 Each stage is timed with the fast launch path of ``kernels/launch.py`` off ("host_us", Triton's
-``JITFunction.run``) and on ("fast_launch_host_us"). Stages named with TITAN_MEGAMOE_FUSED_ROUTER=0 /
-EAGER_AUTOGRAD=0 run with those switches off (layer.py's fused router, ops/eager.py). Prints one JSON line per stage; writes them all
+``JITFunction.run``) and on ("fast_launch_host_us"). The megamoe layer stages run with
+TITAN_MEGAMOE_FUSED_ROUTER=1 (layer.py's fused router, opt-in), except those named with
+FUSED_ROUTER=0 / EAGER_AUTOGRAD=0 (ops/eager.py), which run with those switches off. Prints one JSON line per stage; writes them all
 to ``--out`` if given. ``scripts/host_overhead_cpu.py`` is the CPU-machine counterpart.
 """
 
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
 
+    os.environ["TITAN_MEGAMOE_FUSED_ROUTER"] = "1"  # opt-in (layer.py): timed on, then off below
     for impl in ("megamoe-triton", "tt-compile"):
         with stock_layer_context("bf16", dev):
             built = build_layer(impl, "bf16", shape, dev)
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
                 eager.ENABLED = False
                 record(f"{impl}: layer forward, FUSED_ROUTER=0 and EAGER_AUTOGRAD=0", lambda: moe(xb))
                 eager.ENABLED = True
-                del os.environ["TITAN_MEGAMOE_FUSED_ROUTER"]
+                os.environ["TITAN_MEGAMOE_FUSED_ROUTER"] = "1"
     moe = None
     built = build_layer("megamoe-triton", "bf16", shape, dev)
     ex = built.module.experts

@@ -171,6 +171,20 @@ def test_refuses_gpt_oss_experts_naming_the_layer():
         MegaMoEConverter(job_config(), dims()).convert(model)
 
 
+def test_triton_refuses_score_before_experts_naming_the_layer():
+    """Llama4 scales the experts' input by the score: the fused kernels cannot, so the converter refuses
+    it on the meta model (before any allocation) and names the fix; the reference backend converts it."""
+    spec = get_train_spec("llama4")
+    args = copy.deepcopy(spec.model_args["debugmodel"])
+    args.n_layers = 2
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    with pytest.raises(UnsupportedModelError, match=r"layer 'layers\.\d+\.moe'.*score_before_experts.*reference"):
+        MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims()).convert(model)
+    MegaMoEConverter(job_config("--megamoe.backend", "reference"), dims()).convert(model)
+    assert any(isinstance(m, MegaMoE) for m in model.modules())
+
+
 def test_refuses_dense_model():
     spec = get_train_spec("qwen3")
     args = copy.deepcopy(spec.model_args["debugmodel"])

@@ -54,7 +54,9 @@ def convert_moe_layers(
 
     Raises:
         UnsupportedModelError: an MoE layer whose experts are not TorchTitan's plain SwiGLU
-            ``GroupedExperts`` (for example gpt-oss's biased, clamped experts), or no MoE layer at all.
+            ``GroupedExperts`` (for example gpt-oss's biased, clamped experts), a layer that scales the
+            experts' input by the score (``score_before_experts``, Llama4) with backend "triton" (the
+            fused kernels apply the score after the experts), or no MoE layer at all.
     """
     converted = []
     for fqn, module in list(model.named_modules()):
@@ -65,6 +67,12 @@ def convert_moe_layers(
                 f"layer '{fqn}' ({type(module).__name__}) has experts of type "
                 f"{type(module.experts).__name__}, which megamoe cannot express (it fuses bias-free "
                 "SwiGLU experts w1/w2/w3 only). Remove 'megamoe' from [model] converters for this model."
+            )
+        if config.backend == "triton" and module.score_before_experts:
+            raise UnsupportedModelError(
+                f"layer '{fqn}' scales the experts' input by the routing score (score_before_experts, as "
+                "Llama4 does); the triton backend applies it after the experts (Qwen3 / DeepSeek-V3 style). "
+                "Set [megamoe] backend = \"reference\" for this model."
             )
         new = MegaMoE.from_moe(module, config=config, max_tokens_per_rank=max_tokens_per_rank, layer_name=fqn)
         parent_name, _, child = fqn.rpartition(".")

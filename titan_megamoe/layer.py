@@ -29,12 +29,13 @@ class MegaMoERouter(TokenChoiceTopKRouter):
     ``scatter_add_`` of ones (exact integer counts in fp32, so deterministic; no host sync, unlike
     ``torch.bincount``; runs on CPU, where ``histc`` of int64 does not).
 
-    Fused path: in eager mode everything after the gate linear is one Triton launch plus one
-    ``torch.zeros`` (``kernels/router.py``, with its own backward) instead of ~12 torch ops, when all
-    hold: not under ``torch.compile`` (Inductor fuses the torch code), no node-limited groups, no
-    ``_debug_force_load_balance``, ``TITAN_MEGAMOE_FUSED_ROUTER`` not ``0`` (read every call; ``1`` or
-    unset: on), the gate output (and expert_bias) plain tensors (not DTensors) on CUDA, or on CPU under
-    ``TRITON_INTERPRET=1``, with at most ``kernels.router.MAX_EXPERTS`` experts and 1 <= top_k <= E.
+    Fused path (opt-in until it has run on a GPU: ``TITAN_MEGAMOE_FUSED_ROUTER=1``, read every call):
+    in eager mode everything after the gate linear is one Triton launch (``kernels/router.py``, with
+    its own backward; the counts added into ``counts_into`` when given, else one ``torch.zeros``)
+    instead of ~12 torch ops, when all hold: the switch on, not under ``torch.compile`` (Inductor
+    fuses the torch code), no node-limited groups, no ``_debug_force_load_balance``, the gate output
+    (and expert_bias) plain tensors (not DTensors) on CUDA, or on CPU under ``TRITON_INTERPRET=1``, with
+    at most ``kernels.router.MAX_EXPERTS`` experts and 1 <= top_k <= E.
     Otherwise the torch code below runs (it is the reference). Same return contract either way; the
     fused path orders each token's slots by descending choice value with ties to the lowest expert
     id, where ``torch.topk(sorted=False)``'s slot order is unspecified (the layer ignores slot order).
@@ -52,7 +53,7 @@ class MegaMoERouter(TokenChoiceTopKRouter):
             return False
         if not (logits.is_cuda or (logits.device.type == "cpu" and jit.interpreting())):
             return False
-        return jit.env_flag("TITAN_MEGAMOE_FUSED_ROUTER", True)
+        return jit.env_flag("TITAN_MEGAMOE_FUSED_ROUTER", False)
 
     def forward(self, x: Tensor, expert_bias: Tensor | None = None, counts_into: Tensor | None = None):
         """x (T, D) -> top_scores (T, K) fp32, selected_experts_indices (T, K) int64,

@@ -92,7 +92,7 @@ def mega_moe(
         if score_before_experts:
             raise NotImplementedError(
                 f"{layer_name}: the triton backend applies the routing score after the experts (Qwen3 style); "
-                "score_before_experts models (DeepSeek-V3, Llama4) need backend = 'reference' for now"
+                "score_before_experts models (Llama4) need backend = 'reference' for now"
             )
         from titan_megamoe.ops.library import mega_moe_triton
         from titan_megamoe.ops.triton_backend import check_triton_inputs
@@ -122,7 +122,7 @@ def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, sc
     if score_before_experts:
         raise NotImplementedError(
             f"{layer_name}: the triton backend applies the routing score after the experts (Qwen3 style); "
-            "score_before_experts models (DeepSeek-V3, Llama4) need backend = 'reference' for now")
+            "score_before_experts models (Llama4) need backend = 'reference' for now")
     check_triton_inputs(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, layer_name)
     check_fp8_supported(x_TD.device, x_TD.shape[1], w1.shape[1], layer_name, precision)
     # Weights keep their dtype (fp32 master weights quantize straight from fp32 and get fp32

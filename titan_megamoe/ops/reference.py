@@ -151,7 +151,7 @@ def mega_moe_ref(
             with e = num_experts // R; rank r owns global experts [r*e, (r+1)*e).
         num_experts: E, the global number of routed experts.
         ep_group: the expert-parallel process group (R ranks), or None for R = 1.
-        score_before_experts: apply the score to the expert input (DeepSeek-V3, Llama4 style).
+        score_before_experts: apply the score to the expert input (Llama4 style).
         recv_capacity: largest number of routed (token, expert) rows this rank accepts.
         layer_name: used in error messages.
 
