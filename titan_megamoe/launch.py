@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(
         prog="python -m titan_megamoe.launch",
+        usage="%(prog)s --config X.toml [--ngpu N] [--steps N] [--dry-run] [-- TORCHTITAN_ARGS ...]",
         description="Run torchtitan.train with prepared default inputs.",
+        epilog="Arguments after a lone '--' go to torchtitan.train unchanged, e.g. "
+               "-- --training.local_batch_size 2 --metrics.log_freq 5",
     )
     parser.add_argument("--config", required=True, help="TorchTitan TOML job config")
     parser.add_argument(
