@@ -5,13 +5,11 @@
 #     bf16 combine rows): tests/test_gpu.py single-GPU tests + the 2-GPU EP worker (bf16); host time per
 #     launcher with the fast path off / on (scripts/host_overhead.py); scripts/bench_fp8.py: persistent
 #     GEMM2 (bf16, FP8) vs the grid kernels, bitwise flags, and session 5's fused dgate_up row.
-#   PART=b (2 H200, ~8 min): compare.layer EP 2 (both shapes, stock compiled bf16 / fp8 vs megamoe bf16 /
-#     fp8, today's defaults); compare.ep_overlap bf16 v1 at 30B with TITAN_MEGAMOE_COMBINE_DTYPE=fp32 vs bf16.
+#   PART=b and PART=d (EP 2, never run: no 2-GPU machine in sessions 6 and 7) moved to scripts/gpu_s8.sh
+#     (its PART b and c).
 #   PART=c (1 H200 is enough, ~8 min): compare.layer EP 1 at 30B with (FAST_LAUNCH, PERSISTENT_GEMM2) =
 #     (0,0), (1,0), (1,1), three processes (both are read at import); then session 5's fused dgate_up at
 #     EP 2 (TITAN_MEGAMOE_FP8_FUSED_DGU 0 / 1) if two GPUs and time are left.
-#   PART=d (2 H200, ~9 min): the FP8 EP backward with the bf16 grouped-mm wgrads (TITAN_MEGAMOE_FP8_WGRAD=
-#     bf16, never timed at EP 2), then compare.train 30B-8L fp8 EP 2 vs stock fp8, 30 steps.
 # Predictions (docs/NOTES.md, session 6): EP 1 30B fwd 3.28 -> ~3.15 ms from the launch path; EP 2 30B
 # fwd 4.42 -> ~4.2 ms; combine_push 0.38 -> 0.19-0.27 ms per direction (fwd+bwd -0.25..-0.45 ms); persistent
 # GEMM2 unknown sign (prefetch across tiles vs one CTA per SM at 235 registers).
@@ -41,20 +39,6 @@ if [ "$PART" = a ]; then
   grep -o '"gemm2_persistent_bitwise_grid": {[^}]*}\|"gemm2_dgrad_quant_dgu_bitwise_dual": [a-z]*' \
     "$OUT/keep/bench_fp8_1xh200.json"
 fi
-if [ "$PART" = b ]; then
-  timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m compare.layer \
-    --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton --precisions bf16,fp8 \
-    --routings random --iters 15 --warmup 4 --no-plot --out "$OUT/keep/layer_2xh200_ep2.json" > "$OUT/layer_ep2.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer ep2 rc $?"; grep "^|\|rror" "$OUT/layer_ep2.log" | head -14
-  for cd in fp32 bf16; do
-    mkdir -p "$OUT/comb_$cd"
-    REV=$REV OUT="$OUT/comb_$cd" TITAN_MEGAMOE_COMBINE_DTYPE=$cd PRECISIONS=bf16 MODES=v1 TIMEOUT=120 \
-      bash scripts/gpu_ep_overlap.sh > /dev/null 2>&1
-    cp "$OUT/comb_$cd/ep_overlap_2xh200.json" "$OUT/keep/ep_overlap_2xh200_comb_$cd.json" 2>/dev/null
-    echo "[t=$((SECONDS - t0))s] ep_overlap bf16 v1 combine $cd"
-    grep "^| qwen\|^phases" "$OUT/comb_$cd/ep_overlap.log" | head -6
-  done
-fi
 if [ "$PART" = c ]; then
   for mode in "0 0" "1 0" "1 1"; do
     set -- $mode
@@ -74,22 +58,6 @@ if [ "$PART" = c ]; then
       grep "^| qwen\|^phases" "$OUT/fused$flag/ep_overlap.log" | head -6
     done
   fi
-fi
-if [ "$PART" = d ]; then  # 2 H200: the FP8 EP backward with the bf16 grouped-mm wgrads, then FP8 training
-  mkdir -p "$OUT/wgrad_bf16"
-  REV=$REV OUT="$OUT/wgrad_bf16" TITAN_MEGAMOE_FP8_WGRAD=bf16 PRECISIONS=fp8 MODES=v1 TIMEOUT=150 \
-    bash scripts/gpu_ep_overlap.sh > /dev/null 2>&1
-  cp "$OUT/wgrad_bf16/ep_overlap_2xh200.json" "$OUT/keep/ep_overlap_2xh200_fp8_wgrad_bf16.json" 2>/dev/null
-  echo "[t=$((SECONDS - t0))s] ep_overlap fp8 v1 TITAN_MEGAMOE_FP8_WGRAD=bf16"
-  grep "^| qwen\|^phases" "$OUT/wgrad_bf16/ep_overlap.log" | head -6
-  # FP8 training at EP 2 with today's defaults (issue 7's fp8 target: 1.7x stock fp8); add the switches
-  # that won in PART a-c to the environment of this command
-  S=train_configs/qwen3_30b_a3b_8L
-  left=$((520 - (SECONDS - t0)))
-  timeout $left python3 -m compare.train --ngpu 2 --steps 30 --skip 10 \
-    --configs ${S}_megamoe_fp8.toml ${S}_baseline_fp8.toml --labels megamoe-fp8 torchtitan-fp8 \
-    --out "$OUT/keep/train_30b8L_2xh200_ep2_fp8.json" > "$OUT/train.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] train rc $?"; grep "^|" "$OUT/train.log"
 fi
 # at most 8 files come back: the JSON records as they are, the logs in one archive
 cd "$OUT" && tar czf /tmp/logs_s7$PART.tgz --exclude=keep . && mv keep/* . && rmdir keep

@@ -161,12 +161,18 @@ def test_refuses_grouped_mm_quantization_and_unbuilt_backend():
         MegaMoEConverter(job_config("--megamoe.precision", "fp8"), dims())  # the reference has no FP8
 
 
-def test_refuses_gpt_oss_experts_naming_the_layer():
-    spec = get_train_spec("gpt_oss")
-    args = copy.deepcopy(spec.model_args["debugmodel"])
-    args.n_layers = 2
+def _meta_model(name: str, flavor: str, n_layers: int | None = None):
+    """A TorchTitan model of ``name`` / ``flavor`` on the meta device (nothing allocated)."""
+    spec = get_train_spec(name)
+    args = copy.deepcopy(spec.model_args[flavor])
+    if n_layers is not None:
+        args.n_layers = n_layers
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        return spec.model_cls(args)
+
+
+def test_refuses_gpt_oss_experts_naming_the_layer():
+    model = _meta_model("gpt_oss", "debugmodel", 2)
     with pytest.raises(UnsupportedModelError, match=r"layer 'layers\.0\.moe'.*GptOssGroupedExperts"):
         MegaMoEConverter(job_config(), dims()).convert(model)
 
@@ -174,11 +180,7 @@ def test_refuses_gpt_oss_experts_naming_the_layer():
 def test_triton_refuses_score_before_experts_naming_the_layer():
     """Llama4 scales the experts' input by the score: the fused kernels cannot, so the converter refuses
     it on the meta model (before any allocation) and names the fix; the reference backend converts it."""
-    spec = get_train_spec("llama4")
-    args = copy.deepcopy(spec.model_args["debugmodel"])
-    args.n_layers = 2
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    model = _meta_model("llama4", "debugmodel", 2)
     with pytest.raises(UnsupportedModelError, match=r"layer 'layers\.\d+\.moe'.*score_before_experts.*reference"):
         MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims()).convert(model)
     MegaMoEConverter(job_config("--megamoe.backend", "reference"), dims()).convert(model)
@@ -186,10 +188,7 @@ def test_triton_refuses_score_before_experts_naming_the_layer():
 
 
 def test_refuses_dense_model():
-    spec = get_train_spec("qwen3")
-    args = copy.deepcopy(spec.model_args["debugmodel"])
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    model = _meta_model("qwen3", "debugmodel")
     with pytest.raises(UnsupportedModelError, match="no TorchTitan MoE layer"):
         MegaMoEConverter(job_config(), dims()).convert(model)
 
