@@ -9,7 +9,7 @@ so no launch ever waits, then each stage is timed with ``time.perf_counter`` (me
 
 Each stage is timed with the fast launch path of ``kernels/launch.py`` off ("host_us", Triton's
 ``JITFunction.run``) and on ("fast_launch_host_us"). The megamoe layer stages run with
-TITAN_MEGAMOE_FUSED_ROUTER=1 (layer.py's fused router, opt-in), except those named with
+TITAN_MEGAMOE_FUSED_ROUTER=1 (layer.py's fused router, the default since session 8), except those named with
 FUSED_ROUTER=0 / EAGER_AUTOGRAD=0 (ops/eager.py), which run with those switches off. Prints one JSON line per stage; writes them all
 to ``--out`` if given. ``scripts/host_overhead_cpu.py`` is the CPU-machine counterpart.
 """
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
 
-    os.environ["TITAN_MEGAMOE_FUSED_ROUTER"] = "1"  # opt-in (layer.py): timed on, then off below
+    os.environ["TITAN_MEGAMOE_FUSED_ROUTER"] = "1"  # the default, set in case the caller set 0: timed on, then off below
     for impl in ("megamoe-triton", "tt-compile"):
         with stock_layer_context("bf16", dev):
             built = build_layer(impl, "bf16", shape, dev)

@@ -238,10 +238,11 @@ def test_early_errors(monkeypatch):
 
 def test_fp8_fwd_op_fake_matches_real():
     x, ids, s, w1, w2, w3, _ = _inputs("uniform", 8, 128, 128, 2, 2, torch.bfloat16)
+    import titan_megamoe.ops.library  # noqa: F401  (registers the ops; run alone, nothing else has)
     from titan_megamoe.ops.fp8_backend import prepare_weights
 
     wq = prepare_weights(w1, w2, w3, fp8_forward=True, cache=None, layer_name="moe")
-    torch.library.opcheck(torch.ops.megamoe.fp8_mega_moe_fwd.default, (x, ids, s, w1, w2, w3, wq, True, "moe"),
+    torch.library.opcheck(torch.ops.megamoe.fp8_mega_moe_fwd.default, (x, ids, s, w1, w2, w3, wq, True, "moe", None),
                           test_utils=("test_faketensor",))  # test_schema: no fp8 mul on CPU
 
 

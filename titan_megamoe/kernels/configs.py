@@ -66,8 +66,8 @@ class GemmConfig:
             use pointer loads. Default False: pointer loads measured faster (module docstring).
         persistent: one program per SM looping over the live tiles in one flattened loop (the next
             tile's operands load under this tile's last steps and epilogue); the kernels that have the
-            mode (GEMM2, bf16 and FP8) give bitwise the same results. Pointer loads only. Default False:
-            not measured on a GPU yet (docs/NOTES.md, session 6).
+            mode (GEMM2, bf16 and FP8) give bitwise the same results. Pointer loads only. The
+            dataclass default is False; GEMM2's Hopper configs turn it on (``PERSISTENT_GEMM2``).
     """
 
     block_m: int = 128
@@ -97,13 +97,15 @@ HOPPER_GEMM1 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num
 HOPPER_GEMM2 = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=8, use_tma=False)
 #: GEMM2 persistent (``GemmConfig.persistent``): one program per SM over a flattened tile x K loop. 3
 #: stages: the flattening adds a buffer (sm_90a build at the 30B and 235B shapes: 235 registers, 176 KiB,
-#: no spills; 4 stages: 255 registers and 224 KiB, at both limits). Opt-in for bf16: on one H200 it
-#: was 0.87 -> 0.93 ms at the 30B shape and 3.19 -> 3.13 ms at 235B (do_bench,
-#: benchmarks/results/bench_fp8_persistent_1xh200_20261201.json), no clear win.
+#: no spills; 4 stages: 255 registers and 224 KiB, at both limits). On one H200, do_bench of the kernel
+#: alone: 0.87 -> 0.93 ms at the 30B shape, 3.19 -> 3.13 ms at 235B
+#: (benchmarks/results/bench_fp8_persistent_1xh200_20261201.json); in the layer, where it follows GEMM1
+#: at once, the forward's device time went 2.42 -> 2.32 ms at 30B in session 8 (3.80 -> 3.64 ms from
+#: idle in session 7): the default for bf16 too.
 HOPPER_GEMM2_PERSISTENT = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8,
                                      persistent=True)
-#: TITAN_MEGAMOE_PERSISTENT_GEMM2=1 (read at import): the bf16 GEMM2 runs its persistent config.
-PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", False)
+#: TITAN_MEGAMOE_PERSISTENT_GEMM2=0 (read at import): the bf16 GEMM2 runs its grid config.
+PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", True)
 #: TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8=0 (read at import): the FP8 GEMM2 runs its grid config. On by
 #: default: 0.78 -> 0.71 ms at 30B, 2.61 -> 2.51 ms at 235B (same file), bitwise the grid kernel's output.
 PERSISTENT_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", True)
