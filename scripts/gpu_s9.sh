@@ -10,7 +10,7 @@
 #     defaults (fused router, bf16 persistent GEMM2). GPU tests of the hist path, test_gpu.py's
 #     single-GPU tests with the new defaults; compare.layer EP 1 both shapes stock compiled vs
 #     megamoe bf16 (--device-time); 30B megamoe with TITAN_MEGAMOE_ROUTER_HIST=0 / 1 (one process
-#     each, twice, alternating); 30B fp8 / fp8_bwd; compare.profile of the megamoe step at both shapes
+#     each); 30B fp8 / fp8_bwd; compare.profile of the megamoe step at both shapes
 #     (per-kernel device time, for the next GEMM work). Prediction (docs/NOTES.md session 8): 30B fwd
 #     3.16 -> 2.95-3.05 ms on this host (the count launch's ~150-200 us of host time), device time
 #     unchanged within +-0.03 ms, fwd+bwd -0.1..-0.2 ms.
@@ -43,7 +43,7 @@ if [ "$PART" = m ]; then
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1.json" \
     > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep1 rc $?"; grep "^|" "$OUT/layer.log"
-  for run in 0a 1a 0b 1b; do
+  for run in 0a 1a; do
     h=${run:0:1}
     TITAN_MEGAMOE_ROUTER_HIST=$h timeout 50 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
       --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/hist_$run.json" \
@@ -55,13 +55,13 @@ import json, sys, glob, os
 out = sys.argv[1]
 runs = {os.path.basename(p)[5:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{out}/hist_*.json"))}
 json.dump({"note": "compare.layer 30B megamoe-triton bf16, TITAN_MEGAMOE_ROUTER_HIST=0/1, one process per run, "
-           "alternating 0a 1a 0b 1b", "runs": runs}, open(f"{out}/keep/layer_1xh200_ep1_router_hist.json", "w"), indent=1)
+           "0a then 1a", "runs": runs}, open(f"{out}/keep/layer_1xh200_ep1_router_hist.json", "w"), indent=1)
 PY
   timeout 70 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
     --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_fp8.json" > "$OUT/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep1 fp8 rc $?"; grep "^| qwen" "$OUT/layer_fp8.log"
   for sh in 30b-a3b 235b-a22b; do
-    timeout 60 python3 -m compare.profile --shape qwen3-$sh --impl megamoe-triton --top 14 \
+    timeout 60 python3 -m compare.profile --shape qwen3-$sh --impl megamoe-triton --top 14 --iters 3 --warmup 2 \
       --out "$OUT/keep/profile_${sh%%-*}_megamoe-triton_s8.json" > "$OUT/profile_$sh.log" 2>&1
     echo "[t=$((SECONDS - t0))s] profile $sh rc $?"; grep -E "^\||total|host" "$OUT/profile_$sh.log" | head -18
   done
