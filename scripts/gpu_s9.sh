@@ -14,6 +14,10 @@
 #     (per-kernel device time, for the next GEMM work). Prediction (docs/NOTES.md session 8): 30B fwd
 #     3.16 -> 2.95-3.05 ms on this host (the count launch's ~150-200 us of host time), device time
 #     unchanged within +-0.03 ms, fwd+bwd -0.1..-0.2 ms.
+#     (PART m ran at 5ba1368; the router hist was reverted after it, so TITAN_MEGAMOE_ROUTER_HIST no
+#     longer exists: the part is kept as the record of that run.)
+#   PART=c (~4 min): scripts/gpu_ci.sh (layer + debug-model training vs the committed baselines) with
+#     session 8's defaults: the fused router now runs in the uncompiled debug-model training.
 # Call as: REV=<hash> PART=t bash scripts/gpu_s9.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 export TITAN_MEGAMOE_GIT_REV=$REV
@@ -66,6 +70,11 @@ PY
     echo "[t=$((SECONDS - t0))s] profile $sh rc $?"; grep -E "^\||total|host" "$OUT/profile_$sh.log" | head -18
   done
   cp "$OUT/tests_hist.log" "$OUT/tests_gpu.log" "$OUT/keep/"
+fi
+if [ "$PART" = c ]; then
+  REV=$REV OUT="$OUT/ci" timeout 380 bash scripts/gpu_ci.sh > "$OUT/gpu_ci.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu_ci exit $?"; grep -v "^\[W\|warn\|it/s" "$OUT/gpu_ci.log" | tail -40
+  cp "$OUT/ci/layer_ci.json" "$OUT/ci/train_ci.json" "$OUT/gpu_ci.log" "$OUT/keep/" 2>/dev/null
 fi
 cd "$OUT" && tar czf /tmp/logs_s9$PART.tgz --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +
 mv keep/* . ; rmdir keep ; mv /tmp/logs_s9$PART.tgz . ; ls "$OUT"

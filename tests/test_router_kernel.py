@@ -350,85 +350,6 @@ def test_switch_value_is_checked(monkeypatch):
         mr(torch.randn(3, 8, device=DEV))
 
 
-HIST_CASES = [  # (T, E, K, pairs per split): one split; several with a partial last one; odd E; K = 1;
-    # fewer tokens than one router block; all tokens on one expert (bias)
-    (45, 24, 3, None), (300, 16, 4, 256), (129, 61, 2, 128), (200, 8, 1, 64), (5, 12, 3, None), (190, 16, 2, 128),
-]
-
-
-@pytest.mark.parametrize("T,E,K,per_split", HIST_CASES, ids=[f"T{c[0]}-E{c[1]}-K{c[2]}-p{c[3]}" for c in HIST_CASES])
-def test_hist_is_the_layouts_count_and_changes_nothing_else(monkeypatch, T, E, K, per_split):
-    """with_hist: hist[e, s] counts the pairs of split s (routing.hist_splits) on expert e, every element
-    written (poisoned buffers); scores, ids and counts bitwise those without it; the layout built from
-    the hist is bitwise the one its count kernel builds, and the count kernel does not run."""
-    from titan_megamoe.kernels import routing
-
-    if per_split is not None:
-        monkeypatch.setattr(routing, "HIST_PAIRS_PER_SPLIT", per_split)
-    monkeypatch.setattr(router, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
-    gen = torch.Generator().manual_seed(T + E)
-    x = torch.randn(T, E, generator=gen).to(DEV)
-    bias = None
-    if T == 190:  # a large bias on expert 3 (selection only): every token picks it
-        bias = torch.zeros(E, device=DEV)
-        bias[3] = 10.0
-    kw = dict(score_func="softmax", expert_bias=bias, route_norm=True, route_scale=1.5)
-    top, ids, counts = router.topk_route(x, K, **kw)
-    top_h, ids_h, counts_h, hist = router.topk_route(x, K, with_hist=True, **kw)
-    assert torch.equal(top_h, top) and torch.equal(ids_h, ids) and torch.equal(counts_h, counts)
-    S, ts = routing.hist_splits(T, K, E)
-    assert ts % routing.HIST_TOKEN_ALIGN == 0 and (S - 1) * ts < T <= S * ts
-    if per_split is not None and T * K > 2 * per_split:
-        assert S > 1, "test setup: several splits"
-    want = torch.stack([torch.bincount(ids[s * ts:(s + 1) * ts].reshape(-1).cpu(), minlength=E) for s in range(S)],
-                       dim=1).to(torch.int32)
-    assert hist.dtype == torch.int32 and hist.shape == (E, S) and torch.equal(hist.cpu(), want)
-    if T == 190:
-        assert hist[3].sum().item() == T
-    launches = []
-    real = routing.launch
-    monkeypatch.setattr(routing, "launch", lambda k, *a, **kw: (launches.append(k.fn.__name__), real(k, *a, **kw)))
-    got = routing.build_routing_layout(ids, E, 16, hist=hist)
-    assert launches == ["_layout_kernel"]
-    ref = routing.build_routing_layout_torch(ids, E, 16)
-    for f in ("counts", "offsets", "row_pair", "pair_row", "tile_expert"):
-        assert torch.equal(getattr(got, f), getattr(ref, f)), f
-
-
-def test_hist_errors_and_empty_input():
-    from titan_megamoe.kernels import routing
-
-    E, K, T = 8, 2, 20
-    x = torch.randn(T, E, device=DEV)
-    kw = dict(score_func="sigmoid", route_norm=False, route_scale=1.0)
-    _, ids, _, hist = router.topk_route(x, K, with_hist=True, **kw)
-    for bad in (hist.to(torch.int64), hist[:, :0], torch.zeros(E + 1, 1, dtype=torch.int32, device=DEV)):
-        with pytest.raises(ValueError, match="hist: expected a contiguous int32"):
-            routing.build_routing_layout(ids, E, 16, hist=bad)
-    with pytest.raises(ValueError, match="T = 0"):
-        routing.build_routing_layout(ids[:0], E, 16, hist=hist)
-    with pytest.raises(ValueError, match="hist_splits"):
-        routing.hist_splits(0, K, E)
-    top, ids0, counts, hist0 = router.topk_route(x[:0], K, with_hist=True, **kw)
-    assert hist0 is None and ids0.shape == (0, K) and counts.sum().item() == 0
-
-
-def test_hist_splits_bounds():
-    """Compiled-size plans: splits cover T once, ts aligned, the hist within the layout kernel's bound;
-    the 30B / 235B layer (16384 tokens, top-8, 128 experts) gets the count kernel's 32 splits."""
-    from titan_megamoe.kernels import routing
-
-    for T in (1, 63, 64, 65, 1000, 4097, 16384, 1 << 17):
-        for E in (1, 8, 61, 128, 256, 1024):
-            for K in (1, 8):
-                S, ts = routing.hist_splits(T, K, E)
-                assert ts % routing.HIST_TOKEN_ALIGN == 0 and S >= 1 and (S - 1) * ts < T <= S * ts
-                assert routing._next_pow2(E) * routing._next_pow2(S) <= routing._HIST_MAX
-    assert routing.hist_splits(16384, 8, 128) == (32, 512)
-    assert 64 % max(router.block_t_for(e) for e in range(1, 1025)) == 0  # every block_t tiles a split
-
-
 LAYER_STYLES = {
     "qwen3": dict(score_func="softmax", route_norm=True, score_before_experts=False, num_shared_experts=0),
     "sigmoid+bias": dict(score_func="sigmoid", route_norm=True, route_scale=2.5, score_before_experts=True,
@@ -472,60 +393,13 @@ def test_layer_same_with_switch_on_and_off(monkeypatch, kernel_calls, style):
         assert_close_rel(g1[n], g0[n], torch.float32, f"d{n}")
 
 
-def test_layer_builds_the_layout_from_the_routers_hist(monkeypatch):
-    """Backend triton at EP = 1: the fused router writes the hist, the layout build takes it (its count
-    kernel does not run), and output, dx, every gradient and tokens_per_expert match the torch router
-    with the count kernel (switch off)."""
-    from torchtitan.models.moe.moe import MoEArgs
-
-    from titan_megamoe.config import MegaMoEConfig
-    from titan_megamoe.kernels import routing
-    from titan_megamoe.testing import assert_close_rel, build_moe_pair
-
-    E, K, D, F, T = 16, 4, 32, 32, 23
-    args = MoEArgs(num_experts=E, top_k=K, use_grouped_mm=False, score_func="softmax", route_norm=True,
-                   score_before_experts=False, num_shared_experts=0)
-    mega = build_moe_pair(args, D, F, dtype=torch.bfloat16, seed=2, config=MegaMoEConfig(backend="triton")).mega.to(DEV)
-    assert mega.experts.takes_routing_hist
-    hists, launches = [], []
-    real_build, real_launch = routing.build_routing_layout_triton, routing.launch
-    monkeypatch.setattr(routing, "build_routing_layout_triton",
-                        lambda *a, **kw: (hists.append(kw.get("hist")), real_build(*a, **kw))[1])
-    monkeypatch.setattr(routing, "launch", lambda k, *a, **kw: (launches.append(k.fn.__name__), real_launch(k, *a, **kw)))
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(1, T, D, generator=gen).bfloat16().to(DEV)
-    g = torch.randn(1, T, D, generator=gen).bfloat16().to(DEV)
-    results = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv(FLAG, flag)
-        hists.clear(), launches.clear()
-        mega.zero_grad(set_to_none=True)
-        mega.tokens_per_expert.zero_()
-        xl = x.clone().requires_grad_()
-        out = mega(xl)
-        out.backward(g)
-        assert len(hists) == 1 and (hists[0] is not None) == (flag == "1"), flag
-        assert launches.count("_count_kernel") == (flag == "0") and launches.count("_layout_kernel") == 1
-        grads = {n: p.grad.float() for n, p in mega.named_parameters() if p.grad is not None}
-        results.append((out.detach().float(), xl.grad.float(), grads, mega.tokens_per_expert.clone()))
-    (o1, dx1, g1, c1), (o0, dx0, g0, c0) = results
-    assert torch.equal(c1, c0) and c1.sum().item() == T * K
-    assert_close_rel(o1, o0, torch.bfloat16, "out")
-    assert_close_rel(dx1, dx0, torch.bfloat16, "dx")
-    assert set(g1) == set(g0) and "router.gate.weight" in g1
-    for n in g0:
-        assert_close_rel(g1[n], g0[n], torch.bfloat16, f"d{n}")
-
-
 # --------------------------------------------------------------------------------------------------
 # sm_90a compile check (subprocess, TRITON_INTERPRET=0)
 # --------------------------------------------------------------------------------------------------
 
 COMPILE_CASES = [
-    # (label, logits type, E, K, softmax, bias, route_norm); "_hist": WRITE_HIST (the layer's default
-    # at EP = 1), the others without
-    ("bf16_e128_k8_softmax_norm_hist", "*bf16", 128, 8, True, False, True),  # Qwen3-30B/235B in the layer
-    ("bf16_e128_k8_softmax_norm", "*bf16", 128, 8, True, False, True),
+    # (label, logits type, E, K, softmax, bias, route_norm)
+    ("bf16_e128_k8_softmax_norm", "*bf16", 128, 8, True, False, True),  # Qwen3-30B/235B
     ("bf16_e128_k8_sigmoid_bias", "*bf16", 128, 8, False, True, True),
     ("bf16_e256_k8_sigmoid_bias", "*bf16", 256, 8, False, True, True),  # DeepSeek-V3 sized
     ("fp32_e256_k8_softmax_bias", "*fp32", 256, 8, True, True, False),
@@ -539,10 +413,10 @@ def _compile_sm90_all() -> list[dict]:
     results = []
     for label, logits_ty, E, K, softmax, bias, norm in COMPILE_CASES:
         sig = {"logits_ptr": logits_ty, "bias_ptr": "*fp32", "scores_ptr": "*fp32", "ids_ptr": "*i64",
-               "counts_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32", "TS": "i32", "S": "i32", "route_scale": "fp32"}
+               "counts_ptr": "*fp32", "T": "i32", "route_scale": "fp32"}
         # every constexpr: triton.compile(ASTSource) does not apply the kernel's defaults
         cx = dict(E=E, K=K, K_PAD=next_pow2(K), E_PAD=next_pow2(E), BLOCK_T=router.block_t_for(E), SOFTMAX=softmax,
-                  HAS_BIAS=bias, ROUTE_NORM=norm, UNROLL_K=router.UNROLL_K, WRITE_HIST=label.endswith("_hist"))
+                  HAS_BIAS=bias, ROUTE_NORM=norm, UNROLL_K=router.UNROLL_K)
         r = compile_sm90(flavor(router._topk_route_kernel, False), sig, cx, num_warps=router._NUM_WARPS,
                          num_stages=1)
         results.append(dict(label=label, **r))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from torchtitan.models.moe.moe import GroupedExperts
 
@@ -49,16 +48,8 @@ class MegaMoEExperts(GroupedExperts):
 
             self.fp8_cache = Fp8WeightCache()
 
-    @property
-    def takes_routing_hist(self) -> bool:
-        """Whether ``forward`` uses a ``routing_hist`` (the fused EP = 1 Triton operator: backend
-        triton, weights not sharded over an EP mesh), so the layer's fused router should write one."""
-        return self.config.backend == "triton" and not self.score_before_experts and not isinstance(self.w1, DTensor)
-
-    def forward(self, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,  # type: ignore[override]
-                routing_hist: Tensor | None = None) -> Tensor:
+    def forward(self, x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor) -> Tensor:  # type: ignore[override]
         """x (T, D), topk_ids (T, K) int, topk_scores (T, K) fp32 -> (T, D) in x's dtype.
-        ``routing_hist``: the fused router's count hist of these ids (``ops.mega_moe``), or None.
 
         Raises:
             CapacityError: T above ``max_tokens_per_rank`` or routed rows above the receive capacity.
@@ -80,7 +71,7 @@ class MegaMoEExperts(GroupedExperts):
             score_before_experts=self.score_before_experts,
             backend=self.config.backend, precision=self.config.precision,
             recv_capacity=capacity, max_tokens_per_rank=self.max_tokens_per_rank or None,
-            layer_name=self.layer_name, fp8_cache=self.fp8_cache, routing_hist=routing_hist,
+            layer_name=self.layer_name, fp8_cache=self.fp8_cache,
         )
 
     def extra_repr(self) -> str:

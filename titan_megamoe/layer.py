@@ -56,32 +56,23 @@ class MegaMoERouter(TokenChoiceTopKRouter):
             return False
         return jit.env_flag("TITAN_MEGAMOE_FUSED_ROUTER", True)
 
-    def forward(self, x: Tensor, expert_bias: Tensor | None = None, counts_into: Tensor | None = None,
-                with_hist: bool = False):
+    def forward(self, x: Tensor, expert_bias: Tensor | None = None, counts_into: Tensor | None = None):
         """x (T, D) -> top_scores (T, K) fp32, selected_experts_indices (T, K) int64,
         num_tokens_per_expert (E,) fp32.
 
         ``counts_into`` (the layer's ``tokens_per_expert``, fp32 (E,)): the fused path adds the counts
         into it in its kernel and returns None for them (two host-side ops fewer); the torch path
-        ignores it and returns the counts (the caller adds them). ``with_hist``: a fourth result, the
-        routing layout's (E, S) int32 count hist from the fused path (``kernels/router.py``), None
-        from the torch path.
+        ignores it and returns the counts (the caller adds them).
         """
-        top_scores, selected, counts, hist = self._route(x, expert_bias, counts_into, with_hist)
-        return (top_scores, selected, counts, hist) if with_hist else (top_scores, selected, counts)
-
-    def _route(self, x, expert_bias, counts_into, with_hist):
         scores = self.gate(x)
         if self._fused_ok(scores, expert_bias):
             if counts_into is not None and (type(counts_into) is not Tensor or counts_into.dtype != torch.float32
                                             or counts_into.device != scores.device
                                             or not counts_into.is_contiguous()):
                 counts_into = None
-            out = fused_router.topk_route_differentiable(
+            return fused_router.topk_route_differentiable(
                 scores, self.top_k, score_func=self.score_func, expert_bias=expert_bias,
-                route_norm=self.route_norm, route_scale=self.route_scale, counts_into=counts_into,
-                with_hist=with_hist)
-            return out if with_hist else (*out, None)
+                route_norm=self.route_norm, route_scale=self.route_scale, counts_into=counts_into)
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(scores.to(torch.float32))
         elif self.score_func == "softmax":
@@ -102,7 +93,7 @@ class MegaMoERouter(TokenChoiceTopKRouter):
         ids = selected.reshape(-1)
         counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
             0, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
-        return top_scores, selected, counts, None
+        return top_scores, selected, counts
 
 
 def moe_args_of(moe: MoE) -> tuple[MoEArgs, int, int]:
@@ -206,14 +197,9 @@ class MegaMoE(MoE):
         """x (bs, slen, dim) -> (bs, slen, dim)."""
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
-        hist = None
         if isinstance(self.router, MegaMoERouter) and "forward" not in vars(self.router):
-            # the fused router adds the counts in its kernel (returns None for them) and writes the
-            # routing layout's count hist when the experts take one
-            with_hist = (isinstance(self.experts, MegaMoEExperts) and self.experts.takes_routing_hist
-                         and jit.env_flag("TITAN_MEGAMOE_ROUTER_HIST", True))
-            routed = self.router(x, self.expert_bias, counts_into=self.tokens_per_expert, with_hist=with_hist)
-            top_scores, selected, counts, hist = routed if with_hist else (*routed, None)
+            # the fused router adds the counts in its kernel (returns None for them)
+            top_scores, selected, counts = self.router(x, self.expert_bias, counts_into=self.tokens_per_expert)
         else:  # a replaced router (compare.builders.inject_routing, tests): TorchTitan's signature
             top_scores, selected, counts = self.router(x, self.expert_bias)
         if counts is not None:
@@ -221,7 +207,7 @@ class MegaMoE(MoE):
                 self.tokens_per_expert.add_(counts)
         # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
         strip_torchtitan_ep_hooks(self.experts)
-        out = self.experts(x, selected, top_scores) if hist is None else self.experts(x, selected, top_scores, hist)
+        out = self.experts(x, selected, top_scores)
         if self.shared_experts is not None:
             out = self.shared_experts(x) + out
         return out.reshape(bs, slen, dim)

@@ -17,7 +17,7 @@ Why: the layer's eager forward is host-bound until GEMM1 starts, and the router'
 ops each cost host time (docs/NOTES.md, "Where the forward's host time goes"). Under ``torch.compile``
 Inductor fuses the torch code itself, so the layer uses this only in eager mode.
 
-Kernel: one program per BLOCK_T tokens (or per hist split, below) holds the (BLOCK_T, E_PAD) fp32 tiles of scores and of the
+Kernel: one program per BLOCK_T tokens holds the (BLOCK_T, E_PAD) fp32 tiles of scores and of the
 choice values in registers (E_PAD = next power of two >= E, padded columns masked to -inf, never
 selected) and runs K rounds of a row argmax. BLOCK_T = min(64, 4096 // E_PAD) with 4 warps keeps each
 tile at <= 32 fp32 per thread (E <= 64 -> 64 tokens, E=128 -> 32, E=256 -> 16, E=1024 -> 4; half that
@@ -33,12 +33,6 @@ Counts: each program sums its (token, expert) selection mask over its tokens and
 the (E,) histogram into the zeroed fp32 counts. Every added value is an integer, so every partial
 sum is exact (below 2**24 pairs per expert, as for the torch path's fp32 scatter_add) and the
 result does not depend on the order of the atomics (deterministic).
-
-Hist (``with_hist``, the layer's default when the experts run the fused EP = 1 operator): the grid is
-then one program per split of ``routing.hist_splits`` (a multiple of BLOCK_T tokens, looped BLOCK_T at
-a time) and each program also stores its (E,) counts as column p of the routing layout's (E, S) int32
-hist: one writer per element, no atomics, no zero fill. The layout build then skips its count kernel
-(one launch fewer before GEMM1; the layer's forward is host-bound until then).
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ from torch import Tensor
 
 from titan_megamoe.kernels import jit
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.routing import hist_splits
 
 try:  # triton is a Linux-only dependency: elsewhere the layer keeps its torch router
     import triton
@@ -95,80 +88,68 @@ if triton is not None:
         scores_ptr,  # (T, K) fp32 out
         ids_ptr,  # (T, K) int64 out
         counts_ptr,  # (E,) fp32, zeroed; += selections per expert
-        hist_ptr,  # (E, S) int32 out, written only when WRITE_HIST: hist[e, p] = pairs of program p to e
         T,  # i32, tokens
-        TS,  # i32, tokens per program, a multiple of BLOCK_T
-        S,  # i32, programs (the hist's row length)
         route_scale,  # fp32
         E: tl.constexpr,  # experts (constexpr: see below)
         K: tl.constexpr,  # top_k
         K_PAD: tl.constexpr,  # next power of two >= K
         E_PAD: tl.constexpr,  # next power of two >= E
-        BLOCK_T: tl.constexpr,  # tokens per step
+        BLOCK_T: tl.constexpr,  # tokens per program
         SOFTMAX: tl.constexpr,  # softmax (True) or sigmoid (False) scores
         HAS_BIAS: tl.constexpr,
         ROUTE_NORM: tl.constexpr,
         UNROLL_K: tl.constexpr,  # unroll the K rounds when K <= UNROLL_K
-        WRITE_HIST: tl.constexpr,
     ):
-        """Grid (S,): program p routes tokens [p * TS, min((p + 1) * TS, T)), BLOCK_T per step.
+        """Grid (cdiv(T, BLOCK_T),): program p routes tokens [p * BLOCK_T, (p + 1) * BLOCK_T).
 
         E is a constexpr (one build per model width): the compiler then knows the divisibility of the
         column mask and of the row stride, vectorizes the logits load and lays whole rows inside one
         warp, so the row reductions stay in registers and shuffles. With a runtime E that is not a
         multiple of 16 it spread rows over the 4 warps and spilled (E=100: 255 registers + 312 bytes).
         """
-        pid = tl.program_id(0)
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_PAD)
+        rmask = rows < T
         cmask = cols < E
+        m2 = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)  # T * E may pass 2**31
+        x = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if SOFTMAX:
+            x = tl.where(cmask[None, :], x, float("-inf"))
+            p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])  # padded columns: exp(-inf) = 0
+            s = p / tl.reduce(p, 1, _sum_combine)[:, None]
+        else:
+            s = 1.0 / (1.0 + tl.exp(-x))
+        c = s
+        if HAS_BIAS:
+            c = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        # Real columns stay strictly above -inf, the mark of padded and already taken columns, so every
+        # round picks a new real expert; NaN ranks first, as in torch.topk.
+        c = tl.where(c != c, float("inf"), c)
+        c = tl.maximum(c, -3.4028234663852886e38)
+        c = tl.where(cmask[None, :], c, float("-inf"))
         col2 = tl.broadcast_to(cols[None, :], (BLOCK_T, E_PAD))
         slot = tl.arange(0, K_PAD)[None, :]
-        n_sel = tl.zeros([E_PAD], dtype=tl.int32)  # this program's selections per expert
-        t0 = pid * TS
-        t_end = tl.minimum(t0 + TS, T)
-        while t0 < t_end:  # while, not range(): a runtime bound in the interpreter (routing.py)
-            rows = t0 + tl.arange(0, BLOCK_T)
-            rmask = rows < t_end
-            m2 = rmask[:, None] & cmask[None, :]
-            rows64 = rows.to(tl.int64)  # T * E may pass 2**31
-            x = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            if SOFTMAX:
-                x = tl.where(cmask[None, :], x, float("-inf"))
-                p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])  # padded columns: exp(-inf) = 0
-                s = p / tl.reduce(p, 1, _sum_combine)[:, None]
-            else:
-                s = 1.0 / (1.0 + tl.exp(-x))
-            c = s
-            if HAS_BIAS:
-                c = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            # Real columns stay strictly above -inf, the mark of padded and already taken columns, so
-            # every round picks a new real expert; NaN ranks first, as in torch.topk.
-            c = tl.where(c != c, float("inf"), c)
-            c = tl.maximum(c, -3.4028234663852886e38)
-            c = tl.where(cmask[None, :], c, float("-inf"))
-            top = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-            sel = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
-            # Unrolled up to UNROLL_K rounds (the slot compares fold: E=128, K=8 takes 165 registers
-            # unrolled, 211 as a loop); a loop beyond, so the code does not grow with K.
-            if K <= UNROLL_K:
-                for k in tl.static_range(K):
-                    c, top, sel = _route_round(c, s, col2, slot, top, sel, k)
-            else:
-                for k in range(K):
-                    c, top, sel = _route_round(c, s, col2, slot, top, sel, k)
-            if ROUTE_NORM:
-                top = top / (tl.reduce(top, 1, _sum_combine)[:, None] + 1e-20)
-            top = top * route_scale
-            out = rows64[:, None] * K + slot
-            omask = rmask[:, None] & (slot < K)
-            tl.store(scores_ptr + out, top, mask=omask)
-            tl.store(ids_ptr + out, sel.to(tl.int64), mask=omask)
-            taken = (c == float("-inf")) & m2
-            n_sel += tl.reduce(taken.to(tl.int32), 0, _sum_combine)
-            t0 += BLOCK_T
-        tl.atomic_add(counts_ptr + cols, n_sel.to(tl.float32), mask=cmask & (n_sel > 0))
-        if WRITE_HIST:
-            tl.store(hist_ptr + cols * S + pid, n_sel, mask=cmask)
+        top = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+        sel = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+        # Unrolled up to UNROLL_K rounds (the slot compares fold: E=128, K=8 takes 165 registers
+        # unrolled, 211 as a loop); a loop beyond, so the code does not grow with K.
+        if K <= UNROLL_K:
+            for k in tl.static_range(K):
+                c, top, sel = _route_round(c, s, col2, slot, top, sel, k)
+        else:
+            for k in range(K):
+                c, top, sel = _route_round(c, s, col2, slot, top, sel, k)
+        if ROUTE_NORM:
+            top = top / (tl.reduce(top, 1, _sum_combine)[:, None] + 1e-20)
+        top = top * route_scale
+        out = rows64[:, None] * K + slot
+        omask = rmask[:, None] & (slot < K)
+        tl.store(scores_ptr + out, top, mask=omask)
+        tl.store(ids_ptr + out, sel.to(tl.int64), mask=omask)
+        taken = (c == float("-inf")) & m2
+        hist = tl.reduce(taken.to(tl.float32), 0, _sum_combine)
+        tl.atomic_add(counts_ptr + cols, hist, mask=cmask & (hist > 0))
 
 
 def block_t_for(num_experts: int) -> int:
@@ -208,8 +189,8 @@ def _empty(shape, dtype, device) -> Tensor:
 
 
 def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: Tensor | None = None,
-               route_norm: bool, route_scale: float, counts_into: Tensor | None = None,
-               with_hist: bool = False) -> tuple:
+               route_norm: bool, route_scale: float,
+               counts_into: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Token-choice top-k routing of gate logits in one Triton launch (no autograd; see
     :func:`topk_route_differentiable`).
 
@@ -237,16 +218,11 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
             ``tokens_per_expert``): the counts are added into it by the kernel, saving the separate
             ``torch.zeros`` and ``add_`` (two host-side ops per layer call), and None is returned in
             their place.
-        with_hist: also return the routing layout's count hist, (E, S) int32 for the splits of
-            ``routing.hist_splits(T, K, E)`` (None for T = 0): ``build_routing_layout(hist=)`` then
-            skips its count kernel. The kernel runs one program per split instead of one per
-            ``block_t_for(E)`` tokens (S <= 32 programs at E = 128).
 
     Returns:
         (top_scores (T, K) fp32, selected (T, K) int64, counts (E,) fp32 or None): the selected scores
         (not the biased choice values), the expert ids, and the exact number of (token, slot) pairs
-        routed to each expert (None with ``counts_into``); with ``with_hist`` a fourth element, the
-        hist.
+        routed to each expert (None with ``counts_into``).
 
     Raises:
         ValueError: logits not 2-D or of another dtype, E outside [1, MAX_EXPERTS], top_k outside
@@ -269,25 +245,18 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
             raise ValueError(f"counts_into: expected a contiguous float32 ({E},) tensor on {dev}, got "
                              f"{counts_into.dtype} {tuple(counts_into.shape)} on {counts_into.device}")
         counts = counts_into
-    ret_counts = counts if counts_into is None else None
     if T == 0:
-        return (top, ids, ret_counts, None) if with_hist else (top, ids, ret_counts)
+        return top, ids, (counts if counts_into is None else None)
     logits_TE = logits_TE.contiguous()  # no copy for the gate output
     bias = logits_TE if expert_bias is None else expert_bias.contiguous()  # unread without a bias
     block_t = block_t_for(E)
-    if with_hist:
-        n_prog, ts = hist_splits(T, top_k, E)  # ts: a multiple of every block_t (HIST_TOKEN_ALIGN)
-        hist = _empty((E, n_prog), torch.int32, dev)
-    else:
-        n_prog, ts = jit.cdiv(T, block_t), block_t
-        hist = ids  # unwritten
     opts = {} if jit.interpreting() else dict(num_warps=_NUM_WARPS)
-    launch(_topk_route_kernel, (n_prog,),
-           logits_TE, bias, top, ids, counts, hist, T, ts, n_prog, float(route_scale),
+    launch(_topk_route_kernel, (jit.cdiv(T, block_t),),
+           logits_TE, bias, top, ids, counts, T, float(route_scale),
            E=E, K=top_k, K_PAD=jit.next_pow2(top_k), E_PAD=jit.next_pow2(E), BLOCK_T=block_t,
            SOFTMAX=score_func == "softmax", HAS_BIAS=expert_bias is not None, ROUTE_NORM=bool(route_norm),
-           UNROLL_K=UNROLL_K, WRITE_HIST=with_hist, **opts)
-    return (top, ids, ret_counts, hist) if with_hist else (top, ids, ret_counts)
+           UNROLL_K=UNROLL_K, **opts)
+    return top, ids, (counts if counts_into is None else None)
 
 
 def _scores_fp32(logits_TE: Tensor, score_func: str) -> Tensor:
@@ -300,18 +269,16 @@ class TopKRouteFunction(torch.autograd.Function):
     buffer; the ids and counts are integer-valued)."""
 
     @staticmethod
-    def forward(ctx, logits_TE, expert_bias, top_k, score_func, route_norm, route_scale, counts_into=None,
-                with_hist=False):
-        top, ids, counts, *hist = topk_route(logits_TE, top_k, score_func=score_func, expert_bias=expert_bias,
-                                             route_norm=route_norm, route_scale=route_scale,
-                                             counts_into=counts_into, with_hist=with_hist)
+    def forward(ctx, logits_TE, expert_bias, top_k, score_func, route_norm, route_scale, counts_into=None):
+        top, ids, counts = topk_route(logits_TE, top_k, score_func=score_func, expert_bias=expert_bias,
+                                      route_norm=route_norm, route_scale=route_scale, counts_into=counts_into)
         ctx.save_for_backward(logits_TE, ids)
         ctx.cfg = (score_func, bool(route_norm), float(route_scale))
-        ctx.mark_non_differentiable(*(t for t in (ids, counts, *hist) if t is not None))
-        return (top, ids, counts, *hist)
+        ctx.mark_non_differentiable(*(t for t in (ids, counts) if t is not None))
+        return top, ids, counts
 
     @staticmethod
-    def backward(ctx, g_top, _g_ids, _g_counts, *_g_hist):
+    def backward(ctx, g_top, _g_ids, _g_counts):
         """Closed form, recomputing the fp32 scores from the saved logits (device-bound, torch ops)."""
         logits_TE, ids = ctx.saved_tensors
         score_func, route_norm, route_scale = ctx.cfg
@@ -326,13 +293,13 @@ class TopKRouteFunction(torch.autograd.Function):
             dl = s * (ds - (ds * s).sum(dim=1, keepdim=True))
         else:
             dl = ds * s * (1.0 - s)
-        return dl.to(logits_TE.dtype), None, None, None, None, None, None, None
+        return dl.to(logits_TE.dtype), None, None, None, None, None, None
 
 
 def topk_route_differentiable(logits_TE: Tensor, top_k: int, *, score_func: str,
                               expert_bias: Tensor | None = None, route_norm: bool,
-                              route_scale: float, counts_into: Tensor | None = None,
-                              with_hist: bool = False) -> tuple:
+                              route_scale: float, counts_into: Tensor | None = None
+                              ) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`topk_route` with a backward to ``logits_TE`` (same arguments, returns and errors).
 
     d top_scores (T, K) -> d logits (T, E) in logits' dtype, the gradient of TorchTitan's torch code
@@ -341,7 +308,6 @@ def topk_route_differentiable(logits_TE: Tensor, top_k: int, *, score_func: str,
     """
     if torch.is_grad_enabled() and logits_TE.requires_grad:
         return TopKRouteFunction.apply(logits_TE, expert_bias, top_k, score_func, route_norm, route_scale,
-                                       counts_into, with_hist)
+                                       counts_into)
     return topk_route(logits_TE, top_k, score_func=score_func, expert_bias=expert_bias,
-                      route_norm=route_norm, route_scale=route_scale, counts_into=counts_into,
-                      with_hist=with_hist)
+                      route_norm=route_norm, route_scale=route_scale, counts_into=counts_into)

@@ -33,11 +33,6 @@ Triton build, with the pairs cut into S contiguous splits of CHUNK pairs (S, CHU
 Every output element has exactly one writer and no atomics are used, so the result is deterministic
 (the same bits every run) and needs no zero-fill launch. The price is that each kernel compares
 every pair against every expert (E * P compares, spread over E * S programs, ids read from L2).
-
-A producer of the ids that sees every (token, expert) choice anyway (the fused router,
-``kernels/router.py``) can write the hist itself, for the splits of :func:`hist_splits`; the build then
-takes it (``hist=``) and skips step 1: one launch fewer before GEMM1, on a forward that is host-bound
-until GEMM1 starts (docs/NOTES.md, session 8).
 """
 
 from __future__ import annotations
@@ -62,8 +57,6 @@ __all__ = [
     "build_routing_layout_torch",
     "build_routing_layout_triton",
     "layout_caps",
-    "hist_splits",
-    "HIST_TOKEN_ALIGN",
 ]
 def layout_caps(T: int, K: int, E: int, block_m: int, max_rows: int | None = None) -> tuple[int, int]:
     """(N_cap, n_tiles_cap): rows and row tiles of the padded layout, for any routing.
@@ -283,30 +276,6 @@ def _split_plan(P: int, E: int, block: int, chunk: int | None) -> tuple[int, int
     return S, chunk
 
 
-#: Tokens per split of :func:`hist_splits` are a multiple of this: every fused-router token block
-#: (``router.block_t_for``: a power of two <= 64) then tiles a split exactly.
-HIST_TOKEN_ALIGN = 64
-#: Pairs per split :func:`hist_splits` aims at (4 loop steps of the compiled layout kernel); tests
-#: lower it to get several splits at interpreter sizes.
-HIST_PAIRS_PER_SPLIT = 4 * 1024
-
-
-def hist_splits(T: int, K: int, E: int) -> tuple[int, int]:
-    """(S, tokens per split) of a hist written by the ids' producer (``build_routing_layout(hist=)``).
-
-    Split s holds the pairs of tokens [s * ts, min((s + 1) * ts, T)), ts a multiple of
-    ``HIST_TOKEN_ALIGN``; about ``HIST_PAIRS_PER_SPLIT`` pairs per split, and S small enough that the
-    (E, S) hist fits the layout kernel's registers (``_HIST_MAX``). T >= 1.
-    """
-    if T < 1 or K < 1 or E < 1:
-        raise ValueError(f"hist_splits: T={T}, K={K}, E={E} must all be >= 1")
-    s_cap = max(1, _HIST_MAX // _next_pow2(E))
-    s_cap = 1 << (s_cap.bit_length() - 1)
-    s_want = max(1, min(-(-(T * K) // HIST_PAIRS_PER_SPLIT), s_cap))
-    ts = -(-(-(-T // s_want)) // HIST_TOKEN_ALIGN) * HIST_TOKEN_ALIGN
-    return -(-T // ts), ts
-
-
 def _empty_i32(n: int, device) -> Tensor:
     """torch.empty of int32; a separate function so tests can poison the buffers (every element must
     be written by the kernels)."""
@@ -314,8 +283,7 @@ def _empty_i32(n: int, device) -> Tensor:
 
 
 def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: int, *, block: int | None = None,
-                                chunk: int | None = None, max_rows: int | None = None,
-                                hist: Tensor | None = None) -> RoutingLayout:
+                                chunk: int | None = None, max_rows: int | None = None) -> RoutingLayout:
     """Build the layout with two Triton kernels (two launches, no host sync, no atomics).
 
     Same contract and bitwise the same result as ``build_routing_layout_torch``.
@@ -332,18 +300,9 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
             ``_split_plan``), one split in the interpreter. Tests set both small to cover several
             steps and several splits.
         max_rows: cap on placed pairs (see ``layout_caps``); None: T*K.
-        hist: optional (E, S) int32 contiguous counts from the ids' producer, with (S, ts) =
-            ``hist_splits(T, K, E)``: hist[e, s] = pairs of tokens [s * ts, (s + 1) * ts) routed to e.
-            Given, the count kernel does not run (one launch) and ``chunk`` is ts * K; a hist that
-            does not match the ids gives a wrong layout (it is not re-checked: that is the launch
-            saved).
 
     Returns:
         RoutingLayout (see its attributes).
-
-    Raises:
-        ValueError: E above ``MAX_TRITON_EXPERTS``, ``block`` not a power of two, a ``chunk`` whose
-            hist would not fit, or a ``hist`` of the wrong shape / dtype / device (or with T = 0).
     """
     if triton is None:
         raise RuntimeError("triton is not installed: use build_routing_layout_torch")
@@ -365,27 +324,16 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
         chunk = P  # one split: the interpreter runs programs one after another, more only cost time
     if block & (block - 1):
         raise ValueError(f"block={block} is not a power of two")
-    count = hist is None
-    if not count:
-        if T == 0:
-            raise ValueError("hist given for T = 0 tokens: there are no splits")
-        S, ts = hist_splits(T, K, E)
-        if tuple(hist.shape) != (E, S) or hist.dtype != torch.int32 or hist.device != dev or not hist.is_contiguous():
-            raise ValueError(f"hist: expected a contiguous int32 ({E}, {S}) tensor on {dev} (hist_splits({T}, {K}, "
-                             f"{E})), got {hist.dtype} {tuple(hist.shape)} on {hist.device}")
-        chunk = ts * K  # any chunk works in the kernels (masked loops); ts*K keeps the splits aligned
-    else:
-        S, chunk = _split_plan(P, E, block, chunk)
-        # Uninitialized (an allocation, no launch): the count kernel writes every element.
-        hist = _empty_i32(E * S, dev)
+    S, chunk = _split_plan(P, E, block, chunk)
+    # Uninitialized (an allocation, no launch): the kernels write every element.
+    hist = _empty_i32(E * S, dev)
     counts = _empty_i32(E, dev)
     offsets = _empty_i32(E + 1, dev)
     row_pair = _empty_i32(n_cap, dev)
     pair_row = _empty_i32(P, dev)
     tile_expert = _empty_i32(n_tiles, dev)
     opts = {} if interp else dict(num_warps=4)
-    if count:
-        launch(_count_kernel, (E, S), ids_P, hist, P, chunk, S, BLOCK=block, **opts)
+    launch(_count_kernel, (E, S), ids_P, hist, P, chunk, S, BLOCK=block, **opts)
     launch(_layout_kernel, (E + 1, S),
         ids_P, hist, counts, offsets, row_pair, pair_row, tile_expert, P, chunk, S, E, n_cap, n_tiles,
         BM=BM, BM_PAD=_next_pow2(BM), E_PAD=_next_pow2(E), S_PAD=_next_pow2(S), BLOCK=block, **opts,
@@ -401,7 +349,7 @@ def _use_triton(topk_ids_TK: Tensor, num_experts: int) -> bool:
 
 
 def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int,
-                         max_rows: int | None = None, hist: Tensor | None = None) -> RoutingLayout:
+                         max_rows: int | None = None) -> RoutingLayout:
     """Build the padded expert-major layout from top-k ids with device work only (no host sync).
 
     Dispatches to ``build_routing_layout_triton`` (two launches) for CUDA tensors, and for CPU tensors
@@ -413,15 +361,12 @@ def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int,
             the op checks them up front).
         num_experts: E.
         block_m: BM, the row block of the grouped GEMMs (a power of two).
-        max_rows: cap on placed pairs (see ``layout_caps``); None: T*K.
-        hist: optional producer-written counts (``build_routing_layout_triton``); the torch build
-            ignores it.
 
     Returns:
         RoutingLayout (see its attributes).
     """
     if _use_triton(topk_ids_TK, num_experts):
-        return build_routing_layout_triton(topk_ids_TK, num_experts, block_m, max_rows=max_rows, hist=hist)
+        return build_routing_layout_triton(topk_ids_TK, num_experts, block_m, max_rows=max_rows)
     return build_routing_layout_torch(topk_ids_TK, num_experts, block_m, max_rows=max_rows)
 
 

@@ -34,7 +34,6 @@ def mega_moe(
     max_tokens_per_rank: int | None = None,
     layer_name: str = "moe",
     fp8_cache=None,
-    routing_hist: Tensor | None = None,
 ) -> Tensor:
     """Routed-expert path of an MoE layer: EP dispatch + SwiGLU experts + weighted combine.
 
@@ -54,10 +53,6 @@ def mega_moe(
         layer_name: name used in error messages.
         fp8_cache: an ``ops.fp8_backend.Fp8WeightCache`` keeping the FP8 weights between calls
             (precision "fp8" / "fp8_bwd"); None quantizes the weights on every call.
-        routing_hist: the fused router's (E, S) int32 count hist of ``topk_ids_TK``
-            (``kernels/router.py``, ``with_hist``), or None; the triton backend at EP = 1 builds its
-            routing layout from it (one launch fewer), every other path ignores it. It must come from
-            these ids: it is not re-checked.
 
     Returns:
         (T, D) output in x's dtype; the fp32 weighted sum over top_k is done in a fixed order.
@@ -77,7 +72,7 @@ def mega_moe(
         return _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD, ep_group=ep_group,
                              score_before_experts=score_before_experts, precision=precision,
                              recv_capacity=recv_capacity, max_tokens_per_rank=max_tokens_per_rank,
-                             layer_name=layer_name, fp8_cache=fp8_cache, routing_hist=routing_hist)
+                             layer_name=layer_name, fp8_cache=fp8_cache)
     if backend == "triton":
         if ep_group is not None:
             # Expert parallelism inside the fused operator (ops/ep_backend.py; 2-GPU test:
@@ -107,7 +102,7 @@ def mega_moe(
         # (fp32 params without FSDP mixed precision): the casts are no-ops for bf16 tensors.
         bf = torch.bfloat16
         out = mega_moe_triton(x_TD.to(bf), topk_ids_TK, topk_scores_TK.to(torch.float32),
-                              w1_eFD.to(bf), w2_eDF.to(bf), w3_eFD.to(bf), routing_hist)
+                              w1_eFD.to(bf), w2_eDF.to(bf), w3_eFD.to(bf))
         return out.to(x_TD.dtype)
     return mega_moe_ref(
         x_TD, topk_ids_TK, topk_scores_TK, w1_eFD, w2_eDF, w3_eFD,
@@ -117,7 +112,7 @@ def mega_moe(
 
 
 def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, score_before_experts, precision,
-                  recv_capacity, max_tokens_per_rank, layer_name, fp8_cache, routing_hist=None):
+                  recv_capacity, max_tokens_per_rank, layer_name, fp8_cache):
     """precision "fp8" / "fp8_bwd" on the triton backend: checks, then ops/library.py (EP = 1, or an EP
     group of one rank) or ops/ep_library.py (EP > 1: "fp8" dispatches x as e4m3 rows + scales, "fp8_bwd"
     as bf16 rows; the FP8 expert GEMMs on the receiving rank)."""
@@ -151,5 +146,5 @@ def _mega_moe_fp8(x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, *, ep_group, sc
     from titan_megamoe.ops.library import mega_moe_triton_fp8
 
     out = mega_moe_triton_fp8(x, topk_ids_TK, scores, w1, w2, w3, fp8_forward=precision == "fp8", cache=fp8_cache,
-                              layer_name=layer_name, routing_hist=routing_hist)
+                              layer_name=layer_name)
     return out.to(x_TD.dtype)

@@ -382,16 +382,15 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
 
 
 def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-            wq: list[Tensor], fp8_forward: bool, layer_name: str, routing_hist: Tensor | None = None):
+            wq: list[Tensor], fp8_forward: bool, layer_name: str):
     """Forward at EP = 1: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``wq`` from
     :func:`prepare_weights`; w1..w3 (any float dtype) are read only by the bf16 forward (fp8_bwd).
-    ``routing_hist``: the fused router's count hist of these ids (``build_routing_layout(hist=)``).
     Routing layout (BM = 128) -> :func:`fp8_experts_fwd` -> fp32 top-k sum."""
     from titan_megamoe.kernels.grouped_gemm import combine_topk
 
     NONFINITE.check()  # records of earlier calls that have landed (no wait)
     T, K = topk_ids_TK.shape
-    layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M, hist=routing_hist)
+    layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M)
     y, gate_up = fp8_experts_fwd(x_TD, topk_scores_TK, layout, w1, w2, w3, wq, fp8_forward, layer_name)
     return combine_topk(y, T, K), gate_up, layout
 

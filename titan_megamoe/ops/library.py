@@ -4,20 +4,15 @@ implementations (torch.compile, meta tensors) and autograd. Model code reaches t
 
 Ops (grammar ``<precision>_mega_moe_<fwd|bwd>``):
   megamoe::bf16_mega_moe_fwd(x (T,D) bf16, topk_ids (T,K) int, topk_scores (T,K) fp32,
-                             w1 (E,F,D), w2 (E,D,F), w3 (E,F,D) bf16, routing_hist (E,S) int32 or None)
+                             w1 (E,F,D), w2 (E,D,F), w3 (E,F,D) bf16)
       -> out (T,D) bf16, gate_up (N_cap,2F) bf16 and the routing layout (5 int32 tensors)
   megamoe::bf16_mega_moe_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, layout..., top_k)
       -> dx (T,D), dscores (T,K) fp32, dw1, dw2, dw3
-The layout tensors have sizes fixed by (T, K, E, BM), so the fakes need no data. ``routing_hist``: the
-fused router's count hist for the layout build (``kernels/routing.py``, ``hist=``), or None; always
-passed (no schema default: the dispatcher would leave a defaulted None out of the inputs that the
-generated autograd matches the backward's gradients against). The ops have no
+The layout tensors have sizes fixed by (T, K, E, BM), so the fakes need no data. The ops have no
 device restriction: on CPU they run through Triton's interpreter (TRITON_INTERPRET=1, tests only).
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -31,8 +26,8 @@ __all__ = ["mega_moe_triton", "mega_moe_triton_fp8"]
 _LayoutT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3, routing_hist=None):
-    out, gate_up, L = tb.triton_fwd(x, topk_ids, topk_scores, w1, w2, w3, routing_hist=routing_hist)
+def _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3):
+    out, gate_up, L = tb.triton_fwd(x, topk_ids, topk_scores, w1, w2, w3)
     return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
 
 
@@ -43,14 +38,13 @@ def _bf16_bwd(dout, x, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pa
 
 @torch.library.custom_op("megamoe::bf16_mega_moe_fwd", mutates_args=())
 def bf16_mega_moe_fwd(
-    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-    routing_hist: Optional[Tensor],
+    x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3, routing_hist)
+    return _bf16_fwd(x, topk_ids, topk_scores, w1, w2, w3)
 
 
 @bf16_mega_moe_fwd.register_fake
-def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, routing_hist=None):
+def _fwd_fake(x, topk_ids, topk_scores, w1, w2, w3):
     T, K = topk_ids.shape
     E, F, D = w1.shape
     n_cap, n_tiles = layout_caps(T, K, E, tb._block_m())
@@ -77,7 +71,7 @@ def _bwd_fake(dout, x, topk_scores, w1, w2, w3, gate_up, counts, offsets, row_pa
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_scores, w1, w2, w3, *_ = inputs  # + routing_hist (not saved)
+    x, topk_ids, topk_scores, w1, w2, w3 = inputs
     _, gate_up, *layout = output
     ctx.top_k = topk_ids.shape[1]
     # gate_up and the layout are saved state, never differentiated: without this autograd would
@@ -89,10 +83,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, *unused):
     x, topk_scores, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
     if dout is None:  # the output was not used in the loss
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None
     bwd = _bf16_bwd if getattr(ctx, "eager", False) else bf16_mega_moe_bwd  # ops/eager.py
     dx, dscores, dw1, dw2, dw3 = bwd(dout, x, topk_scores, w1, w2, w3, gate_up, *layout, ctx.top_k)
-    return dx, None, dscores, dw1, dw2, dw3, None
+    return dx, None, dscores, dw1, dw2, dw3
 
 
 bf16_mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -100,12 +94,10 @@ _BF16 = eager.OpFunctions(_bf16_fwd, _setup_context, _backward)
 
 
 def mega_moe_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
-                    w3: Tensor, routing_hist: Tensor | None = None) -> Tensor:
+                    w3: Tensor) -> Tensor:
     """Fused bf16 MoE experts on one GPU (EP = 1): (T, D) bf16 out. See ops/triton_backend.py; eager
-    calls skip the custom op's dispatch (ops/eager.py). ``routing_hist``: the fused router's count
-    hist of these ids (``kernels/router.py``), or None."""
-    return eager.call(torch.ops.megamoe.bf16_mega_moe_fwd, _BF16, x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3,
-                      routing_hist)
+    calls skip the custom op's dispatch (ops/eager.py)."""
+    return eager.call(torch.ops.megamoe.bf16_mega_moe_fwd, _BF16, x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,11 +114,10 @@ def mega_moe_triton(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w
 # the FP8 backward they share.
 
 
-def _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name, routing_hist=None):
+def _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name):
     from titan_megamoe.ops import fp8_backend as fb
 
-    out, gate_up, L = fb.fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name,
-                                 routing_hist=routing_hist)
+    out, gate_up, L = fb.fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name)
     return out, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert
 
 
@@ -142,13 +133,13 @@ def _fp8_bwd(dout, x, topk_scores, w1, wq_bwd, gate_up, counts, offsets, row_pai
 @torch.library.custom_op("megamoe::fp8_mega_moe_fwd", mutates_args=())
 def fp8_mega_moe_fwd(
     x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, wq: list[Tensor],
-    fp8_forward: bool, layer_name: str, routing_hist: Optional[Tensor],
+    fp8_forward: bool, layer_name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name, routing_hist)
+    return _fp8_fwd(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name)
 
 
 @fp8_mega_moe_fwd.register_fake
-def _fp8_fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name, routing_hist=None):
+def _fp8_fwd_fake(x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name):
     from titan_megamoe.ops.fp8_backend import FP8_BLOCK_M
 
     T, K = topk_ids.shape
@@ -181,7 +172,7 @@ def _fp8_bwd_fake(dout, x, topk_scores, w1, wq_bwd, gate_up, counts, offsets, ro
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name, *_ = inputs  # + routing_hist
+    x, topk_ids, topk_scores, w1, w2, w3, wq, fp8_forward, layer_name = inputs
     _, gate_up, *layout = output
     ctx.top_k = topk_ids.shape[1]
     ctx.layer_name = layer_name
@@ -196,12 +187,12 @@ def _fp8_backward(ctx, dout, *unused):
     x, topk_scores, w1, gate_up, *rest = ctx.saved_tensors
     layout, wq_bwd = rest[:5], rest[5:]
     if dout is None:
-        return None, None, None, None, None, None, [None] * ctx.n_wq, None, None, None
+        return None, None, None, None, None, None, [None] * ctx.n_wq, None, None
     bwd = _fp8_bwd if getattr(ctx, "eager", False) else fp8_mega_moe_bwd  # ops/eager.py
     dx, dscores, dw1, dw2, dw3 = bwd(dout, x, topk_scores, w1, list(wq_bwd), gate_up, *layout, ctx.top_k,
                                      ctx.layer_name)
     dw1, dw2, dw3 = (g.to(d) for g, d in zip((dw1, dw2, dw3), ctx.w_dtypes))
-    return dx, None, dscores, dw1, dw2, dw3, [None] * ctx.n_wq, None, None, None
+    return dx, None, dscores, dw1, dw2, dw3, [None] * ctx.n_wq, None, None
 
 
 fp8_mega_moe_fwd.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
@@ -209,13 +200,12 @@ _FP8 = eager.OpFunctions(_fp8_fwd, _fp8_setup_context, _fp8_backward)
 
 
 def mega_moe_triton_fp8(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
-                        w3: Tensor, *, fp8_forward: bool, cache=None, layer_name: str = "moe",
-                        routing_hist: Tensor | None = None) -> Tensor:
+                        w3: Tensor, *, fp8_forward: bool, cache=None, layer_name: str = "moe") -> Tensor:
     """Blockwise-FP8 MoE experts on one GPU (EP = 1): (T, D) bf16 out. ``fp8_forward`` False is
     precision "fp8_bwd". ``cache``: an ``fp8_backend.Fp8WeightCache`` (None: quantize every call).
-    ``routing_hist``: as :func:`mega_moe_triton`. See ops/fp8_backend.py."""
+    See ops/fp8_backend.py."""
     from titan_megamoe.ops.fp8_backend import prepare_weights
 
     wq = prepare_weights(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
     return eager.call(torch.ops.megamoe.fp8_mega_moe_fwd, _FP8, x_TD, topk_ids_TK, topk_scores_TK, w1, w2, w3, wq,
-                      fp8_forward, layer_name, routing_hist)
+                      fp8_forward, layer_name)

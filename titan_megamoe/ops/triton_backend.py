@@ -59,15 +59,13 @@ def layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, block_
                          tile_expert=tile_expert, block_m=block_m, num_experts=E, top_k=K)
 
 
-def triton_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-               routing_hist: Tensor | None = None):
-    """Forward: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``routing_hist``: the
-    fused router's count hist of these ids (``build_routing_layout(hist=)``), or None."""
+def triton_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor):
+    """Forward: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout)."""
     from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
 
     T, K = topk_ids_TK.shape
     E = w1.shape[0]
-    layout = build_routing_layout(topk_ids_TK, E, _block_m(), hist=routing_hist)
+    layout = build_routing_layout(topk_ids_TK, E, _block_m())
     gate_up, h = gemm1_swiglu_fwd(x_TD.contiguous(), w1.contiguous(), w3.contiguous(), layout)
     y_PD = gemm2_scatter_fwd(h, w2.contiguous(), topk_scores_TK.contiguous(), layout)
     out = combine_topk(y_PD, T, K)
