@@ -2,6 +2,9 @@
 
     python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...] [--quick]
 
+Kinds: gemm1, gemm2, gemm2_dgrad, gemm2_dgrad_nohs (the same without its s*h store: an epilogue
+ablation), gemm1_dgrad, wgrad_w2, wgrad_w13.
+
 Every variant's output is checked against the default config's (same math, so rel. error ~0); a
 config that fails to compile or run is reported and skipped. Prints one JSON line per variant and
 writes them all to --out. This is how kernels/configs.py and default_bwd_config chose their defaults.
@@ -89,6 +92,8 @@ def main() -> int:
             return lambda: gg.gemm2_scatter_fwd(h, w2, s, lay, config=cfg), flop
         if kind == "gemm2_dgrad":
             return lambda: B.gemm2_dgrad_swiglu_bwd(dout, w2, gu, s, lay, cfg, hs_out=hs)[0][:live], flop
+        if kind == "gemm2_dgrad_nohs":  # without the s*h store: what that third epilogue store costs
+            return lambda: B.gemm2_dgrad_swiglu_bwd(dout, w2, gu, s, lay, cfg)[0][:live], flop
         if kind == "gemm1_dgrad":
             return lambda: B.gemm1_dgrad(dgu, w1, w3, lay, cfg)[:live], 2 * flop
         if kind == "wgrad_w2":
@@ -100,7 +105,7 @@ def main() -> int:
     rows = []
     for kind in args.kinds.split(","):
         base = (config_for(kind, D, F, False) if kind in ("gemm1", "gemm2")
-                else B.default_bwd_config(kind, lay, D, F))
+                else B.default_bwd_config(kind.removesuffix("_nohs"), lay, D, F))
         ref = None
         todo = variants(base, kind)
         if args.quick:
