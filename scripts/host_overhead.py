@@ -10,7 +10,10 @@ so no launch ever waits, then each stage is timed with ``time.perf_counter`` (me
 Each stage is timed with the fast launch path of ``kernels/launch.py`` off ("host_us", Triton's
 ``JITFunction.run``) and on ("fast_launch_host_us"). The megamoe layer stages run with
 TITAN_MEGAMOE_FUSED_ROUTER=1 (layer.py's fused router, the default since session 8), except those named with
-FUSED_ROUTER=0 / EAGER_AUTOGRAD=0 (ops/eager.py), which run with those switches off. Prints one JSON line per stage; writes them all
+FUSED_ROUTER=0 / EAGER_AUTOGRAD=0 (ops/eager.py), which run with those switches off. The megamoe layer runs
+its own router (random init); until session 8 it ran an injected one (compare.builders.inject_routing),
+so the router stages of ``host_overhead_30b_1xh200_s8_20261201.json`` and earlier timed the same torch ops
+whatever the switch (their spread there, 273-880 us for one code path, is that host's noise). Prints one JSON line per stage; writes them all
 to ``--out`` if given. ``scripts/host_overhead_cpu.py`` is the CPU-machine counterpart.
 """
 
@@ -86,7 +89,10 @@ def main(argv=None) -> int:
         with stock_layer_context("bf16", dev):
             built = build_layer(impl, "bf16", shape, dev)
             moe = built.module
-            inject_routing(moe, ids, counts)
+            if impl != "megamoe-triton":
+                # stock: fixed routing as before. megamoe keeps its own router (random init, near uniform):
+                # an injected router replaces the fused one, whose host time is what the router stages time
+                inject_routing(moe, ids, counts)
             xb = x.view(1, T, shape.dim)
             record(f"{impl}: layer forward", lambda: moe(xb))
             record(f"{impl}: router", lambda: moe.router(x, moe.expert_bias))
