@@ -405,12 +405,12 @@ def _compile_sm90_all() -> list[dict]:
             cx = dict(D=D, K=8, BLOCK_D=1024)
             opts = dict(num_warps=4, num_stages=1)
         else:
-            # the grid kernels' own configs (GEMM2's default is the persistent one since session 8)
-            cfg = dataclasses.replace(config_for(kind, D, F, False), use_tma=use_tma, persistent=False)
-            if kind == "gemm2":
-                from titan_megamoe.kernels.configs import HOPPER_GEMM2
+            from titan_megamoe.kernels.configs import HOPPER_GEMM1, HOPPER_GEMM2
 
-                cfg = dataclasses.replace(HOPPER_GEMM2, block_n=cfg.block_n, block_k=cfg.block_k, use_tma=use_tma)
+            # the grid kernels' own configs (GEMM2's default is the persistent one since session 8)
+            sized = config_for(kind, D, F, False)
+            cfg = dataclasses.replace(HOPPER_GEMM1 if kind == "gemm1" else HOPPER_GEMM2, block_n=sized.block_n,
+                                      block_k=sized.block_k, use_tma=use_tma)
             if "persistent" in label:
                 from titan_megamoe.kernels.configs import HOPPER_GEMM2_PERSISTENT as cfg
             tile = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -29,8 +29,8 @@ class MegaMoERouter(TokenChoiceTopKRouter):
     ``scatter_add_`` of ones (exact integer counts in fp32, so deterministic; no host sync, unlike
     ``torch.bincount``; runs on CPU, where ``histc`` of int64 does not).
 
-    Fused path (default; ``TITAN_MEGAMOE_FUSED_ROUTER=0``, read every call, turns it off; its tests
-    pass compiled on an H200 and it cut the 30B layer forward by 0.35 ms there, docs/NOTES.md session 8):
+    Fused path (default; ``TITAN_MEGAMOE_FUSED_ROUTER=0``, read every call, turns it off; measured on an
+    H200 in docs/NOTES.md, session 8):
     in eager mode everything after the gate linear is one Triton launch (``kernels/router.py``, with
     its own backward; the counts added into ``counts_into`` when given, else one ``torch.zeros``)
     instead of ~12 torch ops, when all hold: the switch on, not under ``torch.compile`` (Inductor
