@@ -51,6 +51,9 @@ import torch
 import torch.distributed as dist
 
 from compare import flops as flop_model
+from titan_megamoe.switches import label as switch_label
+from titan_megamoe.switches import override as override_switches
+from titan_megamoe.switches import parse_switches
 from compare.builders import (IMPLS, PRECISIONS, build_layer, inject_routing, model_dtype, skip_reason,
                               stock_layer_context)
 from compare.records import (default_out_path, device_time_table, fill_speedups, markdown_table, new_record,
@@ -97,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer's device time alone (*_device_ms fields, second table)")
     p.add_argument("--tiny", action="store_true",
                    help=f"CPU smoke run: defaults {TINY} (explicit options still win)")
+    p.add_argument("--switches", nargs="+", default=[], metavar="NAME=V[,NAME=V]",
+                   help="each adds megamoe rows run with those environment switches flipped in this process "
+                        "(same-process A/B; titan_megamoe/switches.py lists the switches), e.g. "
+                        "--switches FUSED_ROUTER=0 PERSISTENT_GEMM2=0")
     return p
 
 
@@ -119,6 +126,8 @@ class Plan:
     device: torch.device
     world_size: int
     device_time: bool = False
+    #: switch settings of the megamoe rows: {} (as the process runs) first, then one per --switches entry
+    variants: list[dict] = field(default_factory=lambda: [{}])
 
 
 def _split(s: str) -> list[str]:
@@ -249,8 +258,14 @@ def parse_options(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     if device.type == "cpu" and not args.tiny and args.tokens * max(s.dim for s in shapes) > 2**22:
         print(f"compare.layer: warning: measuring {args.tokens} tokens/rank of {shapes[0].name}... on "
               "CPU will be very slow (use --tiny or a GPU)", file=sys.stderr)
+    variants = [{}]
+    for spec in args.switches:
+        try:
+            variants.append(parse_switches(spec))
+        except ValueError as err:
+            parser.error(f"argument --switches: {err}")
     return args, Plan(shapes, impls, precisions, routings, args.tokens, args.iters, args.warmup,
-                      device, ws, args.device_time)
+                      device, ws, args.device_time, variants)
 
 
 #: Device sleep queued before each step of the --device-time pass (ms): above the host's enqueue time of
@@ -452,7 +467,8 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
     flush_l2(device)  # allocate the L2-flush buffer before any peak-memory window opens
 
     records: list[dict] = []
-    total = len(plan.shapes) * len(plan.routings) * len(plan.impls) * len(plan.precisions)
+    n_impl_rows = sum(len(plan.variants) if IMPLS[i].family == "megamoe" else 1 for i in plan.impls)
+    total = len(plan.shapes) * len(plan.routings) * n_impl_rows * len(plan.precisions)
     bar = tqdm(total=total, disable=rank != 0, file=sys.stderr, desc="compare.layer", dynamic_ncols=True)
     for shape in plan.shapes:
         for rspec in plan.routings:
@@ -462,25 +478,29 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
             for impl in plan.impls:
                 spec = IMPLS[impl]
                 for precision in plan.precisions:
-                    bar.set_postfix_str(f"{shape.name} {rspec.name} {impl}/{precision}")
-                    dtype = model_dtype(precision)
-                    rec = new_record(implementation=impl, family=spec.family, backend=spec.backend,
-                                     compile=spec.compile, precision=precision,
-                                     dtype=str(dtype).replace("torch.", ""), shape=shape.as_dict(),
-                                     routing=rspec.name, routing_detail={**rspec.detail, **extra},
-                                     ep=ws, tokens_per_rank=T, iters=plan.iters, warmup=plan.warmup)
-                    rec["routing_note"] = note
-                    why = skip_reason(impl, precision, device)
-                    if why is not None:
-                        rec.update(status="skipped", reason=why)
-                        say(f"skip {impl}/{precision} {shape.name} {rspec.name}: {why}")
-                    else:
-                        local = _run_one(impl, precision, shape, ids, device, mesh, plan, args.seed, rank)
-                        _fill_measurements(rec, _gather(local, ws), shape, T, rates)
-                        if rec["status"] != "ok":
-                            say(f"ERROR {impl}/{precision} {shape.name} {rspec.name}: {rec['reason']}")
-                    records.append(rec)
-                    bar.update(1)
+                    for sw in (plan.variants if spec.family == "megamoe" else [{}]):
+                        what = f"{impl}/{precision}" + (f" [{switch_label(sw)}]" if sw else "")
+                        bar.set_postfix_str(f"{shape.name} {rspec.name} {what}")
+                        dtype = model_dtype(precision)
+                        rec = new_record(implementation=impl, family=spec.family, backend=spec.backend,
+                                         compile=spec.compile, precision=precision,
+                                         dtype=str(dtype).replace("torch.", ""), shape=shape.as_dict(),
+                                         routing=rspec.name, routing_detail={**rspec.detail, **extra},
+                                         ep=ws, tokens_per_rank=T, iters=plan.iters, warmup=plan.warmup,
+                                         switches=sw)
+                        rec["routing_note"] = note
+                        why = skip_reason(impl, precision, device)
+                        if why is not None:
+                            rec.update(status="skipped", reason=why)
+                            say(f"skip {what} {shape.name} {rspec.name}: {why}")
+                        else:
+                            with override_switches(sw):
+                                local = _run_one(impl, precision, shape, ids, device, mesh, plan, args.seed, rank)
+                            _fill_measurements(rec, _gather(local, ws), shape, T, rates)
+                            if rec["status"] != "ok":
+                                say(f"ERROR {what} {shape.name} {rspec.name}: {rec['reason']}")
+                        records.append(rec)
+                        bar.update(1)
     bar.close()
     fill_speedups(records)
 

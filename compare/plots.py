@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from compare.records import impl_label
+
 __all__ = ["layer_chart"]
 
 
@@ -34,7 +36,7 @@ def layer_chart(records: list[dict], path: str | Path, title: str = "") -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 4.6 * rows + 0.5), squeeze=False)
     for ax, (key, recs) in zip(axes.flat, groups.items()):
         ok = [r for r in recs if r["status"] == "ok"]
-        labels = [f"{r['implementation']}\n{r['precision']}" for r in ok]
+        labels = [f"{impl_label(r)}\n{r['precision']}" for r in ok]
         xs = list(range(len(ok)))
         fwd = [r["fwd_ms"] for r in ok]
         bwd = [r["bwd_ms"] for r in ok]

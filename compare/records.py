@@ -88,10 +88,12 @@ PHASES = ("fwd", "bwd", "fwdbwd")
 
 def new_record(*, implementation: str, family: str, backend: str | None, compile: bool,
                precision: str, dtype: str, shape: dict, routing: str, routing_detail: dict,
-               ep: int, tokens_per_rank: int, iters: int, warmup: int) -> dict:
-    """A record with every schema field present (measurements null, status "pending")."""
+               ep: int, tokens_per_rank: int, iters: int, warmup: int, switches: dict | None = None) -> dict:
+    """A record with every schema field present (measurements null, status "pending"). ``switches``:
+    the environment switches this row ran with flipped in-process (compare.layer --switches), {}."""
     rec = dict(
         implementation=implementation, family=family, backend=backend, compile=compile,
+        switches=dict(switches or {}),
         precision=precision, dtype=dtype, shape=dict(shape), routing=routing,
         routing_detail=dict(routing_detail), routing_note=None, load_imbalance=None,
         ep=ep, tokens_per_rank=tokens_per_rank, iters=iters, warmup=warmup,
@@ -116,9 +118,17 @@ def record_key(rec: dict) -> tuple:
         routing = f"skewed(s={detail.get('zipf_s')})"
     elif routing == "replay":
         routing = f"replay({Path(str(detail.get('path', ''))).name}:{detail.get('layer')})"
-    return (rec["implementation"], rec["precision"],
+    return (impl_label(rec), rec["precision"],
             (s["name"], s["dim"], s["hidden"], s["experts"], s["top_k"]),
             routing, rec["ep"], rec["tokens_per_rank"])
+
+
+def impl_label(rec: dict) -> str:
+    """The implementation, with the switches a --switches row ran with: ``megamoe-triton[FUSED_ROUTER=0]``."""
+    from titan_megamoe.switches import label
+
+    sw = rec.get("switches") or {}
+    return f"{rec['implementation']}[{label(sw)}]" if sw else rec["implementation"]
 
 
 def key_str(key: tuple) -> str:
@@ -304,7 +314,7 @@ def device_time_table(records: list[dict]) -> str:
         if r["status"] != "ok":
             continue
         lines.append(
-            f"| {r['shape']['name']} | {r['ep']} | {r['implementation']} | {r['precision']} | "
+            f"| {r['shape']['name']} | {r['ep']} | {impl_label(r)} | {r['precision']} | "
             f"{_fmt(r['fwd_ms'], '.4g')} | {_fmt(r.get('fwd_device_ms'), '.4g')} | {_fmt(r['fwdbwd_ms'], '.4g')} | "
             f"{_fmt(r.get('fwdbwd_device_ms'), '.4g')} | {_fmt(r.get('host_fwd_ms'), '.3g')} | "
             f"{_fmt(r.get('host_fwdbwd_ms'), '.3g')} |")
@@ -330,7 +340,7 @@ def markdown_table(records: list[dict]) -> str:
             status = f"{r['status']}: {r['reason']}"
         lines.append(
             f"| {r['shape']['name']} | {routing} | {r['ep']} | {r['tokens_per_rank']} | "
-            f"{r['implementation']} | {r['precision']} | {_fmt(r['fwd_ms'], '.4g')} | {_fmt(r['bwd_ms'], '.4g')} | "
+            f"{impl_label(r)} | {r['precision']} | {_fmt(r['fwd_ms'], '.4g')} | {_fmt(r['bwd_ms'], '.4g')} | "
             f"{fb} | {_fmt(r['peak_gib'])} | {_fmt(r['tflops'], '.4g')} | {_fmt(r['floor_ratio'])} | "
             f"{sp or '-'} | {status} |"
         )

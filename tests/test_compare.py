@@ -109,6 +109,9 @@ INVALID = [
     (["--tokens", "0"], ["--tokens", "> 0"]),
     (["--routings", "replay:/nonexistent/ids.pt"], ["--routings", "does not exist"]),
     (["--iters", "0"], ["--iters", ">= 1"]),
+    (["--switches", "COMBINE_DTYPE=fp32"], ["--switches", "cannot be flipped inside a process", "FUSED_ROUTER"]),
+    (["--switches", "FUSED_ROUTER=2"], ["--switches", "expected one of 0, 1"]),
+    (["--switches", "FUSED_ROUTER"], ["--switches", "NAME=VALUE"]),
 ]
 
 
@@ -244,6 +247,40 @@ def test_host_enqueue_times_and_device_time_option(tmp_path, capsys):
     for r in recs:
         assert r["status"] == "ok" and 0 < r["host_fwd_ms"] <= r["host_fwdbwd_ms"]
         assert r["fwd_device_ms"] is None and r["fwdbwd_device_ms"] is None  # CPU
+
+
+def test_switches_add_same_process_megamoe_rows(tmp_path, capsys, monkeypatch):
+    """--switches: one more megamoe row per entry (stock rows once), each run with its switches in force
+    (environment and import-time attributes) and restored after; records and tables name them."""
+    import os
+
+    import compare.layer as cl
+    from titan_megamoe.kernels import configs
+    from titan_megamoe.ops import eager
+
+    seen = []
+    real = cl._run_one
+
+    def spy(impl, *a, **kw):
+        seen.append((impl, os.environ.get("TITAN_MEGAMOE_FUSED_ROUTER"), eager.ENABLED, configs.PERSISTENT_GEMM2))
+        return real(impl, *a, **kw)
+
+    monkeypatch.setattr(cl, "_run_one", spy)
+    monkeypatch.delenv("TITAN_MEGAMOE_FUSED_ROUTER", raising=False)
+    before = (eager.ENABLED, configs.PERSISTENT_GEMM2)
+    out = tmp_path / "layer.json"
+    assert cl.main(["--tiny", "--out", str(out), "--routings", "random", "--impls", "tt-eager,megamoe-reference",
+                    "--precisions", "bf16", "--no-plot",
+                    "--switches", "EAGER_AUTOGRAD=0", "FUSED_ROUTER=0,PERSISTENT_GEMM2=0"]) == 0
+    assert seen == [("tt-eager", None, True, True), ("megamoe-reference", None, True, True),
+                    ("megamoe-reference", None, False, True), ("megamoe-reference", "0", True, False)]
+    assert (eager.ENABLED, configs.PERSISTENT_GEMM2) == before and "TITAN_MEGAMOE_FUSED_ROUTER" not in os.environ
+    recs = json.loads(out.read_text())["records"]
+    assert [r["switches"] for r in recs] == [{}, {}, {"TITAN_MEGAMOE_EAGER_AUTOGRAD": "0"},
+                                             {"TITAN_MEGAMOE_FUSED_ROUTER": "0", "TITAN_MEGAMOE_PERSISTENT_GEMM2": "0"}]
+    assert all(r["status"] == "ok" and "tt-eager/bf16" in r["speedup_vs"] for r in recs)
+    stdout = capsys.readouterr().out
+    assert "| megamoe-reference[FUSED_ROUTER=0,PERSISTENT_GEMM2=0] | bf16 |" in stdout
 
 
 # ---------------------------------------------------------------------------------- capture_topk

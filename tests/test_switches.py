@@ -1,0 +1,66 @@
+"""titan_megamoe/switches.py: parsing, and override() putting a switch in force (environment, the
+attributes read at import, the config caches) and restoring it, also after an error."""
+
+import os
+
+import pytest
+
+from titan_megamoe import switches
+from titan_megamoe.kernels import configs, launch
+from titan_megamoe.ops import eager
+
+
+def test_parse():
+    assert switches.parse_switches("FUSED_ROUTER=0, TITAN_MEGAMOE_PERSISTENT_GEMM2=0") == {
+        "TITAN_MEGAMOE_FUSED_ROUTER": "0", "TITAN_MEGAMOE_PERSISTENT_GEMM2": "0"}
+    assert switches.parse_switches("WGRAD=triton") == {"TITAN_MEGAMOE_WGRAD": "triton"}
+    assert switches.parse_switches("") == {}
+    for bad, words in (("FP8_WGRAD=bf16", "separate processes"), ("FUSED_ROUTER=yes", "0, 1"),
+                       ("FUSED_ROUTER", "NAME=VALUE"), ("FUSED_ROUTER=0,FUSED_ROUTER=1", "twice")):
+        with pytest.raises(ValueError, match=words):
+            switches.parse_switches(bad)
+    assert switches.label({"TITAN_MEGAMOE_FUSED_ROUTER": "0", "TITAN_MEGAMOE_WGRAD": "triton"}) == \
+        "FUSED_ROUTER=0,WGRAD=triton"
+
+
+def test_every_switch_names_real_attributes_and_caches():
+    import importlib
+
+    for sw in switches.SWITCHES.values():
+        assert sw.default in sw.values
+        for mod, attr in sw.attrs:
+            assert isinstance(getattr(importlib.import_module(mod), attr), bool), (sw.env, mod, attr)
+        for mod, fn in sw.caches:
+            assert hasattr(getattr(importlib.import_module(mod), fn), "cache_clear"), (sw.env, mod, fn)
+
+
+def test_override_sets_and_restores(monkeypatch):
+    monkeypatch.delenv("TITAN_MEGAMOE_PERSISTENT_GEMM2", raising=False)
+    monkeypatch.setenv("TITAN_MEGAMOE_FAST_LAUNCH", "1")
+    was = (configs.PERSISTENT_GEMM2, eager.ENABLED, launch.FAST_LAUNCH)
+    assert was == (True, True, True)  # the defaults
+    assert configs.config_for("gemm2", 2048, 768, False).persistent  # cached with the default
+    s = {"TITAN_MEGAMOE_PERSISTENT_GEMM2": "0", "TITAN_MEGAMOE_EAGER_AUTOGRAD": "0", "TITAN_MEGAMOE_FAST_LAUNCH": "0"}
+    with switches.override(s):
+        assert (configs.PERSISTENT_GEMM2, eager.ENABLED, launch.FAST_LAUNCH) == (False, False, False)
+        assert not configs.config_for("gemm2", 2048, 768, False).persistent  # the cache was cleared
+        assert os.environ["TITAN_MEGAMOE_PERSISTENT_GEMM2"] == "0"
+    assert (configs.PERSISTENT_GEMM2, eager.ENABLED, launch.FAST_LAUNCH) == was
+    assert configs.config_for("gemm2", 2048, 768, False).persistent
+    assert "TITAN_MEGAMOE_PERSISTENT_GEMM2" not in os.environ and os.environ["TITAN_MEGAMOE_FAST_LAUNCH"] == "1"
+    with pytest.raises(RuntimeError, match="inside"):
+        with switches.override({"TITAN_MEGAMOE_EAGER_AUTOGRAD": "0"}):
+            raise RuntimeError("inside")
+    assert eager.ENABLED
+    with pytest.raises(ValueError, match="not a known switch"):
+        with switches.override({"TITAN_MEGAMOE_COMBINE_DTYPE": "fp32"}):
+            pass
+
+
+def test_fp8_gemm2_switch_reaches_the_fp8_config():
+    from titan_megamoe.kernels import grouped_gemm_fp8 as g8
+
+    assert g8.fp8_config_for("gemm2", 2048, 768, False).persistent
+    with switches.override({"TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8": "0"}):
+        assert not g8.fp8_config_for("gemm2", 2048, 768, False).persistent
+    assert g8.fp8_config_for("gemm2", 2048, 768, False).persistent
