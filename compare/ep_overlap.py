@@ -35,8 +35,7 @@ v1,v1b`` compares the two in one run (records say ``x_payload``). "comm" is the 
 "v1"); "compute" is the receive layout, the placed-row index and ``fp8_experts_fwd`` /
 ``fp8_experts_bwd`` on the received rows ("v1": on x quantized once before timing, since the backward's
 dy overwrites the received FP8 slab, which shares its bytes). The phases carry the finer FP8 labels
-(``quant_x`` (v1b only), ``gemm1``, ..., ``quant_dgate_up`` (not with ``TITAN_MEGAMOE_FP8_FUSED_DGU=1``:
-records say ``fused_dgu_quant``), ``wgrad_w13``, ``gemm1_dgrad``; ``ops/fp8_backend.py``).
+(``quant_x`` (v1b only), ``gemm1``, ..., ``quant_dgate_up``, ``wgrad_w13``, ``gemm1_dgrad``; ``ops/fp8_backend.py``).
 
 Times on CPU (``--tiny``) are the interpreter's and, with emulated ranks, the sum over the ranks run in
 lockstep: they exercise the harness, they measure nothing. Output: a markdown table on stdout and a
@@ -479,14 +478,12 @@ def _setup(args, shape: LayerShape, T: int, routing: str, device, real: bool, R:
 
 def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: str, R: int) -> dict:
     from titan_megamoe.comm.workspace import COMBINE_DTYPE
-    from titan_megamoe.ops.fp8_backend import FUSED_DGU_QUANT, NONFINITE
+    from titan_megamoe.ops.fp8_backend import NONFINITE
 
     it, wu = args.iters, args.warmup
     rec = dict(shape=shape.as_dict(), routing=routing, precision=drv.precision, mode=mode, ep=R, tokens_per_rank=T,
                iters=it, warmup=wu, emulated=not drv.real, status="ok", reason=None,
                weights=FP8_WEIGHTS_NOTE if drv.precision != "bf16" else "bf16", x_payload=_x_payload(drv, mode),
-               # FP8 backward: dgate_up quantized in gemm2_dgrad's epilogue (TITAN_MEGAMOE_FP8_FUSED_DGU=1)
-               fused_dgu_quant=FUSED_DGU_QUANT if drv.precision != "bf16" else None,
                # dtype of the combine rows (TITAN_MEGAMOE_COMBINE_DTYPE, comm/workspace.py)
                combine_dtype=str(COMBINE_DTYPE).replace("torch.", ""))
     drv.run(_full(drv, mode, True))  # fills every workspace region (x, dy, ids, scores) once

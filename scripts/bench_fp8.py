@@ -121,13 +121,6 @@ def _bench_shape(name: str, T: int) -> dict:
     doTq, doTs = quantize_gather_128x1_t(dout, L.row_pair, K)
     xTq, xTs = quantize_gather_128x1_t(x, L.row_pair, K)
     rows = valid.nonzero().squeeze(1)
-    # dgate_up quantized in the epilogue (fp8_backend.FUSED_DGU_QUANT): bitwise the dual pass over dgu8
-    end = int(L.offsets[-1])
-    fq = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gu16, scores, L, quantize_dgate_up=True, store_dgate_up=False)
-    dq8 = quantize_dual_1x128_128x1_t(dgu8, valid, end_row=L.offsets[-1:])
-    u8 = torch.uint8
-    fused_bitwise = all(torch.equal(a[:end].view(u8) if a.dtype == FP8 else a[:end], b[:end].view(u8)
-                                    if b.dtype == FP8 else b[:end]) for a, b in zip(fq[4:6], dq8[:2]))
     fused_bitwise &= torch.equal(fq[6][:, :end].contiguous().view(u8), dq8[2][:, :end].contiguous().view(u8))
     fused_bitwise &= torch.equal(fq[7][: end // 128], dq8[3][: end // 128])
     # the persistent GEMM2s: bitwise the grid kernels' outputs
@@ -161,10 +154,6 @@ def _bench_shape(name: str, T: int) -> dict:
                                                                           config=c2p)),
         ("gemm2_dgrad", "fp8", g2, lambda: gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gu16, scores, L)),
         ("gemm2_dgrad", "bf16", g2, lambda: gb.gemm2_dgrad_swiglu_bwd(dout, w2, gu16, scores, L, hs_out=hs16)),
-        # + dgate_up quantized 1x128 / 128x1 in the epilogue, no bf16 dgate_up: replaces gemm2_dgrad/fp8 +
-        # quant_dgate_up_dual/fp8 (fp8_backend.FUSED_DGU_QUANT)
-        ("gemm2_dgrad_quant_dgu", "fp8", g2, lambda: gemm2_dgrad_swiglu_bwd_fp8(
-            dq, ds, w2tq, w2ts, gu16, scores, L, quantize_dgate_up=True, store_dgate_up=False)),
         ("gemm1_dgrad", "fp8", g1, lambda: gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, L)),
         ("gemm1_dgrad", "bf16", g1, lambda: gb.gemm1_dgrad(dgu16, w1, w3, L)),
         ("wgrad_w2", "fp8", g2, lambda: wgrad_fp8(doTq, doTs, hsT, hsTs, L)),
@@ -203,7 +192,6 @@ def _bench_shape(name: str, T: int) -> dict:
         print(f"[bench_fp8] {name} {key}: {out[key]}", file=sys.stderr, flush=True)
     return {"shape": name, "T": T, "D": D, "F": F, "E": E, "K": K, "rows_padded": N,
             "rel_err_fp8_vs_bf16": {k: round(v, 5) for k, v in checks.items()},
-            "gemm2_dgrad_quant_dgu_bitwise_dual": bool(fused_bitwise),
             "gemm2_persistent_bitwise_grid": persistent_bitwise, "kernels": out}
 
 

@@ -106,35 +106,6 @@ def test_wgrad_diagnosis_switch(monkeypatch):
         _fwd_bwd("fp8_bwd", *inputs)
 
 
-FUSED_DGU_CASES = [
-    # (precision, routing, T, D, F, E, K, weight dtype, _WGRAD)
-    ("fp8", "one_expert", 24, 128, 128, 4, 1, torch.float32, "fp8"),  # top_k = 1, empty experts, fp32 grads
-    ("fp8_bwd", "zero_expert", 40, 128, 128, 4, 2, torch.bfloat16, "fp8"),  # an expert with no token
-    ("fp8_bwd", "uniform", 24, 128, 128, 4, 2, torch.bfloat16, "bf16"),  # bf16 wgrad: the bf16 dgate_up kept
-]
-
-
-@pytest.mark.parametrize("case", FUSED_DGU_CASES, ids=[f"{c[0]}-{c[1]}-wgrad_{c[8]}" for c in FUSED_DGU_CASES])
-def test_fused_dgate_up_quant_is_bitwise_the_separate_pass(case, monkeypatch):
-    """fp8_backend.FUSED_DGU_QUANT (TITAN_MEGAMOE_FP8_FUSED_DGU=1): dgate_up quantized in GEMM2 dgrad's
-    epilogue instead of the dual pass; every output and gradient bitwise as with the flag off."""
-    from titan_megamoe.kernels import fp8_quant_bwd
-    from titan_megamoe.ops import fp8_backend
-
-    precision, *shape, wdt, wgrad = case
-    inputs = _inputs(*shape, wdt)
-    monkeypatch.setattr(fp8_backend, "_WGRAD", wgrad)
-    got = {}
-    for flag in (False, True):
-        monkeypatch.setattr(fp8_backend, "FUSED_DGU_QUANT", flag)
-        if flag:  # the separate pass must not run any more
-            monkeypatch.setattr(fp8_quant_bwd, "quantize_dual_1x128_128x1_t", None)
-        got[flag] = _fwd_bwd(precision, *inputs)
-    NONFINITE.flush()
-    for name, a, b in zip(("out", "dx", "dscores", "dw1", "dw2", "dw3"), got[True], got[False]):
-        assert torch.isfinite(a).all() and torch.equal(a, b), f"{precision} {name}: fused dgate_up quant differs"
-
-
 def test_weight_cache_hits_until_the_weight_changes():
     from titan_megamoe.ops import fp8_reference as R
 

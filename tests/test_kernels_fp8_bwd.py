@@ -16,8 +16,6 @@ Bounds (norm-wise relative, ``rel_err``):
   (two e4m3 operands, 2.5 % each, in quadrature);
 * the fused s*h quantization: its scales equal the oracle's to fp32 rounding, its values are the
   oracle's e4m3 values except where an fp32 last-bit difference crosses an e4m3 rounding boundary;
-* the fused dgate_up quantization (``quantize_dgate_up``): bitwise the dual pass over the same kernel's
-  bf16 dgate_up, on the rows below offsets[-1].
 
 Inputs are poisoned: every float ``torch.empty`` the launchers make is NaN-filled (``_poison_empty``),
 padding rows of gate_up hold NaN, so an element a kernel forgets to write or a padding row it reads
@@ -298,76 +296,6 @@ def test_gemm2_dgrad_matches_dequantized(name, _poison_empty):
     assert int(k["count"]) == 0
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_gemm2_dgrad_fused_dgate_up_quant_matches_dual_pass(name, _poison_empty):
-    """quantize_dgate_up=True: dgate_up's 1x128 and transposed 128x1 forms from the epilogue equal the
-    separate dual pass over the kernel's bf16 dgate_up (valid rows, end_row = offsets[-1]) bitwise on
-    every row below offsets[-1]; the other outputs are unchanged; store_dgate_up=False leaves the bf16
-    dgate_up out and changes nothing else; rows past offsets[-1] stay unwritten; non-finite groups are
-    counted as gemm2 + dual pass count them."""
-    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, transposed_ld
-    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import fp8_bwd_config_for, gemm2_dgrad_swiglu_bwd_fp8
-
-    d = _case(name)
-    L, F = d["layout"], d["c"].F
-    end, nb = int(L.offsets[-1]), int(L.offsets[-1]) // 128
-    dq, ds = R.quantize_act_1x128(d["dout"])
-    w2tq, w2ts = _wT(d["w2"])
-    cfg = dataclasses.replace(fp8_bwd_config_for("gemm2_dgrad", d["c"].D, F, True), block_n=128)
-
-    def run(gate_up, **kw):
-        count = torch.zeros(1, dtype=torch.int32, device=DEV)
-        out = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, d["scores"], L, cfg, nonfinite_count=count,
-                                         **kw)
-        return out, count
-
-    def same(a, b, what):
-        if a.dtype == R.FP8_DTYPE:
-            a, b = a.contiguous().view(U8), b.contiguous().view(U8)
-        assert torch.equal(a, b), f"{name}: {what} differs"
-
-    def check(gate_up, expect_bad):
-        (dgu, part, hsT, hsTs), c0 = run(gate_up)
-        c_dual = torch.zeros(1, dtype=torch.int32, device=DEV)
-        ref = quantize_dual_1x128_128x1_t(dgu, d["valid"], nonfinite_count=c_dual, end_row=L.offsets[-1:])
-        (dgu1, part1, hsT1, hsTs1, *fused), c1 = run(gate_up, quantize_dgate_up=True)
-        (dgu2, part2, hsT2, hsTs2, *fused2), c2 = run(gate_up, quantize_dgate_up=True, store_dgate_up=False)
-        assert dgu2 is None
-        same(dgu1[:end].view(torch.int16), dgu[:end].view(torch.int16), "bf16 dgate_up")
-        for a, b in ((part1, part), (part2, part), (hsTs1, hsTs), (hsTs2, hsTs)):
-            same(a[:end] if a is part1 or a is part2 else a[:nb], b[:end] if b is part else b[:nb], "d score / hsT_s")
-        same(hsT1[:, :end], hsT[:, :end], "hsT_q")
-        same(hsT2[:, :end], hsT[:, :end], "hsT_q")
-        for out in (fused, fused2):
-            q, s, qT, sT = out
-            assert qT.shape == (2 * F, L.n_cap) and qT.stride(0) == transposed_ld(L.n_cap)
-            if not expect_bad:
-                same(q[:end], ref[0][:end], "dgu_q")
-                same(s[:end], ref[1][:end], "dgu_s")
-                same(qT[:, :end], ref[2][:, :end], "dguT_q")
-                same(sT[:nb], ref[3][:nb], "dguT_s")
-            assert torch.isnan(s[end:]).all() and torch.isnan(sT[nb:]).all(), "blocks past offsets[-1]: unwritten"
-            assert (q[end:].view(U8) == 0x7F).all() and (qT[:, end:].contiguous().view(U8) == 0x7F).all()
-        assert int(c1) == int(c2) == int(c0) + int(c_dual), (int(c1), int(c2), int(c0), int(c_dual))
-        assert (int(c1) > 0) == expect_bad
-
-    check(d["gate_up"], False)
-    if name == "uniform_k2":  # one non-finite pre-activation of a valid row: hs and dgate_up groups counted
-        gu = d["gate_up"].clone()
-        gu[int(torch.nonzero(d["valid"])[0]), 3] = float("inf")
-        check(gu, True)
-    with pytest.raises(ValueError, match="block_n=128"):
-        gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, d["gate_up"], d["scores"], L,
-                                   dataclasses.replace(cfg, block_n=64), quantize_dgate_up=True)
-    with pytest.raises(ValueError, match="store_dgate_up=False"):
-        gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, d["gate_up"], d["scores"], L, cfg, store_dgate_up=False)
-
-
-# ------------------------------------------------------------------------------------------------
-# GEMM1 dgrad
-# ------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("name", ["uniform_k2", "one_expert_k1"])
 def test_gemm1_dgrad_matches_dequantized(name, _poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t
@@ -567,14 +495,9 @@ def test_preconditions_raise():
 # sm_90a compile check (no GPU needed)
 # ------------------------------------------------------------------------------------------------
 
-#: (label, kind, D, F): the Qwen3-30B-A3B layer shape (the 235B one compiles the same code, other constants;
-#: checked too for the fused dgate_up quantization)
+#: (label, kind, D, F): the Qwen3-30B-A3B layer shape (the 235B one compiles the same code, other constants)
 COMPILE_CASES = [
     ("gemm2_dgrad_fp8_30b", "gemm2_dgrad", 2048, 768),
-    # dgate_up quantized 1x128 + 128x1 in the epilogue, no bf16 dgate_up store (fp8_backend.FUSED_DGU_QUANT):
-    # 255 registers, at the limit, so both shapes are checked for spills
-    ("gemm2_dgrad_fp8_fused_dgu_30b", "gemm2_dgrad_qdgu", 2048, 768),
-    ("gemm2_dgrad_fp8_fused_dgu_235b", "gemm2_dgrad_qdgu", 4096, 1536),
     ("gemm1_dgrad_fp8_30b", "gemm1_dgrad", 2048, 768),
     ("wgrad_w2_fp8_30b", "wgrad_w2", 2048, 768),
     ("wgrad_w13_fp8_30b", "wgrad_w13", 2048, 768),
@@ -593,19 +516,15 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
     from titan_megamoe.kernels.grouped_gemm_fp8 import HOPPER_GEMM1_FP8_QH
 
     fixed = kind == "gemm1_qh" or kind.startswith("quant")  # configs not from fp8_bwd_config_for
-    qdgu = kind == "gemm2_dgrad_qdgu"
-    kind = "gemm2_dgrad" if qdgu else kind
     cfg = HOPPER_GEMM1_FP8_QH if fixed else B.fp8_bwd_config_for(kind, D, F, False)
     t = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
     if kind == "gemm2_dgrad":
         fn = _kernel_variant(B._gemm2_dgrad_swiglu_bwd_fp8_kernel, False)
         sig = dict(dout_ptr="*fp8e4nv", douts_ptr="*fp32", w2t_ptr="*fp8e4nv", w2ts_ptr="*fp32", gate_up_ptr="*bf16",
                    scores_ptr="*fp32", row_pair_ptr="*i32", tile_expert_ptr="*i32", dgate_up_ptr="*bf16",
-                   dscore_part_ptr="*fp32", hsT_ptr="*fp8e4nv", hsTs_ptr="*fp32", dguq_ptr="*fp8e4nv",
-                   dgus_ptr="*fp32", dguT_ptr="*fp8e4nv", dguTs_ptr="*fp32", count_ptr="*i32", n_tiles="i32",
-                   LD_HS="i32", LD_DGU="i32")
-        cx = dict(D=D, F=F, K=8, NB=F // cfg.block_n, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS,
-                  QUANT_DGU=qdgu, STORE_DGU=not qdgu, **t)
+                   dscore_part_ptr="*fp32", hsT_ptr="*fp8e4nv", hsTs_ptr="*fp32", count_ptr="*i32", n_tiles="i32",
+                   LD_HS="i32")
+        cx = dict(D=D, F=F, K=8, NB=F // cfg.block_n, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, **t)
     elif kind == "gemm1_dgrad":
         fn = _kernel_variant(B._gemm1_dgrad_fp8_kernel, False)
         sig = dict(dgu_ptr="*fp8e4nv", dgus_ptr="*fp32", w1t_ptr="*fp8e4nv", w1ts_ptr="*fp32", w3t_ptr="*fp8e4nv",
@@ -675,7 +594,7 @@ def test_compiles_for_sm90a(label):
         # byte stores (~70 / 65 instructions) and 2.2x the time on a GPU
         assert r["st_global"] <= 16, f"{label}: {r['st_global']} global stores: the end_row mask is not block-uniform"
         return
-    if label.startswith("gemm1_fwd") or "fused_dgu" in label:  # fused quantizations: same properties
+    if label.startswith("gemm1_fwd"):  # fused quantization: same properties
         assert r["satfinite"] > 0 and r["div_rn"] > 0, r
     assert r["target"], "PTX not built for sm_90a"
     assert r["wgmma"] > 0 and r["wgmma_e4m3"] == r["wgmma"], f"{label}: fp8 wgmma missing ({r['wgmma_kinds']})"

@@ -183,7 +183,7 @@ def test_fast_launch_caches_one_kernel_per_specialization():
 
 
 def test_env_flag_reads_0_1_and_refuses_the_rest(monkeypatch):
-    """The on/off switches (TITAN_MEGAMOE_FAST_LAUNCH, _PERSISTENT_GEMM2, _FP8_FUSED_DGU): unset -> the
+    """The on/off switches (TITAN_MEGAMOE_FAST_LAUNCH, _PERSISTENT_GEMM2, _EAGER_AUTOGRAD): unset -> the
     default, "1" / "0" -> on / off, anything else ("true", "off", "") -> a ValueError naming the variable."""
     from titan_megamoe.kernels.jit import env_flag
 

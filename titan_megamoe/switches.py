@@ -9,7 +9,7 @@ the variable is enough); others are read once at import into a module attribute,
 feed ``functools.lru_cache``d config functions: :func:`override` sets the variable, the attributes and
 clears the caches, and restores all three on exit. Switches tied to state allocated once per process
 (``TITAN_MEGAMOE_COMBINE_DTYPE`` sizes the EP workspace) or read deep inside the FP8 backward
-(``TITAN_MEGAMOE_FP8_WGRAD``, ``_FP8_DISPATCH``, ``_FP8_T_LD``, ``_FP8_FUSED_DGU``) are not listed: compare
+(``TITAN_MEGAMOE_FP8_WGRAD``, ``_FP8_DISPATCH``, ``_FP8_T_LD``) are not listed: compare
 those in separate processes.
 """
 

@@ -19,13 +19,8 @@ Operands (``fp8_quant.py``, ``fp8_quant_bwd.py`` and the weight cache of ``ops/f
             and s*h quantized 128x1 *in the epilogue* (the tile's 128 rows are one scale group),
             stored transposed: hsT_q (F, N_cap) + (N_cap/128, F) scales, the B operand of dw2. No
             bf16 s*h is written.
-         optional (``quantize_dgate_up``, BN = 128): dgate_up quantized 1x128 (N_cap, 2F) and 128x1
-            transposed (2F, N_cap) in the same epilogue, bitwise what ``quantize_dual_1x128_128x1_t``
-            makes of the bf16 dgate_up (a tile's BN columns of dgate and of dup are whole 1x128 groups,
-            its 128 rows one 128x1 group); the bf16 dgate_up store can then be skipped. The two
-            64-column halves' bf16 values are kept packed (dgate | dup bits in one int32) and quantized
-            after the loop, when the accumulator's registers are free (quantizing inside the loop
-            spilled: 255 registers + 176-224 bytes of stack at sm_90a).
+         (dgate_up's 1x128 / 128x1 quantization in this epilogue was built and measured slower, 3.12
+            vs 2.15 ms at 30B on an H200, and removed: docs/NOTES.md, sessions 5-8.)
     2. ``gemm1_dgrad_fp8``  dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e]   (reduction over 2F)
          A: dgate_up quantized 1x128 (N_cap, 2F); B: w1t_q, w3t_q (E, D, F) (transposed, K-major).
     3. ``wgrad_fp8``  dW[e] = sum_{rows r of e} aT[:, r] outer bT[:, r]   (reduction over the rows)
@@ -114,28 +109,18 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
     dscore_part_ptr,  # (N_cap, NB) fp32 out
     hsT_ptr,  # (F, N_cap) e4m3 out, (s * h) transposed, 128x1 scaled, row stride LD_HS
     hsTs_ptr,  # (N_cap // 128, F) fp32 out
-    dguq_ptr,  # (N_cap, 2F) e4m3 out, dgate_up 1x128 (QUANT_DGU)
-    dgus_ptr,  # (N_cap, 2F // 128) fp32 out (QUANT_DGU)
-    dguT_ptr,  # (2F, N_cap) e4m3 out, dgate_up 128x1 transposed, row stride LD_DGU (QUANT_DGU)
-    dguTs_ptr,  # (N_cap // 128, 2F) fp32 out (QUANT_DGU)
-    count_ptr,  # (1,) int32, += non-finite hs (and dgate_up) groups (CHECK)
+    count_ptr,  # (1,) int32, += non-finite hs groups (CHECK)
     n_tiles,  # i32
     LD_HS,  # i32, row stride of hsT (fp8_quant_bwd.transposed_ld)
-    LD_DGU,  # i32, row stride of dguT (QUANT_DGU)
     D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     CHECK: tl.constexpr, EXACT_ROUND: tl.constexpr, EPS: tl.constexpr,
-    QUANT_DGU: tl.constexpr, STORE_DGU: tl.constexpr,
 ):
-    """FP8 g = dout[t] @ w2[e]; SwiGLU backward, d score partials, fused 128x1 quantization of s * h,
-    and (QUANT_DGU) the 1x128 + transposed 128x1 quantization of dgate_up.
+    """FP8 g = dout[t] @ w2[e]; SwiGLU backward, d score partials, fused 128x1 quantization of s * h.
 
     Grid: (n_tiles * NB,), grouped order. The program of (row tile m, column block n) owns
-    dgate_up[m*BM:(m+1)*BM, n*BN:(n+1)*BN] (and + F; STORE_DGU), dscore_part[rows, n], hsT[cols, rows]
-    and hsTs[m, cols]; with QUANT_DGU (BN = 128: the columns are whole 1x128 groups, one of dgate and
-    one of dup) also dguq[rows, cols] (and + F), dgus[rows, n] (and + F / 128), dguT[cols, rows] (and
-    + F) and dguTs[m, cols] (and + F). BM = 128 = one row scale group. Tiles of expert -1 are left
-    unwritten.
+    dgate_up[m*BM:(m+1)*BM, n*BN:(n+1)*BN] (and + F), dscore_part[rows, n], hsT[cols, rows] and
+    hsTs[m, cols]. BM = 128 = one row scale group. Tiles of expert -1 are left unwritten.
     """
     KB: tl.constexpr = D // BK
     NBW: tl.constexpr = (F + BK - 1) // BK  # weight scale blocks along F
@@ -186,18 +171,8 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
         dscore += tl.sum(tl.where(keep, g * h, 0.0), axis=1)  # fixed order: lower half first
         dh = g * s[:, None]
         dgate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
-        dg16 = tl.where(keep, dgate, 0.0).to(tl.bfloat16)
-        du16 = tl.where(keep, dh * silu, 0.0).to(tl.bfloat16)
-        if STORE_DGU:
-            tl.store(dgate_up_ptr + off, dg16, mask=hc_ok[None, :])
-            tl.store(dgate_up_ptr + off + F, du16, mask=hc_ok[None, :])
-        if QUANT_DGU:  # dgate | dup of this half, bf16, packed in one int32 each (quantized after the loop)
-            pk = (dg16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
-                du16.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-            if half == 0:
-                pk_lo = pk
-            else:
-                pk_hi = pk
+        tl.store(dgate_up_ptr + off, tl.where(keep, dgate, 0.0).to(tl.bfloat16), mask=hc_ok[None, :])
+        tl.store(dgate_up_ptr + off + F, tl.where(keep, dh * silu, 0.0).to(tl.bfloat16), mask=hc_ok[None, :])
         # s * h, quantized per (these 128 rows, column): the B operand of dw2, transposed
         hs = tl.where(keep, silu * up * s[:, None], 0.0)
         sc_1C = _scale_of(_amax(hs, 0), EPS)  # (1, BN/2)
@@ -210,73 +185,6 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
             n_bad = tl.sum((hc_ok & ~(sc < float("inf"))).to(tl.int32))
             tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
     tl.store(dscore_part_ptr + rows64 * NB + pid_n, dscore)
-    if QUANT_DGU:  # the accumulator is dead here: the registers go to the dgate_up quantization
-        _quant_dgu_tile(pk_lo, pk_hi, rows, pid_m, pid_n, dguq_ptr, dgus_ptr, dguT_ptr, dguTs_ptr, count_ptr, LD_DGU,
-                        F, BM, BN, CHECK, EXACT_ROUND, EPS)
-
-
-@triton.jit
-def _quant_dgu_tile(pk_lo, pk_hi, rows, pid_m, pid_n, dguq_ptr, dgus_ptr, dguT_ptr, dguTs_ptr, count_ptr, LD_DGU,
-                    F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CHECK: tl.constexpr,
-                    EXACT_ROUND: tl.constexpr, EPS: tl.constexpr):
-    """dgate_up's 1x128 and transposed 128x1 quantization of one (BM = 128) x (BN = 128 of dgate + the same
-    128 of dup) tile, the math of ``fp8_quant_bwd._quant_dual_kernel`` on the bf16 values.
-
-    pk_lo / pk_hi: (BM, BN / 2) int32, columns [0, BN/2) / [BN/2, BN) of the tile, dgate's bf16 bits in
-    the low 16 bits and dup's in the high 16 (bf16 -> fp32 is those bits moved to the top: exact).
-    Writes dguT[cols, rows] and dguTs[pid_m, cols] (cols of dgate and F + cols of dup), dguq[rows, cols]
-    and dgus[rows, pid_n] (dgate) / dgus[rows, F / 128 + pid_n] (dup); counts non-finite groups.
-    """
-    G: tl.constexpr = 128
-    H: tl.constexpr = BN // 2
-    c_lo = pid_n * BN + tl.arange(0, H)
-    # pass 1 (as the dual pass): each 64-column piece quantized 128x1 (transposed), row amax taken
-    g_lo = (pk_lo << 16).to(tl.float32, bitcast=True)
-    amax_g = _amax(g_lo, 1)
-    n_bad = _quant_cols_t(g_lo, c_lo, rows, pid_m, dguT_ptr, dguTs_ptr, LD_DGU, 2 * F, EPS, EXACT_ROUND)
-    g_hi = (pk_hi << 16).to(tl.float32, bitcast=True)
-    amax_g = tl.maximum(amax_g, _amax(g_hi, 1), propagate_nan=tl.PropagateNan.ALL)
-    n_bad += _quant_cols_t(g_hi, c_lo + H, rows, pid_m, dguT_ptr, dguTs_ptr, LD_DGU, 2 * F, EPS, EXACT_ROUND)
-    u_lo = (pk_lo & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
-    amax_u = _amax(u_lo, 1)
-    n_bad += _quant_cols_t(u_lo, c_lo + F, rows, pid_m, dguT_ptr, dguTs_ptr, LD_DGU, 2 * F, EPS, EXACT_ROUND)
-    u_hi = (pk_hi & -65536).to(tl.float32, bitcast=True)
-    amax_u = tl.maximum(amax_u, _amax(u_hi, 1), propagate_nan=tl.PropagateNan.ALL)
-    n_bad += _quant_cols_t(u_hi, c_lo + (F + H), rows, pid_m, dguT_ptr, dguTs_ptr, LD_DGU, 2 * F, EPS, EXACT_ROUND)
-    # pass 2: 1x128 with the complete row scales (group pid_n of dgate, F / 128 + pid_n of dup)
-    s_g = _scale_of(amax_g, EPS)  # (BM, 1)
-    s_u = _scale_of(amax_u, EPS)
-    rows64 = rows.to(tl.int64)
-    q_ptrs = dguq_ptr + rows64[:, None] * (2 * F) + c_lo[None, :]
-    tl.store(q_ptrs, _to_e4m3((pk_lo << 16).to(tl.float32, bitcast=True), tl.broadcast_to(s_g, (BM, H)), EXACT_ROUND))
-    tl.store(q_ptrs + H, _to_e4m3((pk_hi << 16).to(tl.float32, bitcast=True), tl.broadcast_to(s_g, (BM, H)),
-                                  EXACT_ROUND))
-    tl.store(q_ptrs + F, _to_e4m3((pk_lo & -65536).to(tl.float32, bitcast=True), tl.broadcast_to(s_u, (BM, H)),
-                                  EXACT_ROUND))
-    tl.store(q_ptrs + (F + H), _to_e4m3((pk_hi & -65536).to(tl.float32, bitcast=True),
-                                        tl.broadcast_to(s_u, (BM, H)), EXACT_ROUND))
-    s_g1 = tl.reshape(s_g, (BM,))
-    s_u1 = tl.reshape(s_u, (BM,))
-    tl.store(dgus_ptr + rows64 * (2 * F // G) + pid_n, s_g1)
-    tl.store(dgus_ptr + rows64 * (2 * F // G) + F // G + pid_n, s_u1)
-    if CHECK:
-        n_bad += tl.sum((~(s_g1 < float("inf"))).to(tl.int32)) + tl.sum((~(s_u1 < float("inf"))).to(tl.int32))
-        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-
-@triton.jit
-def _quant_cols_t(x, cols, rows, pid_m, yT_ptr, sT_ptr, LD, C: tl.constexpr, EPS: tl.constexpr,
-                  EXACT_ROUND: tl.constexpr):
-    """128x1 quantization of a (128, W) fp32 tile (rows = one scale group) stored transposed:
-    yT[cols, rows] e4m3 (row stride LD), sT[pid_m, cols] fp32 (row stride C). Returns the number of
-    non-finite column scales (NaN < inf is False). The math of ``fp8_quant_bwd._quant_dual_kernel``."""
-    sc_1W = _scale_of(_amax(x, 0), EPS)  # (1, W)
-    q = _to_e4m3(x, tl.broadcast_to(sc_1W, x.shape), EXACT_ROUND)
-    # int64: col * LD passes 2^31 at full shapes
-    tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows.to(tl.int64)[:, None], q)
-    sc = tl.reshape(sc_1W, (x.shape[1],))
-    tl.store(sT_ptr + pid_m.to(tl.int64) * C + cols, sc)
-    return tl.sum((~(sc < float("inf"))).to(tl.int32))
 
 
 @triton.jit
@@ -443,12 +351,9 @@ def _dims(name: str, value: int) -> None:
 def gemm2_dgrad_swiglu_bwd_fp8(
     dout_q: Tensor, dout_s: Tensor, w2t_q: Tensor, w2t_s: Tensor, gate_up: Tensor, scores_TK: Tensor,
     layout: RoutingLayout, config: GemmConfig | None = None, *, nonfinite_count: Tensor | None = None,
-    quantize_dgate_up: bool = False, store_dgate_up: bool = True,
-) -> tuple[Tensor | None, ...]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FP8 GEMM2 dgrad fused with the SwiGLU backward, the routing-score gradient and the 128x1
-    quantization of s * h (the B operand of dw2); optionally also the 1x128 and transposed 128x1
-    quantization of dgate_up (``quantize_dgate_up``: the operands of GEMM1 dgrad and dw1 / dw3, in place
-    of a separate ``quantize_dual_1x128_128x1_t`` pass that re-reads the bf16 dgate_up).
+    quantization of s * h (the B operand of dw2).
 
     Per padded row r (pair p >= 0, token t, expert e), with dequantized operands:
     g = dout[t] @ w2[e] (fp32), dh = s[p] g, dgate = dh * up * silu'(gate), dup = dh * silu(gate),
@@ -459,33 +364,20 @@ def gemm2_dgrad_swiglu_bwd_fp8(
         w2t_q: (E, F, D) float8_e4m3fn, w2 transposed; w2t_s: (E, cdiv(F, 128), D // 128) fp32.
         gate_up: (N_cap, 2F) bf16 saved by the forward; scores_TK: (T, K) fp32.
         layout: routing layout with block_m = 128.
-        config: default ``fp8_bwd_config_for("gemm2_dgrad", ...)``; with ``quantize_dgate_up`` its
-            block_n must be 128 (the default's BN = 64 under the interpreter is raised to 128).
-        nonfinite_count: optional (1,) int32 device counter for the s * h (and dgate_up) scales.
-        quantize_dgate_up: also return dgate_up quantized, bitwise equal on every row below
-            ``layout.offsets[-1]`` to ``quantize_dual_1x128_128x1_t(dgate_up, layout.row_pair >= 0,
-            end_row=layout.offsets[-1:])`` of the bf16 dgate_up this kernel writes (the bf16-rounded
-            values, padding rows as 0, same IEEE division / RNE cast; same non-finite group count).
-            One difference: the dual pass writes finite scaleT rows for the blocks past
-            ``offsets[-1]``; here nothing is written there (no consumer reads them).
-        store_dgate_up: write the bf16 dgate_up (default). False (only with ``quantize_dgate_up``):
-            skipped, and None is returned in its place (the FP8 wgrads and GEMM1 dgrad read only the
-            quantized forms; the bf16 wgrad diagnosis needs the bf16 one).
+        config: default ``fp8_bwd_config_for("gemm2_dgrad", ...)``.
+        nonfinite_count: optional (1,) int32 device counter for the s * h scales.
 
     Returns:
-        dgate_up (N_cap, 2F) bf16 or None (zeros on padding rows; tiles of expert -1, i.e. rows from
+        dgate_up (N_cap, 2F) bf16 (zeros on padding rows; tiles of expert -1, i.e. rows from
         ``layout.offsets[-1]`` on, are left unwritten in every output), dscore_partial
         (N_cap, NB) fp32 (reduce with ``grouped_gemm_bwd.reduce_dscore``), hsT_q (F, N_cap)
         float8_e4m3fn (row stride ``fp8_quant_bwd.transposed_ld(N_cap)``) and hsT_s (N_cap // 128, F)
-        fp32 (128x1 s * h, transposed); with ``quantize_dgate_up`` four more: dgu_q (N_cap, 2F)
-        float8_e4m3fn + dgu_s (N_cap, 2F // 128) fp32 (1x128), dguT_q (2F, N_cap) float8_e4m3fn with
-        row stride ``transposed_ld(N_cap)`` + dguT_s (N_cap // 128, 2F) fp32 (128x1, transposed).
+        fp32 (128x1 s * h, transposed).
 
     Grid: n_tiles * cdiv(F, BN) programs. No host sync, no atomics (but the counter).
 
     Raises:
-        ValueError: wrong shapes / dtypes / devices, D or F not multiples of 128, layout block_m != 128,
-            ``quantize_dgate_up`` with block_n != 128, ``store_dgate_up=False`` without it.
+        ValueError: wrong shapes / dtypes / devices, D or F not multiples of 128, layout block_m != 128.
     """
     dev = dout_q.device
     T, D = dout_q.shape
@@ -495,15 +387,7 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     _dims("D", D)
     _dims("F", F)
     cfg = config or fp8_bwd_config_for("gemm2_dgrad", D, F, interpret_mode())
-    if quantize_dgate_up and config is None:
-        cfg = dataclasses.replace(cfg, block_n=GROUP)
     _check_bwd_config(cfg, "gemm2_dgrad", layout)
-    if quantize_dgate_up and cfg.block_n != GROUP:
-        raise ValueError(f"gemm2_dgrad fp8: quantize_dgate_up needs config.block_n={GROUP} (whole 1x128 groups per "
-                         f"tile), got {cfg.block_n}")
-    if not store_dgate_up and not quantize_dgate_up:
-        raise ValueError("gemm2_dgrad fp8: store_dgate_up=False needs quantize_dgate_up=True (nothing would be "
-                         "left of dgate_up)")
     _check(dout_q, "dout_q", (T, D), FP8_DTYPE, dev)
     _check(dout_s, "dout_s", (T, D // GROUP), torch.float32, dev)
     _check(w2t_q, "w2t_q", (layout.num_experts, F, D), FP8_DTYPE, dev)
@@ -513,28 +397,20 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     if layout.pair_row.shape[0] != T * K:
         raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
     N, nb, n_tiles = layout.n_cap, cdiv(F, cfg.block_n), layout.n_tiles_cap
-    dgu = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev) if store_dgate_up else None
+    dgu = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev)
     part = torch.empty((N, nb), dtype=torch.float32, device=dev)
     hsT = empty_transposed(F, N, dev)
     hsTs = torch.empty((N // GROUP, F), dtype=torch.float32, device=dev)
-    q = ()
-    if quantize_dgate_up:
-        q = (torch.empty((N, 2 * F), dtype=FP8_DTYPE, device=dev),
-             torch.empty((N, 2 * F // GROUP), dtype=torch.float32, device=dev),
-             empty_transposed(2 * F, N, dev), torch.empty((N // GROUP, 2 * F), dtype=torch.float32, device=dev))
     interpret = interpret_mode()
     if n_tiles * nb:
-        qa = q or (hsT, hsTs, hsT, hsTs)  # unused pointers when not quantizing
         launch(_gemm2_dgrad_swiglu_bwd_fp8_kernel, (n_tiles * nb,),
             dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout.row_pair, layout.tile_expert,
-            dgu if dgu is not None else part, part, hsT, hsTs, *qa,
-            nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, hsT.stride(0), qa[2].stride(0),
+            dgu, part, hsT, hsTs, nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, hsT.stride(0),
             D=D, F=F, K=K, NB=nb, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
             CHECK=nonfinite_count is not None, EXACT_ROUND=interpret, EPS=AMAX_EPS,
-            QUANT_DGU=quantize_dgate_up, STORE_DGU=store_dgate_up,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return (dgu, part, hsT, hsTs) + q
+    return dgu, part, hsT, hsTs
 
 
 def gemm1_dgrad_fp8(

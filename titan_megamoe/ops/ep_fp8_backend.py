@@ -151,9 +151,8 @@ def ep_fp8_backward_steps(ctx: EPRank, dout_TD: Tensor, x_TD: Tensor, topk_ids_T
         layer_name: named in non-finite reports.
         mark: labels ``barrier0, dispatch, barrier1, placed_rows`` (the gather index of dy's
             quantization), the labels of ``fp8_experts_bwd`` (``quant_dout, gemm2_dgrad, quant_dgate_up,
-            quant_dout_T, wgrad_w2, quant_x_T, wgrad_w13, gemm1_dgrad``; no ``quant_dgate_up`` with
-            ``fp8_backend.FUSED_DGU_QUANT``), then ``dscore_push,
-            combine_push, barrier2, combine_sum``.
+            quant_dout_T, wgrad_w2, quant_x_T, wgrad_w13, gemm1_dgrad``), then ``dscore_push, combine_push,
+            barrier2, combine_sum``.
 
     Returns:
         (dx (T, D) bf16, dscores (T, K) fp32, dw1 (E_l, F, D), dw2 (E_l, D, F), dw3 (E_l, F, D) in

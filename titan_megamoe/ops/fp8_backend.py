@@ -13,7 +13,7 @@ Forward (fp8): quantize x 1x128 -> FP8 GEMM1 (gather, SwiGLU; saves bf16 gate_up
 its epilogue, ``FUSE_H_QUANT``) -> FP8 GEMM2 (score, scatter) -> fp32 top-k sum. Forward (fp8_bwd): the bf16 kernels.
 Backward (both): quantize dout 1x128 (GEMM2 dgrad's A) and, gathered into layout rows, 128x1
 transposed (dw2's A) -> FP8 GEMM2 dgrad + SwiGLU bwd + d score + s*h quantized 128x1 in its epilogue
--> dgate_up quantized 1x128 and 128x1 in one pass (or in the same epilogue: :data:`FUSED_DGU_QUANT`)
+-> dgate_up quantized 1x128 and 128x1 in one pass
 -> dw2, dw1 | dw3 (FP8 K-grouped wgrad; x gathered and quantized 128x1 in one pass) -> FP8 GEMM1 dgrad
 -> fp32 per-token dx sum. Every quantization is
 one pass reading the bf16 source once (``fp8_quant.py``, ``fp8_quant_bwd.py``).
@@ -54,12 +54,6 @@ FP8_BLOCK_M = 128
 #: Quantize h in GEMM1's epilogue (one pass less; BN = 128 at 16 warps) instead of a separate 1x128
 #: pass over a bf16 h (BN = 64 at 8 warps). Neither measured on a GPU yet: scripts/bench_fp8.py times both.
 FUSE_H_QUANT = True
-#: Quantize dgate_up (1x128 for GEMM1 dgrad, 128x1 transposed for dw1 / dw3) in GEMM2 dgrad's epilogue
-#: instead of the separate ``quantize_dual_1x128_128x1_t`` pass over a bf16 dgate_up (bitwise the same
-#: results; the bf16 dgate_up is then not written, unless the bf16 wgrad diagnosis needs it). Off until
-#: measured on a GPU (docs/NOTES.md, "dgate_up quantized in GEMM2 dgrad's epilogue"; scripts/gpu_s6_a.sh).
-#: Read from TITAN_MEGAMOE_FP8_FUSED_DGU=1 at import, or set directly.
-FUSED_DGU_QUANT = env_flag("TITAN_MEGAMOE_FP8_FUSED_DGU", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: Private diagnosis switch (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from the bf16
@@ -416,8 +410,7 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
             ``x_rows_index`` of :func:`fp8_experts_fwd`; :func:`placed_token_rows` for the EP slab).
         mark: called on the host after each pass is launched, with ``quant_dout, gemm2_dgrad,
             quant_dgate_up, quant_dout_T, wgrad_w2, quant_x_T, wgrad_w13, gemm1_dgrad`` (the bf16 wgrad
-            diagnosis ``_WGRAD == "bf16"``: ``wgrad_w2, wgrad_w13`` without the two transposed quants;
-            :data:`FUSED_DGU_QUANT`: no ``quant_dgate_up``, its work is in ``gemm2_dgrad``).
+            diagnosis ``_WGRAD == "bf16"``: ``wgrad_w2, wgrad_w13`` without the two transposed quants).
             Default: nothing (no effect on results).
 
     Returns:
@@ -452,22 +445,16 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     mark("quant_dout")
     if _WGRAD not in _WGRAD_CHOICES:
         raise ValueError(f"TITAN_MEGAMOE_FP8_WGRAD / fp8_backend._WGRAD={_WGRAD!r}: choose one of {_WGRAD_CHOICES}")
-    # BN = 128 also in the interpreter (its default, 64, is for the kernel tests): the fused dgate_up
-    # quantization needs whole 1x128 groups per tile, and both settings then give the same d score partials
+    # BN = 128 also in the interpreter (its default, 64, is for the kernel tests): the d score partials
+    # then come in the GPU's column groups
     c2 = dataclasses.replace(fp8_bwd_config_for("gemm2_dgrad", dout.shape[1], F, _interp()), block_n=128)
     end = layout.offsets[-1:]  # rows past the last expert's segment: read by no FP8 GEMM
-    if FUSED_DGU_QUANT:  # dgate_up quantized in the epilogue; its bf16 form only for the bf16 wgrad diagnosis
-        dgu, part, hsT, hsTs, dguq, dgus, dguTq, dguTs = gemm2_dgrad_swiglu_bwd_fp8(
-            dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout, c2, nonfinite_count=count,
-            quantize_dgate_up=True, store_dgate_up=_WGRAD == "bf16")
-        mark("gemm2_dgrad")
-    else:
-        dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
-                                                          c2, nonfinite_count=count)
-        mark("gemm2_dgrad")
-        dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
-                                                               end_row=end, name=f"{layer_name} dgate_up")
-        mark("quant_dgate_up")
+    dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
+                                                      c2, nonfinite_count=count)
+    mark("gemm2_dgrad")
+    dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
+                                                           end_row=end, name=f"{layer_name} dgate_up")
+    mark("quant_dgate_up")
     if _WGRAD == "bf16":  # diagnosis: the bf16 wgrad kernels (s * h recomputed from gate_up in the loader)
         from titan_megamoe.kernels._bwd_common import default_bwd_config
         from titan_megamoe.kernels.grouped_gemm_bwd import wgrad_w2, wgrad_w13
