@@ -8,7 +8,6 @@ compiled (emulated peers on one GPU). The 2-GPU symmetric-memory run is in tests
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -22,7 +21,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if __name__ == "__main__" or torch
 from titan_megamoe.comm.peers import emulated_group  # noqa: E402
 from titan_megamoe.comm.workspace import WorkspaceLayout, workspace_bytes  # noqa: E402
 from titan_megamoe.kernels import ep_comm  # noqa: E402
-from titan_megamoe.kernels.sm90_check import compile_in_subprocess, compile_sm90, nvidia_backend_reason  # noqa: E402
+from titan_megamoe.kernels.sm90_check import compile_sm90  # noqa: E402
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.ops.ep_backend import (EPRank, ep_backward_steps, ep_forward_steps, ep_forward_steps_v2,  # noqa: E402
                                            run_lockstep)
 from titan_megamoe.ops.reference import mega_moe_ref  # noqa: E402
@@ -491,18 +491,10 @@ def _compile_sm90_all() -> list[dict]:
     return res
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", ["dispatch", "combine_push", "dscore_push", "combine_sum", "barrier", "dispatch_rows",
                                    "gemm1_wait", "dispatch_fp8", "dispatch_fp8_ep8"])
 def test_ep_kernels_compile_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
     if label == "gemm1_wait":

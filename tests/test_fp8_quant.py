@@ -26,7 +26,6 @@ import sys  # noqa: E402
 if __name__ == "__main__":
     import _script_setup  # noqa: F401  (this checkout first; registration stubs on a bare GPU machine)
 
-import functools  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -34,10 +33,9 @@ import torch  # noqa: E402
 
 from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     HOPPER_SMEM_BYTES,
-    compile_in_subprocess,
     compile_sm90,
-    nvidia_backend_reason,
 )
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.ops import fp8_reference as ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -454,17 +452,9 @@ def _compile_sm90_all() -> list[dict]:
     return results
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     # the bitwise argument: IEEE divisions (a plain fp32 '/' would be div.full.f32, approximate) and
     # the round-to-nearest-even hardware cast

@@ -28,7 +28,6 @@ if __name__ == "__main__":
     import _script_setup  # noqa: F401  (this checkout first; registration stubs on a bare GPU machine)
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -36,10 +35,9 @@ import torch  # noqa: E402
 
 from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     HOPPER_SMEM_BYTES,
-    compile_in_subprocess,
     compile_sm90,
-    nvidia_backend_reason,
 )
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.testing import TOLERANCES, assert_close_rel, bench_layer_inputs, make_routing  # noqa: E402
 
 SMEM_LIMIT_SM90 = HOPPER_SMEM_BYTES
@@ -428,17 +426,9 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
     return results
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     if label not in ("reduce_dscore", "scatter_dx", "gather_rows"):  # no GEMM in those
         assert r["wgmma"] > 0, f"{label}: no wgmma (Hopper tensor core) instruction in the PTX"

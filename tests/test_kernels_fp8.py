@@ -41,10 +41,9 @@ import torch  # noqa: E402
 
 from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     HOPPER_SMEM_BYTES,
-    compile_in_subprocess,
     compile_sm90,
-    nvidia_backend_reason,
 )
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.testing import assert_close_rel, bench_layer_inputs, make_routing, rel_err  # noqa: E402
 
 # silu(gate) = gate / (1 + exp(-gate)): for gate << 0 the exp overflows to inf and silu -> -0, as on
@@ -597,17 +596,9 @@ def _compile_sm90_all() -> list[dict]:
     return [dict(label=c[0], **_compile_one(*c[1:], persistent="persistent" in c[0])) for c in COMPILE_CASES]
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     assert r["wgmma"] > 0 and r["wgmma_e4m3"] == r["wgmma"], f"{label}: fp8 wgmma missing ({r['wgmma_kinds']})"
     assert not r["mma_sync"], f"{label}: an mma.sync (pre-Hopper) fallback in the PTX"

@@ -46,10 +46,9 @@ import torch  # noqa: E402
 
 from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     HOPPER_SMEM_BYTES,
-    compile_in_subprocess,
     compile_sm90,
-    nvidia_backend_reason,
 )
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.ops import fp8_reference as R  # noqa: E402
 from titan_megamoe.testing import TOLERANCES, make_routing, rel_err  # noqa: E402
 
@@ -576,17 +575,9 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
                 div_rn=ptx.count("div.rn.f32"), st_global=sum("st.global" in ln for ln in ptx.splitlines()))
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     if label.startswith("quant"):  # the fp8_quant.py properties: IEEE division, RNE saturating cast
         assert r["target"] and r["satfinite"] > 0 and r["div_rn"] > 0, r
         assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"

@@ -32,10 +32,9 @@ import torch  # noqa: E402
 
 from titan_megamoe.kernels.sm90_check import (  # noqa: E402
     HOPPER_SMEM_BYTES,
-    compile_in_subprocess,
     compile_sm90,
-    nvidia_backend_reason,
 )
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.testing import assert_close_rel, bench_layer_inputs, make_routing  # noqa: E402
 
 SMEM_LIMIT_SM90 = HOPPER_SMEM_BYTES
@@ -435,17 +434,9 @@ def _compile_sm90_all() -> list[dict]:
     return results
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     if label != "combine":
         assert r["wgmma"] > 0, f"{label}: no wgmma (Hopper tensor core) instruction in the PTX"

@@ -19,7 +19,6 @@ import sys  # noqa: E402
 if __name__ == "__main__":
     import _script_setup  # noqa: F401  (this checkout first; registration stubs on a bare GPU machine)
 
-import functools  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -27,7 +26,8 @@ import torch  # noqa: E402
 
 from titan_megamoe.kernels import router  # noqa: E402
 from titan_megamoe.kernels.jit import flavor, next_pow2  # noqa: E402
-from titan_megamoe.kernels.sm90_check import compile_in_subprocess, compile_sm90, nvidia_backend_reason  # noqa: E402
+from titan_megamoe.kernels.sm90_check import compile_sm90  # noqa: E402
+from _sm90 import sm90_result  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Selected scores vs torch: numpy's exp and division in the interpreter; compiled, ex2.approx and
@@ -423,17 +423,9 @@ def _compile_sm90_all() -> list[dict]:
     return results
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     assert r["usage"], "no cuobjdump resource line: spills cannot be checked"
     assert "STACK:0" in r["usage"], f"{label}: register spills ({r['usage']})"

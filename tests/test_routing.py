@@ -20,7 +20,6 @@ import sys  # noqa: E402
 if __name__ == "__main__":
     import _script_setup  # noqa: F401  (this checkout first; registration stubs on a bare GPU machine)
 
-import functools  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -33,7 +32,8 @@ from titan_megamoe.kernels.routing import (  # noqa: E402
     build_routing_layout_triton,
     layout_caps,
 )
-from titan_megamoe.kernels.sm90_check import compile_in_subprocess, compile_sm90, nvidia_backend_reason  # noqa: E402
+from titan_megamoe.kernels.sm90_check import compile_sm90  # noqa: E402
+from _sm90 import sm90_result  # noqa: E402
 from titan_megamoe.kernels.jit import flavor  # noqa: E402
 from titan_megamoe.testing import make_routing  # noqa: E402
 
@@ -254,17 +254,9 @@ def _compile_sm90_all() -> list[dict]:
     return results
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_results() -> dict:
-    return compile_in_subprocess(__file__)
-
-
 @pytest.mark.parametrize("label", [f"{k}_{c[0]}" for c in COMPILE_CASES for k in ("count", "layout")])
 def test_compiles_for_sm90a(label):
-    reason = nvidia_backend_reason()
-    if reason:
-        pytest.skip(reason)
-    r = _compile_results()[label]
+    r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
 
