@@ -1,12 +1,13 @@
 """GPU: time each fused kernel (forward and backward) under a list of launch configs, at a real shape.
 
-    python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...] [--quick]
+    python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...] [--quick | --two-cta]
 
 Kinds: gemm1, gemm2, gemm2_dgrad, gemm2_dgrad_nohs (the same without its s*h store: an epilogue
 ablation), gemm1_dgrad, wgrad_w2, wgrad_w13.
 
 Every variant's output is checked against the default config's (same math, so rel. error ~0); a
-config that fails to compile or run is reported and skipped. Prints one JSON line per variant and
+config that fails to compile or run is reported and skipped. Each row also gives what the compiled
+kernels use (registers, spills, shared memory) and how many programs that lets an SM hold. Prints one JSON line per variant and
 writes them all to --out. This is how kernels/configs.py and default_bwd_config chose their defaults.
 """
 
@@ -54,6 +55,8 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
             if (n, k, w, s) != (base.block_n, base.block_k, base.num_warps, base.num_stages):
                 out.append(r(base, block_n=n, block_k=k, num_warps=w, num_stages=s))
     out += [r(base, group_m=8), r(base, use_tma=not base.use_tma)]
+    if kind.startswith("gemm2_dgrad"):  # two programs per SM: <= 128 registers at 8 warps, <= 113 KiB
+        out += [r(base, num_stages=s_, maxnreg=128, use_tma=t) for s_, t in [(3, True), (2, True), (3, False)]]
     if kind == "gemm2":  # persistent (GemmConfig.persistent): flattened tile x K loop, pointer loads, 1 CTA / SM
         out += [r(base, persistent=True, use_tma=False, block_n=n, block_k=k, num_stages=s_)
                 for n, k, s_ in [(256, 64, 3), (256, 64, 4), (128, 64, 4), (128, 64, 5)]]
@@ -65,6 +68,31 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
     return uniq
 
 
+def _forget_compiled() -> None:
+    """Empty the fast launch path's kernel cache: the next launches re-enter it (from Triton's own cache,
+    no recompile), so :func:`_compiled_stats` sees exactly the kernels one call launched."""
+    from titan_megamoe.kernels import launch as L
+
+    L._CACHES.clear()
+
+
+def _compiled_stats() -> list[dict]:
+    """Registers, spills and shared memory of the kernels launched since :func:`_forget_compiled`, and
+    the programs per SM they allow (64 K registers, 227 KiB shared memory per H200 SM)."""
+    from titan_megamoe.kernels import launch as L
+
+    out = []
+    for cache in L._CACHES.values():
+        for k in cache.values():
+            regs, shared = getattr(k, "n_regs", 0), k.metadata.shared
+            threads = 32 * k.metadata.num_warps
+            by_regs = 65536 // max(1, regs * threads)
+            by_smem = 232448 // max(1, shared + 1024)  # + the 1 KiB the driver reserves per block
+            out.append(dict(name=k.name, n_regs=regs, n_spills=getattr(k, "n_spills", None), shared=shared,
+                            programs_per_sm=min(by_regs, by_smem)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", choices=sorted(SHAPES))
@@ -72,6 +100,8 @@ def main() -> int:
     ap.add_argument("--kinds", default="gemm1,gemm2,gemm2_dgrad,gemm1_dgrad,wgrad_w2,wgrad_w13")
     ap.add_argument("--quick", action="store_true",
                     help="only the default config and the 64-row (two CTAs per SM) wgrad tiles: one compile each")
+    ap.add_argument("--two-cta", action="store_true",
+                    help="only the default config and the register-capped variants that fit two programs per SM")
     args = ap.parse_args()
     v = bench_layer_inputs(args.shape, "cuda")
     T, E, K, D, F = v.T, v.E, v.K, v.D, v.F
@@ -110,11 +140,15 @@ def main() -> int:
         todo = variants(base, kind)
         if args.quick:
             todo = [c for c in todo if c == base or (kind.startswith("wgrad") and c.block_m == 64)]
+        if args.two_cta:
+            todo = [c for c in todo if c == base or c.maxnreg is not None]
         for cfg in todo:
             rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(cfg), "default": cfg == base}
             try:
                 fn, nflop = run(kind, cfg)
+                _forget_compiled()
                 got = fn().float()
+                rec["compiled"] = _compiled_stats()
                 if ref is None:
                     ref = got
                 rec["rel_err_vs_default"] = rel_err(got, ref)

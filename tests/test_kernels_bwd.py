@@ -351,6 +351,7 @@ def test_preconditions_raise():
 COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D=2048, F=768, K=8
     ("gemm2_dgrad_tma", "gemm2_dgrad", True),
     ("gemm2_dgrad_ptr", "gemm2_dgrad", False),
+    ("gemm2_dgrad_2cta_tma", "gemm2_dgrad_2cta", True),  # configs.HOPPER_GEMM2_DGRAD_2CTA
     ("gemm1_dgrad_tma", "gemm1_dgrad", True),
     ("gemm1_dgrad_ptr", "gemm1_dgrad", False),
     ("wgrad_w2_tma", "wgrad_w2", True),
@@ -392,11 +393,16 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                 kern, sig, cx = B._scatter_dx_kernel, {"dx_rows_ND": "*bf16", "pair_row_P": "*i32", "dx_TD": "*bf16",
                                                        "T": "i32"}, dict(D=D, K=K, BT=32, BD=128)
         else:
-            cfg = dataclasses.replace(B.default_bwd_config(kind.replace("_hs", ""), _Lay, D, F), use_tma=tma)
+            cfg = dataclasses.replace(B.default_bwd_config(kind.replace("_hs", "").replace("_2cta", ""), _Lay, D, F),
+                                      use_tma=tma)
+            if kind == "gemm2_dgrad_2cta":
+                from titan_megamoe.kernels.configs import HOPPER_GEMM2_DGRAD_2CTA as two
+
+                cfg = dataclasses.replace(cfg, num_warps=two.num_warps, num_stages=two.num_stages, maxnreg=two.maxnreg)
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
             tile = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, USE_TMA=tma, INTERPRET=False)
-            opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            if kind == "gemm2_dgrad":
+            opts = cfg.compile_options()
+            if kind in ("gemm2_dgrad", "gemm2_dgrad_2cta"):
                 kern = B._gemm2_dgrad_swiglu_bwd_kernel
                 sig = {"dout_TD": "*bf16", "w2_EDF": desc([1, bk, bn]) if tma else "*bf16", "gate_up_N2F": "*bf16",
                        "scores_P": "*fp32", "row_pair_N": "*i32", "tile_expert_M": "*i32", "dgate_up_N2F": "*bf16",
@@ -421,7 +427,7 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                 sig = {"dgate_up_N2F": desc([bk, 1, bm]) if tma else "*bf16", "x_TD": "*bf16", "row_pair_N": "*i32",
                        "offsets_E1": "*i32", "dw1_EFD": "*bf16", "dw3_EFD": "*bf16"}
                 cx = dict(D=D, F=F, K=K, NBF=-(-F // bm), NBN=-(-D // bn), **tile)
-        r = compile_sm90(JITFunction(kern.fn), sig, cx, num_warps=opts["num_warps"], num_stages=opts["num_stages"])
+        r = compile_sm90(JITFunction(kern.fn), sig, cx, **opts)
         results.append(dict(label=label, **r))
     return results
 
@@ -436,7 +442,20 @@ def test_compiles_for_sm90a(label):
         if label != "gemm1_dgrad_tma":  # every other variant has a pointer-loaded (gathered) operand
             assert r["cp_async"] > 0, f"{label}: the pointer-loaded operands are not pipelined through cp.async"
     assert r["shared"] <= SMEM_LIMIT_SM90, f"{label}: {r['shared']} bytes of shared memory > {SMEM_LIMIT_SM90}"
+    if "_2cta" in label:  # two programs per SM: half the shared memory, <= 128 registers, a few spilled bytes
+        assert 2 * (r["shared"] + 1024) <= SMEM_LIMIT_SM90, f"{label}: {r['shared']} B of shared memory per program"
+        regs, stack = _usage_field(r["usage"], "REG"), _usage_field(r["usage"], "STACK")
+        assert regs <= 128 and stack <= 64, f"{label}: {r['usage']}"
+        return
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
+
+
+def _usage_field(usage: str, name: str) -> int:
+    """An integer field of a cuobjdump resource-usage line ("REG:128 STACK:16 ...")."""
+    for part in usage.split():
+        if part.startswith(name + ":"):
+            return int(part.split(":")[1])
+    raise AssertionError(f"no {name} in {usage!r}")
 
 
 @pytest.mark.cuda

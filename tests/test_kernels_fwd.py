@@ -358,6 +358,11 @@ def test_configs():
     g1, g2 = config_for("gemm1", 2048, 768, False), config_for("gemm2", 2048, 768, False)
     assert g1.block_m == g2.block_m == 128  # one layout for both GEMMs
     assert config_for("gemm2", 32, 32, False).block_n == 32  # tiny debug dims: blocks shrink to fit
+    with pytest.raises(ValueError, match="maxnreg"):
+        GemmConfig(maxnreg=300)
+    assert GemmConfig().compile_options() == {"num_warps": 8, "num_stages": 4}
+    assert GemmConfig(num_warps=4, num_stages=3, maxnreg=128).compile_options() == {
+        "num_warps": 4, "num_stages": 3, "maxnreg": 128}
 
 
 def test_mode_read_at_launch(monkeypatch):

@@ -64,3 +64,16 @@ def test_fp8_gemm2_switch_reaches_the_fp8_config():
     with switches.override({"TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8": "0"}):
         assert not g8.fp8_config_for("gemm2", 2048, 768, False).persistent
     assert g8.fp8_config_for("gemm2", 2048, 768, False).persistent
+
+
+def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
+    from titan_megamoe.kernels._bwd_common import _default_bwd_config
+
+    base = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+    assert base.maxnreg is None and base.num_stages == 4  # off by default: one program per SM
+    with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_2CTA": "1"}):
+        two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+        assert (two.maxnreg, two.num_stages, two.num_warps) == (128, 3, 8)
+        assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (base.block_m, base.block_n, base.block_k, True)
+        assert _default_bwd_config("gemm2_dgrad", 16, 64, 32, True).maxnreg is None  # interpreter: unchanged
+    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == base

@@ -55,6 +55,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_FAST_LAUNCH", "1", attrs=(("titan_megamoe.kernels.launch", "FAST_LAUNCH"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2", "1", attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2"),),
            caches=_CONFIG_CACHES),
+    Switch("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", "0", attrs=(("titan_megamoe.kernels.configs", "GEMM2_DGRAD_2CTA"),),
+           caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),

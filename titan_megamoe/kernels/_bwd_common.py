@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from titan_megamoe.kernels import configs
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most, config_for
 from titan_megamoe.kernels.jit import interpreting as _interpreting
 from titan_megamoe.kernels.routing import RoutingLayout
@@ -40,7 +41,11 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
 @functools.lru_cache(maxsize=None)  # asked on every launch; fixed per (kind, BM, D, F, mode)
 def _default_bwd_config(kind: str, block_m: int, D: int, F: int, interp: bool) -> GemmConfig:
     if kind == "gemm2_dgrad":
-        return dataclasses.replace(config_for("gemm1", D, F, interp), block_m=block_m, use_tma=not interp)
+        cfg = dataclasses.replace(config_for("gemm1", D, F, interp), block_m=block_m, use_tma=not interp)
+        if configs.GEMM2_DGRAD_2CTA and not interp:  # the attribute, so switches.override can flip it
+            two = configs.HOPPER_GEMM2_DGRAD_2CTA
+            cfg = dataclasses.replace(cfg, num_warps=two.num_warps, num_stages=two.num_stages, maxnreg=two.maxnreg)
+        return cfg
     if kind == "gemm1_dgrad":
         cfg = dataclasses.replace(config_for("gemm2", D, F, interp), persistent=False)  # no persistent mode here
         return dataclasses.replace(cfg, block_m=block_m, use_tma=False, group_m=1,
@@ -106,7 +111,7 @@ def _desc(t: Tensor, shape: list[int], block: list[int]) -> TensorDescriptor:
 
 def _launch_opts(cfg: GemmConfig) -> dict:
     # The interpreter drops these keywords; INTERPRET feeds fp32 to tl.dot there (bf16 dot is garbage).
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "INTERPRET": _interpreting()}
+    return {**cfg.compile_options(), "INTERPRET": _interpreting()}
 
 
 _ACT = torch.bfloat16

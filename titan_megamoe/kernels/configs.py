@@ -68,6 +68,9 @@ class GemmConfig:
             tile's operands load under this tile's last steps and epilogue); the kernels that have the
             mode (GEMM2, bf16 and FP8) give bitwise the same results. Pointer loads only. The
             dataclass default is False; GEMM2's Hopper configs turn it on (``PERSISTENT_GEMM2``).
+        maxnreg: registers per thread ptxas may use (None: its choice). A cap of 65536 / (2 x threads)
+            (128 at 8 warps), with shared memory <= half an SM's, lets two programs share an SM, so
+            one's epilogue runs under the other's main loop (``HOPPER_GEMM2_DGRAD_2CTA``).
     """
 
     block_m: int = 128
@@ -78,6 +81,7 @@ class GemmConfig:
     group_m: int = 1
     use_tma: bool = False
     persistent: bool = False
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -90,6 +94,15 @@ class GemmConfig:
             raise ValueError("GemmConfig.num_stages and group_m must be >= 1")
         if self.persistent and self.use_tma:
             raise ValueError("GemmConfig: persistent=True supports pointer loads only (use_tma=False)")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"GemmConfig.maxnreg={self.maxnreg} must be None or in [24, 255] (ptxas' range)")
+
+    def compile_options(self) -> dict:
+        """The launch keywords Triton compiles with: num_warps, num_stages and, if set, maxnreg."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 #: Hopper defaults (see the module docstring for the arithmetic).
@@ -106,6 +119,15 @@ HOPPER_GEMM2_PERSISTENT = GemmConfig(block_m=128, block_n=256, block_k=64, num_w
                                      persistent=True)
 #: TITAN_MEGAMOE_PERSISTENT_GEMM2=0 (read at import): the bf16 GEMM2 runs its grid config.
 PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", True)
+#: GEMM2 dgrad (+ SwiGLU backward) with two programs per SM: its epilogue loads gate_up and stores
+#: dgate_up and s*h (160 KB per 128 x 128 tile, ~0.38 ms of DRAM time at the 30B shape) with nothing to
+#: hide it under at one program per SM (the default: 4 stages, 131 KB shared, 175 registers). 3 stages
+#: (98 KB) and a 128-register cap (sm_90a build: 128 registers, 16 B of stack) fit two per SM, so one's
+#: epilogue runs under the other's main loop. Same instructions in the same order: bitwise the default's
+#: results. Off until measured (``TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=1``, read at import).
+HOPPER_GEMM2_DGRAD_2CTA = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=1,
+                                     use_tma=True, maxnreg=128)
+GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", False)
 #: TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8=0 (read at import): the FP8 GEMM2 runs its grid config. On by
 #: default: 0.78 -> 0.71 ms at 30B, 2.61 -> 2.51 ms at 235B (same file), bitwise the grid kernel's output.
 PERSISTENT_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", True)

@@ -500,7 +500,7 @@ def gemm1_swiglu_fwd(
         E, F, D,
         K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=D % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        **cfg.compile_options(), **extra,
     )
     return gate_up_out, h_out
 
@@ -582,7 +582,7 @@ def gemm2_scatter_fwd(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=F % cfg.block_k == 0, USE_TMA=use_tma, UPCAST_FP32=interpret, BY_ROW=by_row,
         PERSISTENT=cfg.persistent, NUM_PROGS=grid[0] if cfg.persistent else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.compile_options(),
     )
     return out_pairs
 

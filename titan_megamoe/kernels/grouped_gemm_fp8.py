@@ -560,7 +560,7 @@ def gemm1_swiglu_fwd_fp8(
         gate_up_out, h_out, hs, nonfinite_count,
         F=F, D=D, K=layout.top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_N=F % cfg.block_n == 0, QUANT_H=quantize_h, EXACT_ROUND=interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.compile_options(),
     )
     return res
 
@@ -649,6 +649,6 @@ def gemm2_scatter_fwd_fp8(
         F=F, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_N=D % cfg.block_n == 0, BY_ROW=by_row, PERSISTENT=cfg.persistent,
         NUM_PROGS=grid[0] if cfg.persistent else 1, INTERPRET=interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.compile_options(),
     )
     return out

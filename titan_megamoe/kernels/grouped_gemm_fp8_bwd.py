@@ -408,7 +408,7 @@ def gemm2_dgrad_swiglu_bwd_fp8(
             dgu, part, hsT, hsTs, nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, hsT.stride(0),
             D=D, F=F, K=K, NB=nb, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
             CHECK=nonfinite_count is not None, EXACT_ROUND=interpret, EPS=AMAX_EPS,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.compile_options(),
         )
     return dgu, part, hsT, hsTs
 
@@ -453,7 +453,7 @@ def gemm1_dgrad_fp8(
         launch(_gemm1_dgrad_fp8_kernel, (n_tiles * nbd,),
             dgu_q, dgu_s, w1t_q, w1t_s, w3t_q, w3t_s, layout.row_pair, layout.tile_expert, dx_rows, n_tiles,
             D=D, F=F, NBD=nbd, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.compile_options(),
         )
     return dx_rows
 
@@ -512,7 +512,6 @@ def wgrad_fp8(
         launch(_wgrad_fp8_kernel, (nbm * nbn, E),
             aT_q, aT_s, bT_q, bT_s, layout.offsets, out1, out2, aT_q.stride(0), bT_q.stride(0),
             MA=MA, M1=M1, NC=NC, NBM=nbm, NBN=nbn, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-            GROUP_M=cfg.group_m, INTERPRET=interpret, MAX_IMPRECISE=_max_imprecise_acc, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            GROUP_M=cfg.group_m, INTERPRET=interpret, MAX_IMPRECISE=_max_imprecise_acc, **cfg.compile_options(),
         )
     return (out1,) if split is None else (out1, out2)

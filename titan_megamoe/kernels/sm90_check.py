@@ -43,7 +43,7 @@ def nvidia_backend_reason() -> str | None:
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
-                 divisible: tuple[str, ...] = ()) -> dict:
+                 divisible: tuple[str, ...] = (), maxnreg: int | None = None) -> dict:
     """Compile one @triton.jit kernel for sm_90a; return what the PTX and cubin show.
 
     Args:
@@ -52,6 +52,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
         constexprs: {arg name: value}; added to the signature as "constexpr".
         divisible: int arguments known to be multiples of 16 (pointers always are: torch allocations
             are 16-byte aligned and the JIT specializes on that at launch).
+        maxnreg: register cap per thread passed to ptxas (None: ptxas decides), as a launch's
+            ``maxnreg`` option does.
 
     Returns:
         dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
@@ -69,8 +71,10 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in divisible}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = ck.asm["ptx"]
     usage = ""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
