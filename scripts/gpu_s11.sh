@@ -5,6 +5,9 @@
 #     (scripts/sweep_kernel_configs.py --two-cta, both shapes); then compare.layer EP 1 both shapes,
 #     stock compiled vs megamoe bf16 with, in the same process (--switches), GEMM2_DGRAD_2CTA=1,
 #     FUSED_ROUTER=0 and PERSISTENT_GEMM2=0 one at a time (--device-time).
+#   PART=b (~7 min): the single-GPU tests of tests/test_gpu.py with the two-per-SM GEMM2 dgrad as the
+#     default (and the side-stream gather test); then compare.layer EP 1 both shapes with, in the same
+#     process, SIDE_GATHER=1 (wgrad row gathers beside GEMM1 dgrad) and GEMM2_DGRAD_2CTA=0.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s11.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 export TITAN_MEGAMOE_GIT_REV=$REV
@@ -33,7 +36,16 @@ for l in open('$OUT/sweep_$sh.log'):
     > "$OUT/layer_s9a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s9a.log"
 fi
-if [ "$PART" != a ]; then
+if [ "$PART" = b ]; then
+  timeout 240 python3 -m pytest -q -rA tests/test_gpu.py -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu_s9b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] tests: $(grep -E 'passed|failed' "$OUT/keep/tests_gpu_s9b.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_s9b.log" | head
+  timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches SIDE_GATHER=1 GEMM2_DGRAD_2CTA=0 --out "$OUT/keep/layer_1xh200_ep1_s9b.json" > "$OUT/layer_s9b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s9b.log"
+fi
+if [ "$PART" != a ] && [ "$PART" != b ]; then
   echo "PART=$PART: not defined"; exit 2
 fi
 cd "$OUT" && tar czf /tmp/logs_s11$PART.tgz --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +

@@ -57,6 +57,7 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
     out += [r(base, group_m=8), r(base, use_tma=not base.use_tma)]
     if kind.startswith("gemm2_dgrad"):  # two programs per SM: <= 128 registers at 8 warps, <= 113 KiB
         out += [r(base, num_stages=s_, maxnreg=128, use_tma=t) for s_, t in [(3, True), (2, True), (3, False)]]
+        out.append(r(base, num_stages=4, maxnreg=None, use_tma=True))  # one program per SM (the session-8 default)
     if kind == "gemm2":  # persistent (GemmConfig.persistent): flattened tile x K loop, pointer loads, 1 CTA / SM
         out += [r(base, persistent=True, use_tma=False, block_n=n, block_k=k, num_stages=s_)
                 for n, k, s_ in [(256, 64, 3), (256, 64, 4), (128, 64, 4), (128, 64, 5)]]
@@ -141,7 +142,7 @@ def main() -> int:
         if args.quick:
             todo = [c for c in todo if c == base or (kind.startswith("wgrad") and c.block_m == 64)]
         if args.two_cta:
-            todo = [c for c in todo if c == base or c.maxnreg is not None]
+            todo = [c for c in todo if c == base or c.maxnreg is not None or c.num_stages == 4]
         for cfg in todo:
             rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(cfg), "default": cfg == base}
             try:
@@ -165,7 +166,13 @@ def main() -> int:
     for kind, r in best.items():
         print(json.dumps({"best": kind, "ms": r["ms"], "tflops": r["tflops"], "cfg": r["cfg"]}), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1) + "\n")
+        from compare.records import provenance
+
+        run = provenance(device=torch.device(dev), world_size=1, dist_backend=None, hostnames=[],
+                         argv=sys.argv[1:], options=vars(args), module="scripts.sweep_kernel_configs")
+        run["command"] = "python scripts/sweep_kernel_configs.py " + " ".join(sys.argv[1:])
+        run["timer"] = "triton.testing.do_bench (warmup 10, rep 50 ms), median"
+        Path(args.out).write_text(json.dumps({"shape": args.shape, "run": run, "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -69,11 +69,20 @@ def test_fp8_gemm2_switch_reaches_the_fp8_config():
 def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
     from titan_megamoe.kernels._bwd_common import _default_bwd_config
 
-    base = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
-    assert base.maxnreg is None and base.num_stages == 4  # off by default: one program per SM
-    with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_2CTA": "1"}):
-        two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
-        assert (two.maxnreg, two.num_stages, two.num_warps) == (128, 3, 8)
-        assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (base.block_m, base.block_n, base.block_k, True)
-        assert _default_bwd_config("gemm2_dgrad", 16, 64, 32, True).maxnreg is None  # interpreter: unchanged
-    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == base
+    two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+    assert (two.maxnreg, two.num_stages, two.num_warps) == (128, 3, 8)  # the default: two programs per SM
+    assert _default_bwd_config("gemm2_dgrad", 16, 64, 32, True).maxnreg is None  # interpreter: unchanged
+    with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_2CTA": "0"}):
+        one = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+        assert one.maxnreg is None and one.num_stages == 4  # one program per SM
+        assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (one.block_m, one.block_n, one.block_k, True)
+    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == two
+
+
+def test_side_gather_switch_sets_the_backend_attribute():
+    from titan_megamoe.ops import triton_backend
+
+    assert triton_backend.SIDE_GATHER is False
+    with switches.override({"TITAN_MEGAMOE_SIDE_GATHER": "1"}):
+        assert triton_backend.SIDE_GATHER is True
+    assert triton_backend.SIDE_GATHER is False

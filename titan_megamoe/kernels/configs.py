@@ -123,11 +123,14 @@ PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", True)
 #: dgate_up and s*h (160 KB per 128 x 128 tile, ~0.38 ms of DRAM time at the 30B shape) with nothing to
 #: hide it under at one program per SM (the default: 4 stages, 131 KB shared, 175 registers). 3 stages
 #: (98 KB) and a 128-register cap (sm_90a build: 128 registers, 16 B of stack) fit two per SM, so one's
-#: epilogue runs under the other's main loop. Same instructions in the same order: bitwise the default's
-#: results. Off until measured (``TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=1``, read at import).
+#: epilogue runs under the other's main loop. Same arithmetic in the same order: bitwise the one-per-SM
+#: config's results. One H200 (session 9, benchmarks/results/sweep_gemm2_dgrad_2cta_{30b,235b}_1xh200_20261202.json,
+#: do_bench): 1.094 -> 0.956 ms at the 30B shape, 3.339 -> 3.309 ms at 235B; in the layer (same process,
+#: layer_1xh200_ep1_s9a_20261202.json) fwd+bwd device time 7.615 -> 7.440 ms and 26.08 -> 25.85 ms. The
+#: default; ``TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=0`` (read at import) gives the one-per-SM config back.
 HOPPER_GEMM2_DGRAD_2CTA = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=1,
                                      use_tma=True, maxnreg=128)
-GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", False)
+GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", True)
 #: TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8=0 (read at import): the FP8 GEMM2 runs its grid config. On by
 #: default: 0.78 -> 0.71 ms at 30B, 2.61 -> 2.51 ms at 235B (same file), bitwise the grid kernel's output.
 PERSISTENT_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", True)
