@@ -8,6 +8,10 @@
 #   PART=b (~7 min): the single-GPU tests of tests/test_gpu.py with the two-per-SM GEMM2 dgrad as the
 #     default (and the side-stream gather test); then compare.layer EP 1 both shapes with, in the same
 #     process, SIDE_GATHER=1 (wgrad row gathers beside GEMM1 dgrad) and GEMM2_DGRAD_2CTA=0.
+#     (Ran at 187e53b; TITAN_MEGAMOE_SIDE_GATHER measured no gain and was removed after, so PART b as
+#     written needs that revision.)
+#   PART=c (~7 min): scripts/gpu_ci.sh at the final tree (layer check + debug-model training against
+#     the committed baselines), then compare.profile of the megamoe step at both shapes.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s11.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 export TITAN_MEGAMOE_GIT_REV=$REV
@@ -45,7 +49,18 @@ if [ "$PART" = b ]; then
     --switches SIDE_GATHER=1 GEMM2_DGRAD_2CTA=0 --out "$OUT/keep/layer_1xh200_ep1_s9b.json" > "$OUT/layer_s9b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s9b.log"
 fi
-if [ "$PART" != a ] && [ "$PART" != b ]; then
+if [ "$PART" = c ]; then
+  REV=$REV OUT="$OUT/ci" timeout 380 bash scripts/gpu_ci.sh > "$OUT/gpu_ci.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu_ci exit $?"; grep -v "^\[W\|warn\|it/s" "$OUT/gpu_ci.log" | tail -30
+  cp "$OUT/ci/layer_ci.json" "$OUT/ci/train_ci.json" "$OUT/gpu_ci.log" "$OUT/keep/" 2>/dev/null
+  png=$(ls "$OUT"/ci/*.png 2>/dev/null | head -1); [ -n "$png" ] && cp "$png" "$OUT/keep/"
+  for sh in 30b-a3b 235b-a22b; do
+    timeout 60 python3 -m compare.profile --shape qwen3-$sh --impl megamoe-triton --top 14 --iters 3 --warmup 2 \
+      --out "$OUT/keep/profile_${sh%%-*}_megamoe-triton_s9.json" > "$OUT/profile_$sh.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] profile $sh rc $?"; grep -E "^\||total|host" "$OUT/profile_$sh.log" | head -16
+  done
+fi
+if [ "$PART" != a ] && [ "$PART" != b ] && [ "$PART" != c ]; then
   echo "PART=$PART: not defined"; exit 2
 fi
 cd "$OUT" && tar czf /tmp/logs_s11$PART.tgz --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +

@@ -78,11 +78,3 @@ def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
         assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (one.block_m, one.block_n, one.block_k, True)
     assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == two
 
-
-def test_side_gather_switch_sets_the_backend_attribute():
-    from titan_megamoe.ops import triton_backend
-
-    assert triton_backend.SIDE_GATHER is False
-    with switches.override({"TITAN_MEGAMOE_SIDE_GATHER": "1"}):
-        assert triton_backend.SIDE_GATHER is True
-    assert triton_backend.SIDE_GATHER is False

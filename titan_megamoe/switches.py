@@ -57,7 +57,6 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", "1", attrs=(("titan_megamoe.kernels.configs", "GEMM2_DGRAD_2CTA"),),
            caches=_CONFIG_CACHES),
-    Switch("TITAN_MEGAMOE_SIDE_GATHER", "0", attrs=(("titan_megamoe.ops.triton_backend", "SIDE_GATHER"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),

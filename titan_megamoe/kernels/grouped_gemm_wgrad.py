@@ -97,27 +97,19 @@ def _gather_rows_kernel(
         tl.store(out_ND + rows.to(tl.int64)[:, None] * D + cols[None, :], v, mask=live[:, None] & c_ok[None, :])
 
 
-def gather_rows(src_TD: Tensor, layout: RoutingLayout, *, out: Tensor | None = None) -> Tensor:
+def gather_rows(src_TD: Tensor, layout: RoutingLayout) -> Tensor:
     """Token rows in the layout's padded expert-major order, one pass.
 
     Args:
         src_TD: (T, D) bf16 contiguous token rows (x, or dout), T * K = the layout's pairs.
         layout: the routing layout.
-        out: optional (N_cap, D) caller buffer of src's dtype (the backward allocates it on its own
-            stream and fills it on a side stream, ``ops/triton_backend.py``).
 
     Returns:
         (N_cap, D) bf16: row r < offsets[E] holds ``src[row_pair[r] // K]`` or zeros (padding); rows
         from offsets[E] on are not written (no grouped GEMM reads them).
-
-    Raises:
-        ValueError: ``out`` of the wrong shape, dtype or device, or not contiguous.
     """
     T, D = src_TD.shape
-    if out is None:
-        out = torch.empty((layout.n_cap, D), dtype=src_TD.dtype, device=src_TD.device)
-    else:
-        _check(out, "out (gathered rows)", (layout.n_cap, D), src_TD.dtype, src_TD.device)
+    out = torch.empty((layout.n_cap, D), dtype=src_TD.dtype, device=src_TD.device)
     BR, BD = 16, min(512, next_pow2(D))
     grid = (cdiv(layout.n_cap, BR), cdiv(D, BD))
     launch(_gather_rows_kernel, grid, src_TD, layout.row_pair, layout.offsets, out, D, layout.top_k,
@@ -272,7 +264,7 @@ def _wgrad_out(out, shape, out_dtype, dev, name):
 def wgrad_w2(
     dout_TD: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
     config: GemmConfig | None = None, *, hs_NF: Tensor | None = None, out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None, impl: str | None = None, dout_rows: Tensor | None = None,
+    out: Tensor | None = None, impl: str | None = None,
 ) -> Tensor:
     """dw2[e] = sum_{rows r of e} (s[p] dout[t])^T outer h[r] = sum_r dout[t]^T outer (s[p] h[r]).
 
@@ -288,8 +280,6 @@ def wgrad_w2(
         out: optional (E, D, F) caller buffer of ``out_dtype``.
         impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
             needs ``hs_NF``, bf16 output and no config / out).
-        dout_rows: optional ``gather_rows(dout_TD, layout)``, already gathered (grouped_mm only: the
-            Triton kernel gathers inside its loop and ignores it).
 
     Returns:
         (E, D, F) dw2; experts without rows get exact zeros.
@@ -317,11 +307,7 @@ def wgrad_w2(
     custom = config is not None or out is not None or hs_NF is None
     if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
         # dw2[e] = dout_rows[e]^T @ (s h)[e]; padding rows of the gathered dout are zeros
-        if dout_rows is None:
-            dout_rows = gather_rows(dout_TD, layout)
-        else:
-            _check(dout_rows, "dout_rows", (layout.n_cap, D), _ACT, dev)
-        return _grouped_mm_wgrad(dout_rows.t(), hs_NF, layout)
+        return _grouped_mm_wgrad(gather_rows(dout_TD, layout).t(), hs_NF, layout)
     cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
     dw2 = _wgrad_out(out, (E, D, F), out_dtype, dev, "out (dw2)")
     nbm, nbn = cdiv(D, cfg.block_m), cdiv(F, cfg.block_n)
@@ -343,7 +329,6 @@ def wgrad_w2(
 def wgrad_w13(
     dgate_up_N2F: Tensor, x_TD: Tensor, layout: RoutingLayout, config: GemmConfig | None = None, *,
     out_dtype: torch.dtype | None = None, out: tuple[Tensor, Tensor] | None = None, impl: str | None = None,
-    x_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """dw1[e] = sum_{rows r of e} dgate[r]^T outer x[t], dw3[e] = sum_r dup[r]^T outer x[t].
 
@@ -356,8 +341,6 @@ def wgrad_w13(
         out_dtype: bf16 (default) or fp32; out: optional (dw1, dw3) caller buffers.
         impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
             needs bf16 output and no config / out).
-        x_rows: optional ``gather_rows(x_TD, layout)``, already gathered (grouped_mm only, as
-            ``wgrad_w2``'s ``dout_rows``).
 
     Returns:
         dw1, dw3 (E, F, D); experts without rows get exact zeros.
@@ -382,10 +365,7 @@ def wgrad_w13(
     custom = config is not None or out is not None
     if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
         # dw1[e] = dgate[e]^T @ x_rows[e], dw3 likewise: the gate / up halves as strided views, no copy
-        if x_rows is None:
-            x_rows = gather_rows(x_TD, layout)
-        else:
-            _check(x_rows, "x_rows", (layout.n_cap, D), _ACT, dev)
+        x_rows = gather_rows(x_TD, layout)
         return (_grouped_mm_wgrad(dgate_up_N2F[:, :F].t(), x_rows, layout),
                 _grouped_mm_wgrad(dgate_up_N2F[:, F:].t(), x_rows, layout))
     cfg = config or default_bwd_config("wgrad_w13", layout, D, F)

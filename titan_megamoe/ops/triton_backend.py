@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_bwd", "layout_from_tensors"]
@@ -73,34 +72,9 @@ def triton_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Te
     return out, gate_up, layout
 
 
-#: TITAN_MEGAMOE_SIDE_GATHER=1 (read at import): the backward gathers the wgrads' token rows (dout and x
-#: into the layout's order, ``gather_rows``: memory-bound, 0.41 ms at the 30B shape, 0.82 at 235B on one
-#: H200) on a side stream while GEMM1 dgrad (compute-bound, 1.34 / 5.20 ms; one program per SM leaves
-#: registers and shared memory for the copy's programs) runs on the caller's stream, instead of
-#: before each grouped-mm wgrad. Same kernels on the same data: bitwise the same gradients. Off
-#: until measured. Only with the grouped-mm wgrads (sm_90), which read gathered rows.
-SIDE_GATHER = env_flag("TITAN_MEGAMOE_SIDE_GATHER", False)
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
 def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                gate_up: Tensor, layout: RoutingLayout):
-    """Backward: returns (dx (T, D), dscores (T, K) fp32, dw1, dw2, dw3) in the weights' dtype.
-
-    Launch order: GEMM2 dgrad (+ SwiGLU backward, s*h rows), d score reduction, then either (default)
-    wgrad w2 and w1 / w3 (each gathering its token rows first), GEMM1 dgrad, dx sum; or
-    (``SIDE_GATHER``) GEMM1 dgrad with both row gathers on a side stream beside it, the dx sum, the
-    wgrads from the gathered rows. The side stream waits on the caller's stream and the caller's
-    stream on it (events), so CUDA graph capture and the caching allocator see ordinary stream order.
-    """
+    """Backward: returns (dx (T, D), dscores (T, K) fp32, dw1, dw2, dw3) in the weights' dtype."""
     from titan_megamoe.kernels.grouped_gemm_bwd import (
         gemm1_dgrad,
         gemm2_dgrad_swiglu_bwd,
@@ -109,42 +83,18 @@ def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor
         wgrad_w2,
         wgrad_w13,
     )
-    from titan_megamoe.kernels.grouped_gemm_wgrad import gather_rows, wgrad_impl
 
     T, K = topk_scores_TK.shape
-    dev = dout_TD.device
-    dout_TD, x_TD = dout_TD.contiguous(), x_TD.contiguous()
+    dout_TD = dout_TD.contiguous()
     # s*h rows stored by the dgrad epilogue for the w2 wgrad: 4x faster there than recomputing h from
     # gate_up in the wgrad loader (H200, 30B shape: 1.04 vs 4.42 ms), for a transient N_cap x F bf16.
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
     dgate_up, dscore_part = gemm2_dgrad_swiglu_bwd(dout_TD, w2.contiguous(), gate_up, topk_scores_TK, layout,
                                                    hs_out=hs)
     dscores = reduce_dscore(dscore_part, layout, T, K)
-    if not (SIDE_GATHER and dev.type == "cuda" and wgrad_impl(dev) == "grouped_mm"):
-        dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout, hs_NF=hs)
-        del hs  # 0.2 GiB at 30B back to the allocator before wgrad_w13's gathered x rows (peak memory)
-        dw1, dw3 = wgrad_w13(dgate_up, x_TD, layout)
-        dx_rows = gemm1_dgrad(dgate_up, w1.contiguous(), w3.contiguous(), layout)
-        dx = scatter_dx(dx_rows, layout, T, K)
-        return dx, dscores, dw1, dw2, dw3
-    main = torch.cuda.current_stream(dev)
-    # allocated on the caller's stream, which waits for the side stream before it reads or frees them
-    dout_rows = torch.empty((layout.n_cap, dout_TD.shape[1]), dtype=dout_TD.dtype, device=dev)
-    x_rows = torch.empty((layout.n_cap, x_TD.shape[1]), dtype=x_TD.dtype, device=dev)
-    ready = torch.cuda.Event()
-    ready.record(main)  # after GEMM2 dgrad: the copies start beside GEMM1 dgrad, not under GEMM2 dgrad
+    dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout, hs_NF=hs)
+    del hs  # 0.2 GiB at 30B back to the allocator before wgrad_w13's gathered x rows (peak memory)
+    dw1, dw3 = wgrad_w13(dgate_up, x_TD.contiguous(), layout)
     dx_rows = gemm1_dgrad(dgate_up, w1.contiguous(), w3.contiguous(), layout)
-    side = _side_stream(dev)
-    side.wait_event(ready)
-    with torch.cuda.stream(side):
-        gather_rows(dout_TD, layout, out=dout_rows)
-        gather_rows(x_TD, layout, out=x_rows)
-        done = torch.cuda.Event()
-        done.record(side)
     dx = scatter_dx(dx_rows, layout, T, K)
-    del dx_rows
-    main.wait_event(done)
-    dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout, hs_NF=hs, dout_rows=dout_rows)
-    del hs, dout_rows
-    dw1, dw3 = wgrad_w13(dgate_up, x_TD, layout, x_rows=x_rows)
     return dx, dscores, dw1, dw2, dw3
