@@ -12,6 +12,10 @@
 #     written needs that revision.)
 #   PART=c (~7 min): scripts/gpu_ci.sh at the final tree (layer check + debug-model training against
 #     the committed baselines), then compare.profile of the megamoe step at both shapes.
+#   PART=d (~6 min): the debug model's training throughput with GEMM2_DGRAD_2CTA=1 and =0 alternating, one
+#     compare.train process each (60 steps, seed 42; the first with the stock baseline beside it): PART c's
+#     GPU CI run measured megamoe 107,084 tokens/s/GPU against 141,044 in session 8 (stock 102,584 vs
+#     118,214), so is it the machine or the new default?
 # Call as: REV=<hash> PART=a bash scripts/gpu_s11.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 export TITAN_MEGAMOE_GIT_REV=$REV
@@ -60,7 +64,21 @@ if [ "$PART" = c ]; then
     echo "[t=$((SECONDS - t0))s] profile $sh rc $?"; grep -E "^\||total|host" "$OUT/profile_$sh.log" | head -16
   done
 fi
-if [ "$PART" != a ] && [ "$PART" != b ] && [ "$PART" != c ]; then
+if [ "$PART" = d ]; then
+  run=0
+  for v in 1 0 1 0; do
+    run=$((run + 1))
+    cfgs="train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml"; labels="megamoe-triton-2cta$v"
+    if [ $run = 1 ]; then
+      cfgs="$cfgs train_configs/qwen3_debugmoe_1gpu_baseline_bf16.toml"; labels="$labels torchtitan-baseline"
+    fi
+    TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=$v timeout 200 python3 -m compare.train --ngpu 1 --steps 60 --skip 10 \
+      --configs $cfgs --labels $labels --out "$OUT/keep/train_debug_2cta${v}_run${run}.json" > "$OUT/train_$run.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] run $run (2CTA=$v) rc $?"; grep "^| " "$OUT/train_$run.log" | tail -3
+  done
+  rm -f "$OUT"/keep/*.png
+fi
+if [ "$PART" != a ] && [ "$PART" != b ] && [ "$PART" != c ] && [ "$PART" != d ]; then
   echo "PART=$PART: not defined"; exit 2
 fi
 cd "$OUT" && tar czf /tmp/logs_s11$PART.tgz --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +
