@@ -72,6 +72,7 @@ def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
     two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
     assert (two.maxnreg, two.num_stages, two.num_warps) == (128, 3, 8)  # the default: two programs per SM
     assert _default_bwd_config("gemm2_dgrad", 16, 64, 32, True).maxnreg is None  # interpreter: unchanged
+    assert _default_bwd_config("gemm2_dgrad", 128, 256, 768, False).maxnreg is None  # small dims: unmeasured
     with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_2CTA": "0"}):
         one = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
         assert one.maxnreg is None and one.num_stages == 4  # one program per SM

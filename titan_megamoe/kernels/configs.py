@@ -131,6 +131,11 @@ PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", True)
 HOPPER_GEMM2_DGRAD_2CTA = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=1,
                                      use_tma=True, maxnreg=128)
 GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", True)
+#: Model dims from which the two-per-SM GEMM2 dgrad applies: measured at D = 2048 and 4096 only. The debug
+#: model (D = 256) trained at 110,832 / 105,633 tokens/s/GPU with it and 114,292 / 130,846 without, one
+#: process each on one H200 (train_debug_2cta*_s9_20261202.json): no gain shown, within this host's
+#: run-to-run spread, so small dims keep the one-per-SM config.
+GEMM2_DGRAD_2CTA_MIN_DIM = 2048
 #: TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8=0 (read at import): the FP8 GEMM2 runs its grid config. On by
 #: default: 0.78 -> 0.71 ms at 30B, 2.61 -> 2.51 ms at 235B (same file), bitwise the grid kernel's output.
 PERSISTENT_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", True)
