@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Never run: session 9 ran its content, extended, as scripts/gpu_s11.sh PART a.)
 # GPU, next session's calls (written in session 8, 1 H200 lent, device time spent).
 #   PART=a (1 H200, ~4 min): where GEMM2 dgrad's time goes (378 TF/s at 30B against ~600 for the other
 #     GEMMs, docs/NOTES.md session 8): scripts/sweep_kernel_configs.py at both shapes for gemm2_dgrad

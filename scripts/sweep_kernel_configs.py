@@ -61,6 +61,9 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
     if kind == "gemm2":  # persistent (GemmConfig.persistent): flattened tile x K loop, pointer loads, 1 CTA / SM
         out += [r(base, persistent=True, use_tma=False, block_n=n, block_k=k, num_stages=s_)
                 for n, k, s_ in [(256, 64, 3), (256, 64, 4), (128, 64, 4), (128, 64, 5)]]
+        # persistent, two programs per SM (sm_90a build at 30B: 128 registers, 8 B of stack, 98 KB)
+        out.append(r(base, persistent=True, use_tma=False, block_n=128, block_k=64, num_stages=2, maxnreg=128,
+                     programs_per_sm=2))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -142,7 +145,8 @@ def main() -> int:
         if args.quick:
             todo = [c for c in todo if c == base or (kind.startswith("wgrad") and c.block_m == 64)]
         if args.two_cta:
-            todo = [c for c in todo if c == base or c.maxnreg is not None or c.num_stages == 4]
+            todo = [c for c in todo if c == base or c.maxnreg is not None
+                    or (kind.startswith("gemm2_dgrad") and c.num_stages == 4)]
         for cfg in todo:
             rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(cfg), "default": cfg == base}
             try:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU, next session's calls (written in session 9, which had 1 H200 only).
+#   PART=a (1 H200, ~6 min): the persistent bf16 GEMM2 at two programs per SM (128 x 128 tile, 2 stages,
+#     128-register cap: sm_90a build 128 registers, 8 B stack, 98 KB, grid 2 x SMs;
+#     GemmConfig.programs_per_sm) against today's one-per-SM persistent and grid configs, kernel alone
+#     (scripts/sweep_kernel_configs.py gemm2 --two-cta, both shapes; GEMM2 is 0.68 / 2.60 ms of the step);
+#     then compare.layer EP 1 30B fp8 / fp8_bwd with stock fp8 compiled beside them (FP8 not re-measured
+#     since session 8) and a profiler trace of the 30B bf16 step (compare.profile --trace) for the next
+#     kernel work (the GEMM epilogues' exposure, docs/NOTES.md session 9).
+#   PART=b / PART=c (2 H200): the EP = 2 runs that wait since session 6: `REV=<hash> PART=b bash scripts/gpu_s8.sh`
+#     and `PART=c` (unchanged; today's defaults, including the two-per-SM GEMM2 dgrad, which EP = 2 has not run).
+# Call as: REV=<hash> PART=a bash scripts/gpu_s12.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+export TITAN_MEGAMOE_GIT_REV=$REV
+set +e
+t0=$SECONDS
+PART=${PART:-a}
+mkdir -p "$OUT/keep"
+if [ "$PART" = a ]; then
+  for sh in 30b 235b; do
+    timeout 150 python3 scripts/sweep_kernel_configs.py $sh --kinds gemm2 --two-cta \
+      --out "$OUT/keep/sweep_gemm2_2cta_${sh}_1xh200.json" > "$OUT/sweep_$sh.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] sweep $sh rc $?"; grep '^{' "$OUT/sweep_$sh.log" | cut -c1-260
+  done
+  timeout 200 python3 -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton --precisions fp8,fp8_bwd \
+    --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_fp8.json" \
+    > "$OUT/layer_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer fp8 rc $?"; grep "^| qwen" "$OUT/layer_fp8.log"
+  timeout 90 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --top 14 --iters 3 --warmup 2 \
+    --out "$OUT/keep/profile_30b_megamoe-triton.json" --trace "$OUT/trace_30b.json" > "$OUT/profile_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile rc $?"; gzip -f "$OUT/trace_30b.json" && mv "$OUT/trace_30b.json.gz" "$OUT/keep/"
+else
+  echo "PART=$PART: run scripts/gpu_s8.sh with the same PART (see the header)"; exit 2
+fi
+cd "$OUT" && tar czf /tmp/logs_s12$PART.tgz --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +
+mv keep/* . ; rmdir keep ; mv /tmp/logs_s12$PART.tgz . ; ls "$OUT"
