@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # GPU, next session's calls (written in session 9, which had 1 H200 only).
-#   PART=a (1 H200, ~6 min): the persistent bf16 GEMM2 at two programs per SM (128 x 128 tile, 2 stages,
-#     128-register cap: sm_90a build 128 registers, 8 B stack, 98 KB, grid 2 x SMs;
-#     GemmConfig.programs_per_sm) against today's one-per-SM persistent and grid configs, kernel alone
-#     (scripts/sweep_kernel_configs.py gemm2 --two-cta, both shapes; GEMM2 is 0.68 / 2.60 ms of the step);
-#     then compare.layer EP 1 30B fp8 / fp8_bwd with stock fp8 compiled beside them (FP8 not re-measured
-#     since session 8) and a profiler trace of the 30B bf16 step (compare.profile --trace) for the next
-#     kernel work (the GEMM epilogues' exposure, docs/NOTES.md session 9).
+#   PART=a (1 H200, ~4 min): compare.layer EP 1 30B fp8 / fp8_bwd with stock fp8 compiled beside them (FP8 not
+#     re-measured since session 8) and a profiler trace of the 30B bf16 step (compare.profile --trace) for
+#     the next kernel work (the GEMM epilogues' exposure, docs/NOTES.md session 9). (Session 9's last call
+#     already ran the persistent GEMM2 at two programs per SM this script first held: 0.847 vs 0.685 ms,
+#     slower; benchmarks/results/sweep_gemm2_2cta_30b_1xh200_20261202.json.)
 #   PART=b / PART=c (2 H200): the EP = 2 runs that wait since session 6: `REV=<hash> PART=b bash scripts/gpu_s8.sh`
 #     and `PART=c` (unchanged; today's defaults, including the two-per-SM GEMM2 dgrad, which EP = 2 has not run).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s12.sh   (carry .whl; see scripts/gpu_env.sh)
@@ -17,11 +15,6 @@ t0=$SECONDS
 PART=${PART:-a}
 mkdir -p "$OUT/keep"
 if [ "$PART" = a ]; then
-  for sh in 30b 235b; do
-    timeout 150 python3 scripts/sweep_kernel_configs.py $sh --kinds gemm2 --two-cta \
-      --out "$OUT/keep/sweep_gemm2_2cta_${sh}_1xh200.json" > "$OUT/sweep_$sh.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] sweep $sh rc $?"; grep '^{' "$OUT/sweep_$sh.log" | cut -c1-260
-  done
   timeout 200 python3 -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton --precisions fp8,fp8_bwd \
     --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_fp8.json" \
     > "$OUT/layer_fp8.log" 2>&1

@@ -54,16 +54,15 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
                 continue
             if (n, k, w, s) != (base.block_n, base.block_k, base.num_warps, base.num_stages):
                 out.append(r(base, block_n=n, block_k=k, num_warps=w, num_stages=s))
-    out += [r(base, group_m=8), r(base, use_tma=not base.use_tma)]
+    # TMA loads: grid kernels only (a persistent default's TMA variant is the grid kernel with TMA)
+    out += [r(base, group_m=8), r(base, use_tma=not base.use_tma, persistent=False)]
     if kind.startswith("gemm2_dgrad"):  # two programs per SM: <= 128 registers at 8 warps, <= 113 KiB
         out += [r(base, num_stages=s_, maxnreg=128, use_tma=t) for s_, t in [(3, True), (2, True), (3, False)]]
         out.append(r(base, num_stages=4, maxnreg=None, use_tma=True))  # one program per SM (the session-8 default)
     if kind == "gemm2":  # persistent (GemmConfig.persistent): flattened tile x K loop, pointer loads, 1 CTA / SM
         out += [r(base, persistent=True, use_tma=False, block_n=n, block_k=k, num_stages=s_)
                 for n, k, s_ in [(256, 64, 3), (256, 64, 4), (128, 64, 4), (128, 64, 5)]]
-        # persistent, two programs per SM (sm_90a build at 30B: 128 registers, 8 B of stack, 98 KB)
-        out.append(r(base, persistent=True, use_tma=False, block_n=128, block_k=64, num_stages=2, maxnreg=128,
-                     programs_per_sm=2))
+
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

@@ -363,13 +363,6 @@ def test_configs():
     assert GemmConfig().compile_options() == {"num_warps": 8, "num_stages": 4}
     assert GemmConfig(num_warps=4, num_stages=3, maxnreg=128).compile_options() == {
         "num_warps": 4, "num_stages": 3, "maxnreg": 128}
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        GemmConfig(programs_per_sm=2)  # grid kernels: the hardware places them
-    GemmConfig(persistent=True, programs_per_sm=2)
-    from titan_megamoe.kernels.configs import INTERPRETER_PROGRAMS, persistent_programs
-
-    assert persistent_programs(torch.device("cpu"), 100, True, 2) == INTERPRETER_PROGRAMS
-    assert persistent_programs(torch.device("cpu"), 2, True, 2) == 2
 
 
 def test_mode_read_at_launch(monkeypatch):

@@ -68,8 +68,6 @@ class GemmConfig:
             tile's operands load under this tile's last steps and epilogue); the kernels that have the
             mode (GEMM2, bf16 and FP8) give bitwise the same results. Pointer loads only. The
             dataclass default is False; GEMM2's Hopper configs turn it on (``PERSISTENT_GEMM2``).
-        programs_per_sm: persistent kernels only: the grid is this many programs per SM (2 with a
-            config that fits two per SM: <= 128 registers at 8 warps and <= 113 KiB shared memory).
         maxnreg: registers per thread ptxas may use (None: its choice). A cap of 65536 / (2 x threads)
             (128 at 8 warps), with shared memory <= half an SM's, lets two programs share an SM, so
             one's epilogue runs under the other's main loop (``HOPPER_GEMM2_DGRAD_2CTA``).
@@ -84,7 +82,6 @@ class GemmConfig:
     use_tma: bool = False
     persistent: bool = False
     maxnreg: int | None = None
-    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -97,9 +94,6 @@ class GemmConfig:
             raise ValueError("GemmConfig.num_stages and group_m must be >= 1")
         if self.persistent and self.use_tma:
             raise ValueError("GemmConfig: persistent=True supports pointer loads only (use_tma=False)")
-        if self.programs_per_sm < 1 or (self.programs_per_sm > 1 and not self.persistent):
-            raise ValueError(f"GemmConfig.programs_per_sm={self.programs_per_sm}: must be >= 1, and > 1 only with "
-                             "persistent=True (a grid kernel's programs are placed by the hardware)")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg} must be None or in [24, 255] (ptxas' range)")
 
@@ -180,7 +174,6 @@ def config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
     return GemmConfig(
         block_m=base.block_m, block_n=block_n, block_k=block_k, num_warps=base.num_warps,
         num_stages=base.num_stages, group_m=base.group_m, use_tma=base.use_tma, persistent=base.persistent,
-        maxnreg=base.maxnreg, programs_per_sm=base.programs_per_sm,
     )
 
 
@@ -196,13 +189,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(device, n_work: int, interpret: bool, per_sm: int = 1) -> int:
-    """Grid size of a persistent kernel: ``per_sm`` programs per SM (``GemmConfig.programs_per_sm``; the
-    default flattened GEMM2 kernels hold one CTA per SM: 223-244 registers x 256 threads), never more
-    than ``n_work`` (an upper bound of the tiles), at least 1; ``INTERPRETER_PROGRAMS`` in the interpreter."""
+def persistent_programs(device, n_work: int, interpret: bool) -> int:
+    """Grid size of a persistent kernel: one program per SM (the flattened GEMM2 kernels hold one CTA
+    per SM: 223-244 registers x 256 threads), never more than ``n_work`` (an upper bound of the tiles),
+    at least 1; ``INTERPRETER_PROGRAMS`` in the interpreter."""
     if interpret or device.type != "cuda":
         return max(1, min(INTERPRETER_PROGRAMS, n_work))
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(_sm_count(index) * per_sm, n_work))
+    return max(1, min(_sm_count(index), n_work))

@@ -573,7 +573,7 @@ def gemm2_scatter_fwd(
 
     num_n = cdiv(D, cfg.block_n)
     if cfg.persistent:
-        grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interpret, cfg.programs_per_sm),)
+        grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interpret),)
     else:
         grid = (layout.n_tiles_cap, num_n)
     launch(_gemm2_scatter_fwd_kernel, grid,

@@ -642,7 +642,7 @@ def gemm2_scatter_fwd_fp8(
         return out
 
     num_n = cdiv(D, cfg.block_n)
-    grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interpret, cfg.programs_per_sm),) if cfg.persistent else \
+    grid = (persistent_programs(dev, layout.n_tiles_cap * num_n, interpret),) if cfg.persistent else \
         (layout.n_tiles_cap, num_n)
     launch(_gemm2_scatter_fwd_fp8_kernel, grid,
         h_fp8, h_scale, w2_fp8, w2_scale, scores_TK, layout.row_pair, layout.tile_expert, out, layout.offsets, E,
