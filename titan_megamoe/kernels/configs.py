@@ -128,6 +128,8 @@ PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", True)
 #: do_bench): 1.094 -> 0.956 ms at the 30B shape, 3.339 -> 3.309 ms at 235B; in the layer (same process,
 #: layer_1xh200_ep1_s9a_20261202.json) fwd+bwd device time 7.615 -> 7.440 ms and 26.08 -> 25.85 ms. The
 #: default; ``TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=0`` (read at import) gives the one-per-SM config back.
+#: ``default_bwd_config`` takes num_warps, num_stages and maxnreg from it; the tile stays the one-per-SM
+#: config's (the same 128 x 128 x 64 at both measured shapes; it shrinks with small F).
 HOPPER_GEMM2_DGRAD_2CTA = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=1,
                                      use_tma=True, maxnreg=128)
 GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", True)
