@@ -44,10 +44,11 @@ def nvidia_backend_reason() -> str | None:
 
 def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
                  divisible: tuple[str, ...] = (), maxnreg: int | None = None) -> dict:
-    """Compile one @triton.jit kernel for sm_90a; return what the PTX and cubin show.
+    """Compile one @triton.jit or @gluon.jit kernel for sm_90a; return what the PTX and cubin show.
 
     Args:
-        fn: the JITFunction (compiled-mode variant).
+        fn: the JITFunction (compiled-mode variant), or a Gluon kernel (``GluonJITFunction``: built
+            from a ``GluonASTSource``, Gluon's explicit-layout front end).
         signature: {arg name: type string} for the runtime arguments ("*bf16", "i32", tensordesc...).
         constexprs: {arg name: value}; added to the signature as "constexpr".
         divisible: int arguments known to be multiples of 16 (pointers always are: torch allocations
@@ -70,7 +71,15 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in divisible}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    source = triton.compiler.ASTSource
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+        if isinstance(fn, GluonJITFunction):
+            source = GluonASTSource
+    except ImportError:  # a Triton without Gluon: only @triton.jit kernels
+        pass
+    src = source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
