@@ -9,11 +9,7 @@
 #     and `PART=c` (unchanged; today's defaults, including the two-per-SM GEMM2 dgrad, which EP = 2 has not run).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s12.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
-export TITAN_MEGAMOE_GIT_REV=$REV
-set +e
-t0=$SECONDS
-PART=${PART:-a}
-mkdir -p "$OUT/keep"
+session_start
 if [ "$PART" = a ]; then
   timeout 200 python3 -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton --precisions fp8,fp8_bwd \
     --routings random --iters 20 --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_fp8.json" \
@@ -25,5 +21,4 @@ if [ "$PART" = a ]; then
 else
   echo "PART=$PART: run scripts/gpu_s8.sh with the same PART (see the header)"; exit 2
 fi
-cd "$OUT" && tar czf /tmp/logs_s12$PART.tgz --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +
-mv keep/* . ; rmdir keep ; mv /tmp/logs_s12$PART.tgz . ; ls "$OUT"
+session_pack s12$PART
