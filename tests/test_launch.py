@@ -6,7 +6,8 @@ recording launcher instead of the C one), in a subprocess with TRITON_INTERPRET=
 flag is fixed at import for Triton's own library functions). Each launch of a case is made three
 times with the same arguments: through ``JITFunction.run``, then through the fast path on an empty
 cache (a miss, which goes through Triton and fills the cache), then through the fast path again (a
-hit). All three must record the same compiled kernel, grid and arguments (tensors by identity, host
+hit). All three must record the same compiled kernel, grid and arguments (tensors by identity or, on the
+fast path's hit, by address (``launch.POINTER_ARGS``), host
 tensor descriptors by base tensor and shapes, other values by equality).
 """
 
@@ -25,6 +26,10 @@ CASES = ["routing_layout", "gemm1", "gemm2", "combine", "combine_misaligned", "g
 
 
 def _same(a, b) -> bool:
+    if isinstance(a, int) and hasattr(b, "data_ptr"):  # the fast path passes tensors as their addresses
+        return a == b.data_ptr()
+    if isinstance(b, int) and hasattr(a, "data_ptr"):
+        return b == a.data_ptr()
     if hasattr(a, "data_ptr") or hasattr(b, "data_ptr"):
         return a is b
     if hasattr(a, "base") and hasattr(b, "base"):  # host TensorDescriptor: same tensor, shape, block
@@ -111,9 +116,12 @@ def _check_all() -> list[dict]:
                 cases[name]()
                 got = calls[n0:]
                 diffs = [] if len(got) % 3 == 0 else ["launch count not a multiple of 3"]
+                addresses = 0  # tensors Triton got that the cache hit passed as ints (POINTER_ARGS)
                 for i in range(0, len(got) - 2, 3):
                     diffs += [d for d in (_compare(got[i], got[i + 1]), _compare(got[i], got[i + 2])) if d]
-                out.append(dict(label=name, launches=len(got) // 3, diffs=diffs))
+                    addresses += sum(hasattr(a, "data_ptr") and isinstance(b, int)
+                                     for a, b in zip(got[i].args, got[i + 2].args))
+                out.append(dict(label=name, launches=len(got) // 3, diffs=diffs, addresses=addresses))
         finally:
             L._launch_cached = fast
         # a launch hook (profilers): the fast path hands it the launch metadata, as Triton does
@@ -165,6 +173,8 @@ def test_fast_launch_makes_the_same_launcher_call(label):
     r = _results()[label]
     assert r["launches"] >= 1, r
     assert not r["diffs"], f"{label}: the fast path's launch differs from Triton's: {r['diffs']}"
+    # every case has tensor arguments: a cache hit passes them as addresses (no cuPointerGetAttribute)
+    assert r["addresses"] >= r["launches"], f"{label}: the cache hit passed no tensor as an address: {r}"
 
 
 def test_fast_launch_calls_the_launch_hooks_with_metadata():

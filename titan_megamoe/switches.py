@@ -53,6 +53,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WGRAD", "auto", values=("auto", "triton", "grouped_mm")),
     Switch("TITAN_MEGAMOE_EAGER_AUTOGRAD", "1", attrs=(("titan_megamoe.ops.eager", "ENABLED"),)),
     Switch("TITAN_MEGAMOE_FAST_LAUNCH", "1", attrs=(("titan_megamoe.kernels.launch", "FAST_LAUNCH"),)),
+    Switch("TITAN_MEGAMOE_POINTER_ARGS", "1", attrs=(("titan_megamoe.kernels.launch", "POINTER_ARGS"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2", "1", attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2"),),
            caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", "1", attrs=(("titan_megamoe.kernels.configs", "GEMM2_DGRAD_2CTA"),),

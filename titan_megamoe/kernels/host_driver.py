@@ -137,11 +137,16 @@ def host_only_driver(record: bool = True):
     calls: list | None = [] if record else None
     previous = driver._active
     driver.set_active(_make_driver(calls))
+    pointer_device = getattr(launch, "POINTER_DEVICE_TYPE", None)
     if launch is not None:
         launch._CACHES.clear()
+        if pointer_device is not None:  # this driver's "device" tensors are CPU tensors
+            launch.POINTER_DEVICE_TYPE = "cpu"
     try:
         yield calls
     finally:
         driver._active = previous
         if launch is not None:
             launch._CACHES.clear()
+            if pointer_device is not None:
+                launch.POINTER_DEVICE_TYPE = pointer_device

@@ -20,7 +20,15 @@ until GEMM1 starts (docs/NOTES.md, "host cost of the forward"). ``launch`` keeps
    (profilers such as proton).
 
 So every launch runs the kernel Triton would have run, with the same arguments and grid (a CPU test
-records both paths' launcher calls through ``kernels/host_driver.py`` and compares them). Not
+records both paths' launcher calls through ``kernels/host_driver.py`` and compares them).
+
+4. Tensors on the launch device go to the launcher as their addresses (``POINTER_ARGS``). Triton's C
+   launcher (``getPointer`` in ``backends/nvidia/driver.py``) takes an int as the device address as it is,
+   but for a tensor it calls ``data_ptr()`` and then ``cuPointerGetAttribute`` to check that the address
+   is device memory: one driver call per pointer argument per launch (GEMM1: 7). The binder has already
+   read each tensor's dtype and alignment, and the launchers check devices before launching, so the
+   kernel and its arguments are the same. ``TITAN_MEGAMOE_POINTER_ARGS=0`` passes the tensors (Triton's
+   check runs again). Not
 repeated on the fast path: the check that the globals a kernel read at compile time still hold
 (ours read none that change) and ``pre_run_hooks`` (a kernel with any goes through Triton). Knobs
 read once (``TRITON_DEBUG``, instrumentation mode) are assumed constant within a process.
@@ -34,13 +42,20 @@ packed metadata and the two hooks, hooks as ``HookChain``); any other release go
 
 from __future__ import annotations
 
+from torch import Tensor as _Tensor
+
 from titan_megamoe.kernels.jit import env_flag, flavor, interpreting
 from titan_megamoe.kernels.sm90_check import VERIFIED_TRITON
 
-__all__ = ["FAST_LAUNCH", "launch", "fast_launch_supported", "cached_kernels"]
+__all__ = ["FAST_LAUNCH", "POINTER_ARGS", "launch", "fast_launch_supported", "cached_kernels"]
 
 #: Launch compiled kernels through the cache of this module (module docstring); False: Triton's path.
 FAST_LAUNCH = env_flag("TITAN_MEGAMOE_FAST_LAUNCH", True)
+#: On the fast path, pass tensors on the launch device as their addresses (module docstring, item 4).
+POINTER_ARGS = env_flag("TITAN_MEGAMOE_POINTER_ARGS", True)
+#: The device type whose tensors are passed as addresses: "cuda"; ``kernels/host_driver.py`` sets "cpu"
+#: while its host-only driver is active (its "device" tensors are CPU tensors).
+POINTER_DEVICE_TYPE = "cuda"
 
 _SUPPORTED: bool | None = None
 _CACHES: dict = {}  # id(JITFunction) -> {(device, specialization, options): CompiledKernel}; the
@@ -110,9 +125,19 @@ def _launch_cached(fn, grid, args, kwargs):
         hooks = (kernel.launch_metadata(grid, stream, *bound.values()), enter, exit_)
     else:
         hooks = (None, None, None)
+    values = _as_addresses(bound.values()) if POINTER_ARGS else bound.values()
     kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-               kernel.packed_metadata, *hooks, *bound.values())
+               kernel.packed_metadata, *hooks, *values)
     return kernel
+
+
+def _as_addresses(values) -> list:
+    """The bound arguments with every tensor on ``POINTER_DEVICE_TYPE`` replaced by its address (an int,
+    which Triton's launcher takes without a ``cuPointerGetAttribute`` call); other values as they are (a
+    tensor on another device stays a tensor, so Triton's own check still names it)."""
+    cuda = POINTER_DEVICE_TYPE == "cuda"
+    return [v.data_ptr() if isinstance(v, _Tensor) and (v.is_cuda if cuda else v.device.type == POINTER_DEVICE_TYPE)
+            else v for v in values]
 
 
 def _hook_set(hook) -> bool:
