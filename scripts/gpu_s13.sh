@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU calls of session 10 (1 H200).
+#   PART=a (~9 min): the warp-specialized Gluon GEMM1 dgrad (kernels/ws_gemm.py): correctness on edge cases
+#     (scripts/bench_ws_gemm.py check, killed after 150 s should a protocol bug hang it), then do_bench against
+#     the Triton kernel at both shapes; the host cost of launches and driver calls (scripts/launch_cost.py:
+#     is cuPointerGetAttribute what makes a Triton launch cost 150-220 us here?); compare.layer EP 1 both
+#     shapes with POINTER_ARGS=0 beside the default in the same process (--device-time).
+# Call as: REV=<hash> PART=a bash scripts/gpu_s13.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+if [ "$PART" = a ]; then
+  timeout -s KILL 150 python3 scripts/bench_ws_gemm.py check > "$OUT/keep/ws_check.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ws check rc $?"; grep -v "^{" "$OUT/keep/ws_check.log" | tail -5
+  python3 -c "
+import json
+for l in open('$OUT/keep/ws_check.log'):
+    if l.startswith('{'): r=json.loads(l); print(' ', r['ok'], r['case'], '%.2e'%r['rel_err_vs_fp32'], '%.2e'%r['rel_diff_vs_triton'], r['bitwise_triton'], r['nan_rows'], r['nonzero_padding_rows'])"
+  timeout -s KILL 150 python3 scripts/bench_ws_gemm.py bench --out "$OUT/keep/bench_ws_gemm_1xh200.json" > "$OUT/ws_bench.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ws bench rc $?"; grep -v "^{" "$OUT/ws_bench.log" | tail -5
+  python3 -c "
+import json
+for l in open('$OUT/ws_bench.log'):
+    if l.startswith('{'): r=json.loads(l); print(' ', r.get('shape',''), r['kernel'][:30], r.get('cfg','')[9:60], '%.3f ms'%r['ms'], '%.0f TF/s'%r['tflops'], r.get('bitwise_triton',''))"
+  timeout 150 python3 scripts/launch_cost.py --iters 100 --out "$OUT/keep/launch_cost_1xh200.json" > "$OUT/launch_cost.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] launch cost rc $?"; grep -v "^{" "$OUT/launch_cost.log" | tail -3
+  python3 -c "
+import json
+for l in open('$OUT/launch_cost.log'):
+    if l.startswith('{'): r=json.loads(l); print('  %8.1f us  %s' % (r['host_us'], r['stage']))"
+  timeout 320 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches POINTER_ARGS=0 --out "$OUT/keep/layer_1xh200_ep1_s10a.json" > "$OUT/layer_s10a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s10a.log"
+else
+  echo "PART=$PART: unknown"; exit 2
+fi
+session_pack s13$PART

@@ -1,0 +1,270 @@
+"""Warp-specialized grouped GEMMs for Hopper (sm_90a), written in Gluon: GEMM1 dgrad first.
+
+Why: every Triton GEMM of the layer runs at 600-640 TF/s on an H200 against ~790 for cuBLAS's dense
+GEMM (docs/NOTES.md, session 9). Triton 3.6 does not warp-specialize Hopper kernels, so a tile's
+epilogue (fp32 -> bf16, stores) and the wait for its first operands stall the tensor cores. Gluon, the
+explicit-layout front end shipped in the same Triton, has the pieces: ``warp_specialize``, TMA with
+mbarriers, asynchronous ``warpgroup_mma``.
+
+Structure (CUTLASS's "ping-pong" Hopper schedule, in our own words):
+
+* one producer warp issues the TMA loads of every tile of the program, through a ring of ``STAGES``
+  operand buffers (one ``ready`` mbarrier per buffer, completed by the copies' byte count; one
+  ``empty`` mbarrier, arrived by the consumer that read it);
+* two consumer warpgroups take the program's tiles alternately (tile j to consumer j % 2). Their main
+  loops are serialized by a pair of ``order`` mbarriers: a consumer starts tile j's main loop once the
+  other has issued tile j - 1's last MMA, so the tensor cores run one main loop at a time while the
+  other consumer runs its epilogue (mask, bf16 cast, shared-memory staging, TMA store). The order also
+  keeps every ``ready`` wait within one phase of its barrier (parity waits alias otherwise);
+* persistent grid: one program per SM over the live tiles (offsets[E] // BM row tiles x column blocks,
+  read on the device), in the grouped order of ``jit.grouped_tile``.
+
+Kernel here: GEMM1 dgrad, dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e] (the Triton kernel is
+``grouped_gemm_bwd._gemm1_dgrad_kernel``; same operands, same output, same zeros on padding rows). Both
+operands are contiguous, so both load by TMA: A = dgate_up rows (N_cap, 2F), K-major; B = w1 / w3 viewed
+(E*F, D), N-major (wgmma reads B either way). The 2F reduction is F / BK steps over (dgate, w1) then
+F / BK over (dup, w3), all into one fp32 accumulator, in the Triton kernel's order.
+
+Preconditions (``ws_gemm1_dgrad_supported``): sm_90 GPU, Triton 3.6 with Gluon, F % BK == 0 (a K block
+must not straddle two experts' weight rows), D % 8 == 0 (TMA row strides of 16 bytes), contiguous
+tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper API
+    HAVE_GLUON = False
+
+__all__ = ["HAVE_GLUON", "WsConfig", "ws_gemm1_dgrad", "ws_gemm1_dgrad_supported"]
+
+
+class WsConfig:
+    """Tile and pipeline of the warp-specialized kernels.
+
+    Attributes:
+        block_m: BM rows per tile (= the routing layout's block_m; one consumer warpgroup holds the
+            BM x BN fp32 accumulator: 128 x 128 -> 128 registers per thread).
+        block_n: BN output columns per tile.
+        block_k: BK reduction step.
+        stages: operand buffers in the ring (each (BM + BN) x BK bf16).
+        group_m: row tiles per L2 group of the tile order (``jit.grouped_tile``).
+        maxnreg: register cap of the launch: 12 warps (two consumer warpgroups and the producer's
+            warpgroup) x 32 threads x 168 = 64512 of the SM's 65536; the producer gets 40 per thread,
+            the consumers the rest (232 each).
+    """
+
+    def __init__(self, block_m=128, block_n=128, block_k=64, stages=4, group_m=8, maxnreg=168,
+                 producer_regs=40, consumer_regs=232):
+        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
+        self.stages, self.group_m, self.maxnreg = stages, group_m, maxnreg
+        self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
+        return 2 * (self.stages * (self.block_m + self.block_n) * self.block_k + 2 * self.block_m * self.block_n)
+
+    def __repr__(self) -> str:
+        return (f"WsConfig(BM={self.block_m}, BN={self.block_n}, BK={self.block_k}, stages={self.stages}, "
+                f"group_m={self.group_m}, maxnreg={self.maxnreg})")
+
+
+DEFAULT = WsConfig()
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile_of(j, n_live, NUM_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """(row tile, column block) of the program's j-th tile (grid-strided, grouped order)."""
+        tile = gl.program_id(0) + j * gl.num_programs(0)
+        width = GROUP_M * NUM_N
+        first_m = (tile // width) * GROUP_M
+        group = gl.minimum(n_live - first_m, GROUP_M)
+        return first_m + (tile % width) % group, (tile % width) // group
+
+    @gluon.jit
+    def _num_tiles(offsets_ptr, E, BM: gl.constexpr, NUM_N: gl.constexpr):
+        """(live row tiles, this program's tile count)."""
+        n_live = gl.load(offsets_ptr + E) // BM
+        total = n_live * NUM_N
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        return n_live, gl.maximum(total - pid + nprog - 1, 0) // nprog
+
+    @gluon.jit
+    def _g1d_producer(a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = w1_desc.block_type.shape[1]
+        KH: gl.constexpr = F // BK  # steps per half (dgate x w1, then dup x w3)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w1_desc.block_type.nbytes
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        idx = 0
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            e = gl.load(tile_expert_ptr + pid_m)
+            row0 = pid_m * BM
+            col0 = pid_n * BN
+            for half in gl.static_range(2):
+                for k in range(KH):
+                    s = idx % STAGES
+                    mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [row0, half * F + k * BK], bar, a_bufs.index(s))
+                    if half == 0:
+                        tma.async_copy_global_to_shared(w1_desc, [e * F + k * BK, col0], bar, b_bufs.index(s))
+                    else:
+                        tma.async_copy_global_to_shared(w3_desc, [e * F + k * BK, col0], bar, b_bufs.index(s))
+                    idx += 1
+
+    @gluon.jit
+    def _g1d_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c_smem,
+                      C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr):
+        BM: gl.constexpr = dx_desc.block_type.shape[0]
+        BN: gl.constexpr = dx_desc.block_type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KT: gl.constexpr = 2 * F // BK
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        for j in range(C, count, 2):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            if j > 0:  # the other consumer has issued tile j - 1's main loop: ours may start
+                mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * KT
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:  # step k - 1's MMA is done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            # epilogue (under the other consumer's main loop): zeros on padding rows, bf16, TMA store
+            rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)
+            valid = gl.load(row_pair_ptr + rows) >= 0
+            out = gl.where(gl.expand_dims(valid, 1), acc, 0.0).to(gl.bfloat16)
+            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dx_desc, [pid_m * BM, pid_n * BN], c_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
+                               F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,)."""
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
+        c0 = gl.allocate_shared_memory(dtype, dx_desc.block_type.shape, dx_desc.layout)
+        c1 = gl.allocate_shared_memory(dtype, dx_desc.block_type.shape, dx_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(order.index(i), count=1)
+        gl.warp_specialize([
+            (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c0,
+                             0, F, NUM_N, GROUP_M, STAGES)),
+            (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c1,
+                             1, F, NUM_N, GROUP_M, STAGES)),
+            (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                             empty, F, NUM_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig = DEFAULT) -> str | None:
+    """None if the warp-specialized GEMM1 dgrad can take these operands, else why not."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon Hopper API"
+    if not dgate_up_N2F.is_cuda or torch.cuda.get_device_capability(dgate_up_N2F.device)[0] != 9:
+        return "needs an sm_90 (Hopper) GPU"
+    if not triton.__version__.startswith("3.6"):
+        return f"written against Triton 3.6's Gluon, found {triton.__version__}"
+    E, F, D = w1_EFD.shape
+    if F % cfg.block_k or D % 8:
+        return f"needs F % {cfg.block_k} == 0 and D % 8 == 0 (F={F}, D={D})"
+    return None
+
+
+def _desc(t: Tensor, shape, block) -> "TensorDescriptor":
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return TensorDescriptor(t, list(shape), strides, list(block), layout)
+
+
+def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, out: Tensor | None = None,
+                   cfg: WsConfig = DEFAULT, programs: int | None = None) -> Tensor:
+    """GEMM1 dgrad by the warp-specialized Gluon kernel: dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e].
+
+    Args:
+        dgate_up_N2F: (N_cap, 2F) bf16, contiguous; padding rows may hold anything (their outputs are 0).
+        w1_EFD, w3_EFD: (E, F, D) bf16, contiguous.
+        layout: the routing layout (``routing.RoutingLayout``) with ``block_m == cfg.block_m``.
+        out: optional (N_cap, D) bf16 output.
+        programs: persistent grid size (default: the SM count).
+
+    Returns:
+        dx_rows (N_cap, D) bf16: rows [0, offsets[E]) written (zeros on padding rows), the rest untouched,
+        as ``grouped_gemm_bwd.gemm1_dgrad``.
+
+    Raises:
+        ValueError: shapes / layout block size / an unsupported case (``ws_gemm1_dgrad_supported``'s reason).
+    """
+    reason = ws_gemm1_dgrad_supported(dgate_up_N2F, w1_EFD, cfg)
+    if reason:
+        raise ValueError(f"ws_gemm1_dgrad: {reason}")
+    E, F, D = w1_EFD.shape
+    if layout.block_m != cfg.block_m:
+        raise ValueError(f"ws_gemm1_dgrad: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m}")
+    n_cap = layout.n_cap
+    if tuple(dgate_up_N2F.shape) != (n_cap, 2 * F) or tuple(w3_EFD.shape) != (E, F, D):
+        raise ValueError(f"ws_gemm1_dgrad: dgate_up {tuple(dgate_up_N2F.shape)} / w3 {tuple(w3_EFD.shape)} do not "
+                         f"match (N_cap, 2F) = ({n_cap}, {2 * F}) / (E, F, D) = ({E}, {F}, {D})")
+    dx = torch.empty((n_cap, D), dtype=torch.bfloat16, device=dgate_up_N2F.device) if out is None else out
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bm, bk))
+    w1_desc = _desc(w1_EFD, (E * F, D), (bk, bn))
+    w3_desc = _desc(w3_EFD, (E * F, D), (bk, bn))
+    dx_desc = _desc(dx, (n_cap, D), (bm, bn))
+    num_n = -(-D // bn)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(dx.device).multi_processor_count
+    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    _gemm1_dgrad_ws_kernel[(programs,)](
+        a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
+        F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg)
+    return dx
