@@ -57,7 +57,7 @@ def _reference(lay, dgu, w1, w3):
 
 def check() -> int:
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad
-    from titan_megamoe.kernels.ws_gemm import WsConfig, ws_gemm1_dgrad
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, WsConfig, ws_gemm1_dgrad
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cases = [  # (name, T, E, K, D, F, routing, cfg)
@@ -70,6 +70,11 @@ def check() -> int:
         ("3 stages, group_m 1", 2048, 8, 4, 512, 256, "uniform", WsConfig(stages=3, group_m=1)),
         ("D not a multiple of BN", 2000, 8, 2, 200, 128, "uniform", WsConfig()),
         ("30B shape", 16384, 128, 8, 2048, 768, "uniform", WsConfig()),
+        ("coop, uniform", 4096, 16, 4, 512, 256, "uniform", CONFIGS["coop"]),
+        ("coop, zero experts", 3000, 32, 4, 384, 192, "zero_expert", CONFIGS["coop"]),
+        ("coop, one program", 2048, 8, 4, 512, 256, "uniform", CONFIGS["coop"]),
+        ("coop, D not a multiple of BN", 2000, 8, 2, 200, 128, "skewed", CONFIGS["coop"]),
+        ("coop, 30B shape", 16384, 128, 8, 2048, 768, "uniform", CONFIGS["coop"]),
     ]
     failed = 0
     for i, (name, T, E, K, D, F, routing, cfg) in enumerate(cases):
@@ -77,7 +82,7 @@ def check() -> int:
         ref, valid = _reference(lay, dgu, w1, w3)
         n = ref.shape[0]
         out = torch.full((lay.n_cap, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-        programs = 1 if name.startswith("one program") else None
+        programs = 1 if "one program" in name else None
         t0 = time.perf_counter()
         ws_gemm1_dgrad(dgu, w1, w3, lay, out=out, cfg=cfg, programs=programs)
         torch.cuda.synchronize()
@@ -111,7 +116,9 @@ def bench(out_path: str | None, shapes: list[str]) -> int:
     del a, b
     rows = [dict(kernel="dense torch.matmul 8192^3", ms=dense_ms, tflops=dense_tf)]
     print(json.dumps(rows[-1]), flush=True)
-    configs = [WsConfig(), WsConfig(stages=5), WsConfig(group_m=1), WsConfig(group_m=16), WsConfig(stages=3)]
+    configs = [WsConfig(), WsConfig(stages=5), WsConfig(group_m=1),
+               WsConfig(block_n=256, stages=3, coop=True), WsConfig(block_n=256, stages=3, coop=True, group_m=1),
+               WsConfig(block_n=256, stages=3, coop=True, group_m=16), WsConfig(block_n=128, stages=5, coop=True)]
     for sh in shapes:
         D, F = SHAPES[sh]
         lay, dgu, w1, w3 = _inputs(16384, 128, 8, D, F, "uniform", seed=0)

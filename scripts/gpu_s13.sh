@@ -5,6 +5,10 @@
 #     the Triton kernel at both shapes; the host cost of launches and driver calls (scripts/launch_cost.py:
 #     is cuPointerGetAttribute what makes a Triton launch cost 150-220 us here?); compare.layer EP 1 both
 #     shapes with POINTER_ARGS=0 beside the default in the same process (--device-time).
+#   PART=b (~9 min): after PART a found every wgmma of the Gluon kernel serialized by ptxas (C7514, a select on the
+#     accumulator; fixed, now a CPU compile check): ws check / bench again with the ping-pong and cooperative
+#     schedules, the GPU cases of tests/test_ws_gemm.py, and compare.layer EP 1 both shapes with
+#     WS_GEMM1_DGRAD=pingpong and =coop beside the default (Triton GEMM1 dgrad) in the same process.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s13.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -31,6 +35,26 @@ for l in open('$OUT/launch_cost.log'):
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
     --switches POINTER_ARGS=0 --out "$OUT/keep/layer_1xh200_ep1_s10a.json" > "$OUT/layer_s10a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s10a.log"
+elif [ "$PART" = b ]; then
+  timeout -s KILL 150 python3 scripts/bench_ws_gemm.py check > "$OUT/keep/ws_check_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ws check rc $?"; grep -v "^{" "$OUT/keep/ws_check_b.log" | tail -5
+  python3 -c "
+import json
+for l in open('$OUT/keep/ws_check_b.log'):
+    if l.startswith('{'): r=json.loads(l); print(' ', r['ok'], r['case'], '%.2e'%r['rel_err_vs_fp32'], '%.2e'%r['rel_diff_vs_triton'], r['bitwise_triton'], r['nan_rows'], r['nonzero_padding_rows'])"
+  timeout -s KILL 200 python3 scripts/bench_ws_gemm.py bench --out "$OUT/keep/bench_ws_gemm_b_1xh200.json" > "$OUT/ws_bench_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ws bench rc $?"; grep -v "^{" "$OUT/ws_bench_b.log" | tail -5
+  python3 -c "
+import json
+for l in open('$OUT/ws_bench_b.log'):
+    if l.startswith('{'): r=json.loads(l); print(' ', r.get('shape',''), r['kernel'][:30], r.get('cfg','')[9:75], '%.3f ms'%r['ms'], '%.0f TF/s'%r['tflops'], r.get('bitwise_triton',''))"
+  timeout -s KILL 150 python3 -m pytest -q -x tests/test_ws_gemm.py > "$OUT/keep/tests_ws_gemm.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] tests: $(tail -1 "$OUT/keep/tests_ws_gemm.log")"
+  timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches WS_GEMM1_DGRAD=pingpong WS_GEMM1_DGRAD=coop --out "$OUT/keep/layer_1xh200_ep1_s10b.json" \
+    > "$OUT/layer_s10b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s10b.log"
 else
   echo "PART=$PART: unknown"; exit 2
 fi

@@ -29,7 +29,11 @@ def test_every_switch_names_real_attributes_and_caches():
     for sw in switches.SWITCHES.values():
         assert sw.default in sw.values
         for mod, attr in sw.attrs:
-            assert isinstance(getattr(importlib.import_module(mod), attr), bool), (sw.env, mod, attr)
+            value = getattr(importlib.import_module(mod), attr)
+            if sw.values == ("0", "1"):
+                assert isinstance(value, bool), (sw.env, mod, attr)
+            else:  # a multi-valued switch holds its string
+                assert value in sw.values, (sw.env, mod, attr, value)
         for mod, fn in sw.caches:
             assert hasattr(getattr(importlib.import_module(mod), fn), "cache_clear"), (sw.env, mod, fn)
 
@@ -79,3 +83,11 @@ def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
         assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (one.block_m, one.block_n, one.block_k, True)
     assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == two
 
+
+def test_override_sets_a_multi_valued_switch_as_its_string():
+    from titan_megamoe.kernels import grouped_gemm_bwd
+
+    assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "0"
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DGRAD": "coop"}):
+        assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "coop"
+    assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "0"

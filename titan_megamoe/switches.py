@@ -34,7 +34,7 @@ class Switch:
         default: its value when unset.
         values: the values it takes.
         attrs: (module, attribute) pairs holding the value read at import (a bool for "0" / "1"
-            switches); empty for a switch read on every call.
+            switches, the string for the others); empty for a switch read on every call.
         caches: (module, function) pairs of ``lru_cache``d functions whose answers depend on it.
     """
 
@@ -58,6 +58,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", "1", attrs=(("titan_megamoe.kernels.configs", "GEMM2_DGRAD_2CTA"),),
            caches=_CONFIG_CACHES),
+    Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "0", values=("0", "pingpong", "coop"),
+           attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM1_DGRAD"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),
@@ -123,7 +125,7 @@ def override(settings: dict[str, str]):
             for mod, attr in sw.attrs:
                 m = importlib.import_module(mod)
                 saved_attrs.append((m, attr, getattr(m, attr)))
-                setattr(m, attr, value == "1")
+                setattr(m, attr, value == "1" if sw.values == ("0", "1") else value)
             _clear(sw)
         yield
     finally:

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import cdiv, grouped_tile
+from titan_megamoe.kernels.jit import cdiv, env_choice, grouped_tile
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for tests / callers)
     _ACT,
@@ -73,6 +73,12 @@ __all__ = [
     "gemm2_dgrad_swiglu_bwd", "reduce_dscore", "gemm1_dgrad", "scatter_dx", "wgrad_w2", "wgrad_w13",
     "default_bwd_config",
 ]
+
+
+#: GEMM1 dgrad by the warp-specialized Gluon kernel (``kernels/ws_gemm.py``) instead of the Triton one, where it
+#: applies (sm_90, BM 128, F a multiple of 64; else the Triton kernel): "0" (off), "pingpong" or "coop" (its two
+#: schedules). Read at import (``TITAN_MEGAMOE_WS_GEMM1_DGRAD``); a same-process switch (``switches.py``).
+WS_GEMM1_DGRAD = env_choice("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "0", ("0", "pingpong", "coop"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,6 +406,14 @@ def gemm1_dgrad(
     _check(w1_EFD, "w1", (layout.num_experts, F, D), _ACT, dev)
     _check(w3_EFD, "w3", (layout.num_experts, F, D), _ACT, dev)
     _check(dgate_up_N2F, "dgate_up", (layout.n_cap, 2 * F), _ACT, dev)
+    if config is None and WS_GEMM1_DGRAD != "0" and layout.block_m == 128:
+        from titan_megamoe.kernels import ws_gemm
+
+        ws_cfg = ws_gemm.CONFIGS[WS_GEMM1_DGRAD]
+        if ws_gemm.ws_gemm1_dgrad_supported(dgate_up_N2F, w1_EFD, ws_cfg) is None:
+            if out is not None:
+                _check(out, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
+            return ws_gemm.ws_gemm1_dgrad(dgate_up_N2F, w1_EFD, w3_EFD, layout, out=out, cfg=ws_cfg)
     cfg = config or default_bwd_config("gemm1_dgrad", layout, D, F)
     _check_row_config(cfg, layout)
     dx_rows = torch.empty((layout.n_cap, D), dtype=_ACT, device=dev) if out is None else out

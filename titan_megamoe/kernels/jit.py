@@ -14,7 +14,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["env_flag", "interpreting", "flavor", "runnable", "cdiv", "next_pow2", "interp_int", "grouped_tile", "live_tile_range"]
+__all__ = ["env_flag", "env_choice", "interpreting", "flavor", "runnable", "cdiv", "next_pow2", "interp_int", "grouped_tile", "live_tile_range"]
 
 _FLAVORS: dict = {}
 
@@ -31,6 +31,18 @@ def env_flag(name: str, default: bool) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r}: set it to 1 (on) or 0 (off), or unset it (default: {int(default)})")
     return value == "1"
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """A switch of the environment taking one of ``choices``: unset -> ``default``.
+
+    Raises:
+        ValueError: any other value, naming the variable and the choices.
+    """
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: set it to one of {', '.join(choices)}, or unset it (default: {default})")
+    return value
 
 
 def interpreting() -> bool:

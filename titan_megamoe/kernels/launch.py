@@ -108,14 +108,17 @@ def _launch_cached(fn, grid, args, kwargs):
         cache = _CACHES[id(fn)] = {}
     try:
         key = (device, tuple(specialization), tuple(options.items()))
-        kernel = cache.get(key)
+        hit = cache.get(key)
     except TypeError:  # an unhashable constexpr: Triton's path
         return fn[grid](*args, **kwargs)
-    if kernel is None:
+    if hit is None:
         kernel = fn.run(*args, grid=grid, warmup=False, **kwargs)  # compiles or finds it, and launches
         if kernel is not None and hasattr(kernel, "function"):
-            cache[key] = kernel
+            # positions of the pointer arguments (specialized "*dtype"): the ones POINTER_ARGS passes as ints
+            pointers = tuple(i for i, (ty, _) in enumerate(specialization) if isinstance(ty, str) and ty[:1] == "*")
+            cache[key] = (kernel, pointers)
         return kernel
+    kernel, pointers = hit
     if callable(grid):  # Triton's grid-function form: grid(bound arguments)
         grid = grid(bound)
     n = len(grid)
@@ -125,19 +128,24 @@ def _launch_cached(fn, grid, args, kwargs):
         hooks = (kernel.launch_metadata(grid, stream, *bound.values()), enter, exit_)
     else:
         hooks = (None, None, None)
-    values = _as_addresses(bound.values()) if POINTER_ARGS else bound.values()
+    values = _as_addresses(bound.values(), pointers) if POINTER_ARGS else bound.values()
     kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
                kernel.packed_metadata, *hooks, *values)
     return kernel
 
 
-def _as_addresses(values) -> list:
-    """The bound arguments with every tensor on ``POINTER_DEVICE_TYPE`` replaced by its address (an int,
-    which Triton's launcher takes without a ``cuPointerGetAttribute`` call); other values as they are (a
-    tensor on another device stays a tensor, so Triton's own check still names it)."""
-    cuda = POINTER_DEVICE_TYPE == "cuda"
-    return [v.data_ptr() if isinstance(v, _Tensor) and (v.is_cuda if cuda else v.device.type == POINTER_DEVICE_TYPE)
-            else v for v in values]
+def _as_addresses(values, pointers: tuple[int, ...]) -> list:
+    """The bound arguments with the tensor at each position of ``pointers`` replaced by its address (an
+    int, which Triton's launcher takes without a ``cuPointerGetAttribute`` call) when it is on
+    ``POINTER_DEVICE_TYPE``; other values as they are (a tensor on another device stays a tensor, so
+    Triton's own check still names it)."""
+    out = list(values)
+    on_device = "is_" + POINTER_DEVICE_TYPE  # "is_cuda" (the host-only driver: "is_cpu")
+    for i in pointers:
+        v = out[i]
+        if isinstance(v, _Tensor) and getattr(v, on_device):
+            out[i] = v.data_ptr()
+    return out
 
 
 def _hook_set(hook) -> bool:

@@ -59,7 +59,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     Returns:
         dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
         cp_async, shared (bytes), usage (cuobjdump register line or ""), loops (``scf.for`` ops in the
-        TTGIR: a flattened persistent kernel has one)).
+        TTGIR: a flattened persistent kernel has one), wgmma_serialized (ptxas's C7514 / C7515 notes,
+        "" if none: ptxas then waits for every wgmma before the next, whatever the kernel asked)).
 
     Triton does not apply a kernel's defaults here: give every constexpr in ``constexprs`` (a left-out
     one is not its default: a ``COMB_BF16=True`` default compiled as its False branch).
@@ -96,7 +97,26 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
     return dict(target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
                 tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
-                shared=ck.metadata.shared, usage=regs[0] if regs else "", loops=ck.asm["ttgir"].count("scf.for "))
+                shared=ck.metadata.shared, usage=regs[0] if regs else "", loops=ck.asm["ttgir"].count("scf.for "),
+                wgmma_serialized=_wgmma_serialized(ptx, maxnreg) if ptx.count("wgmma.mma_async") else "")
+
+
+def _wgmma_serialized(ptx: str, maxnreg: int | None) -> str:
+    """ptxas's performance notes C7514 / C7515 for this PTX ("" if none): when it cannot keep a wgmma's
+    accumulator registers untouched until the matching wait, ptxas waits for every wgmma of the kernel
+    before issuing the next (seen with a select on the accumulator in a Gluon epilogue). Triton's own
+    ptxas run does not show them, so this re-assembles the PTX with ``-v``."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")]
+        if maxnreg is not None:
+            cmd[2:2] = ["--maxrregcount", str(maxnreg)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    return " | ".join(ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "C7514" in ln or "C7515" in ln)
 
 
 def compile_in_subprocess(script: str | os.PathLike, *args: str, timeout_s: float = 300) -> dict[str, dict]:

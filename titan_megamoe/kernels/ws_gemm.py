@@ -52,7 +52,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper API
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "WsConfig", "ws_gemm1_dgrad", "ws_gemm1_dgrad_supported"]
+__all__ = ["HAVE_GLUON", "CONFIGS", "WsConfig", "sm90_compile_args", "ws_gemm1_dgrad", "ws_gemm1_dgrad_supported"]
 
 
 class WsConfig:
@@ -65,27 +65,35 @@ class WsConfig:
         block_k: BK reduction step.
         stages: operand buffers in the ring (each (BM + BN) x BK bf16).
         group_m: row tiles per L2 group of the tile order (``jit.grouped_tile``).
+        coop: False: ping-pong, each consumer warpgroup owns whole BM x BN tiles, alternately (one
+            tile's epilogue under the other's main loop); True: cooperative, both consumers work on
+            every tile, each on BM / 2 of its rows (BN = 256 fits: 64 x 256 fp32 = 128 registers per
+            thread; wider tiles, half the operand traffic per FLOP of 128 x 128, epilogue exposed).
         maxnreg: register cap of the launch: 12 warps (two consumer warpgroups and the producer's
             warpgroup) x 32 threads x 168 = 64512 of the SM's 65536; the producer gets 40 per thread,
             the consumers the rest (232 each).
     """
 
-    def __init__(self, block_m=128, block_n=128, block_k=64, stages=4, group_m=8, maxnreg=168,
+    def __init__(self, block_m=128, block_n=128, block_k=64, stages=4, group_m=8, coop=False, maxnreg=168,
                  producer_regs=40, consumer_regs=232):
         self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
-        self.stages, self.group_m, self.maxnreg = stages, group_m, maxnreg
+        self.stages, self.group_m, self.coop, self.maxnreg = stages, group_m, coop, maxnreg
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
-        return 2 * (self.stages * (self.block_m + self.block_n) * self.block_k + 2 * self.block_m * self.block_n)
+        epilogue = self.block_m * self.block_n * (1 if self.coop else 2)
+        return 2 * (self.stages * (self.block_m + self.block_n) * self.block_k + epilogue)
 
     def __repr__(self) -> str:
         return (f"WsConfig(BM={self.block_m}, BN={self.block_n}, BK={self.block_k}, stages={self.stages}, "
-                f"group_m={self.group_m}, maxnreg={self.maxnreg})")
+                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}, maxnreg={self.maxnreg})")
 
 
 DEFAULT = WsConfig()
+#: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``.
+CONFIGS = {"pingpong": WsConfig(block_n=128, stages=4, group_m=8),
+           "coop": WsConfig(block_n=256, stages=3, group_m=8, coop=True)}
 
 
 if HAVE_GLUON:
@@ -139,46 +147,59 @@ if HAVE_GLUON:
     @gluon.jit
     def _g1d_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c_smem,
                       C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr):
-        BM: gl.constexpr = dx_desc.block_type.shape[0]
+                      STAGES: gl.constexpr, COOP: gl.constexpr):
+        # ping-pong (COOP False): consumer C takes tiles C, C + 2, ..., the whole BM x BN tile each.
+        # cooperative (COOP True): both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2).
+        BMC: gl.constexpr = dx_desc.block_type.shape[0]  # rows this consumer owns in a tile
         BN: gl.constexpr = dx_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         KT: gl.constexpr = 2 * F // BK
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(C, count, 2):
+        first: gl.constexpr = 0 if COOP else C
+        step: gl.constexpr = 1 if COOP else 2
+        m_off: gl.constexpr = C * BMC if COOP else 0
+        for j in range(first, count, step):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
-            if j > 0:  # the other consumer has issued tile j - 1's main loop: ours may start
-                mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
-            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            if not COOP:
+                if j > 0:  # the other consumer has issued tile j - 1's main loop: ours may start
+                    mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
+            acc = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
             for k in range(KT):
                 idx = idx0 + k
                 s = idx % STAGES
                 mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                a = a_bufs.index(s)
+                if COOP:
+                    a = a.slice(m_off, BMC, dim=0)
+                acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if k > 0:  # step k - 1's MMA is done: its buffers may be refilled
                     mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
+            if not COOP:
+                mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
-            # epilogue (under the other consumer's main loop): zeros on padding rows, bf16, TMA store
-            rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)
-            valid = gl.load(row_pair_ptr + rows) >= 0
-            out = gl.where(gl.expand_dims(valid, 1), acc, 0.0).to(gl.bfloat16)
+            # epilogue (ping-pong: under the other consumer's main loop): zeros on padding rows, bf16,
+            # TMA store. The mask is a multiply, not a select: with a select on the accumulator, ptxas
+            # serializes every wgmma of the kernel (C7514, checked with ptxas -v).
+            row0 = pid_m * BM + m_off
+            valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
+            out = (acc * gl.expand_dims(valid.to(gl.float32), 1)).to(gl.bfloat16)
             tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
             c_smem.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(dx_desc, [pid_m * BM, pid_n * BN], c_smem)
+            tma.async_copy_shared_to_global(dx_desc, [row0, pid_n * BN], c_smem)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                                F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                               COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,)."""
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -190,14 +211,14 @@ if HAVE_GLUON:
         order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2 if COOP else 1)  # COOP: both consumers read every buffer
         for i in gl.static_range(2):
             mbarrier.init(order.index(i), count=1)
         gl.warp_specialize([
             (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c0,
-                             0, F, NUM_N, GROUP_M, STAGES)),
+                             0, F, NUM_N, GROUP_M, STAGES, COOP)),
             (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c1,
-                             1, F, NUM_N, GROUP_M, STAGES)),
+                             1, F, NUM_N, GROUP_M, STAGES, COOP)),
             (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                              empty, F, NUM_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -215,6 +236,23 @@ def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig
     if F % cfg.block_k or D % 8:
         return f"needs F % {cfg.block_k} == 0 and D % 8 == 0 (F={F}, D={D})"
     return None
+
+
+def sm90_compile_args(cfg: WsConfig, D: int, F: int) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_gemm1_dgrad_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build
+    checks: registers, shared memory, wgmma count, no ptxas wgmma serialization)."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+
+    sig = {"a_desc": desc([bm, bk]), "w1_desc": desc([bk, bn]), "w3_desc": desc([bk, bn]),
+           "dx_desc": desc([bm // 2 if cfg.coop else bm, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
+           "offsets_ptr": "*i32", "E": "i32"}
+    cx = dict(F=F, NUM_N=-(-D // bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, COOP=cfg.coop,
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+    return sig, cx
 
 
 def _desc(t: Tensor, shape, block) -> "TensorDescriptor":
@@ -258,13 +296,13 @@ def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout,
     a_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bm, bk))
     w1_desc = _desc(w1_EFD, (E * F, D), (bk, bn))
     w3_desc = _desc(w3_EFD, (E * F, D), (bk, bn))
-    dx_desc = _desc(dx, (n_cap, D), (bm, bn))
+    dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bn))
     num_n = -(-D // bn)
     if programs is None:
         programs = torch.cuda.get_device_properties(dx.device).multi_processor_count
     programs = max(1, min(programs, layout.n_tiles_cap * num_n))
     _gemm1_dgrad_ws_kernel[(programs,)](
         a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
-        F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
+        F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs,
         num_warps=4, maxnreg=cfg.maxnreg)
     return dx

@@ -1,0 +1,137 @@
+"""The warp-specialized Gluon GEMM1 dgrad (kernels/ws_gemm.py): sm_90a builds on the CPU machine
+(registers, shared memory, wgmma count, no wgmma serialization by ptxas), its host-side errors and
+fallback, and on a GPU its results against the Triton kernel and an fp32 reference."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from _sm90 import sm90_result  # noqa: E402
+
+SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
+
+
+def _compile_sm90_all() -> list[dict]:
+    from triton.experimental.gluon import language as gl
+
+    from _gluon_probe import gluon_serialized_wgmma_kernel
+    from titan_megamoe.kernels import ws_gemm
+    from titan_megamoe.kernels.sm90_check import compile_sm90
+
+    out = []
+    for name, cfg in ws_gemm.CONFIGS.items():
+        for shape, (D, F) in SHAPES.items():
+            sig, cx = ws_gemm.sm90_compile_args(cfg, D, F)
+            r = compile_sm90(ws_gemm._gemm1_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+            out.append(dict(label=f"{name}_{shape}", **r))
+    lay = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    lay_b = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    sig = {"a_desc": f"tensordesc<bf16[64, 64],{lay!r}>", "b_desc": f"tensordesc<bf16[64, 128],{lay_b!r}>",
+           "c_desc": f"tensordesc<bf16[64, 128],{lay_b!r}>", "K": "i32"}
+    out.append(dict(label="serialized", **compile_sm90(gluon_serialized_wgmma_kernel, sig, {}, num_warps=4,
+                                                       num_stages=1)))
+    return out
+
+
+@pytest.mark.parametrize("label", ["pingpong_30b", "pingpong_235b", "coop_30b", "coop_235b"])
+def test_ws_gemm1_dgrad_builds_for_sm90a_without_wgmma_serialization(label):
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+
+    r = sm90_result(__file__, label)
+    assert r["target"], "PTX not built for sm_90a"
+    # two consumer warpgroups; pingpong: 128 x 128 tiles -> 2 (m64) x 4 (k16) wgmma each; coop: 64 x 256 -> 4
+    assert r["wgmma"] == (16 if label.startswith("pingpong") else 8), r
+    assert r["tma"] > 0, "operands must load by TMA"
+    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # the cap, no spills
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+def test_the_serialization_check_reports_a_serialized_kernel():
+    """The check above can fail: a kernel ptxas serializes is reported."""
+    r = sm90_result(__file__, "serialized")
+    assert r["wgmma"] > 0
+    assert "C751" in r["wgmma_serialized"], r
+
+
+def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
+    from titan_megamoe.kernels import ws_gemm
+
+    dgu = torch.zeros(256, 256, dtype=torch.bfloat16)
+    w1 = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    reason = ws_gemm.ws_gemm1_dgrad_supported(dgu, w1)
+    assert reason is not None and ("sm_90" in reason or "Gluon" in reason)
+    with pytest.raises(ValueError, match="ws_gemm1_dgrad: "):
+        ws_gemm.ws_gemm1_dgrad(dgu, w1, w1, None)
+    if ws_gemm.HAVE_GLUON:
+        assert ws_gemm.WsConfig(coop=True, block_n=256, stages=3).smem_bytes() <= 232448
+        assert ws_gemm.WsConfig(stages=4).smem_bytes() <= 232448
+
+
+def test_gemm1_dgrad_switch_falls_back_to_triton_where_ws_cannot_run(monkeypatch):
+    """With the switch on, a case the Gluon kernel cannot take (here: no GPU) runs the Triton kernel."""
+    from titan_megamoe.kernels import grouped_gemm_bwd as B
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    g = torch.Generator().manual_seed(0)
+    T, K, E, D, F = 40, 2, 4, 32, 32
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=g), E, 16)
+    dgu = torch.randn(lay.n_cap, 2 * F, generator=g).bfloat16()
+    w1, w3 = torch.randn(E, F, D, generator=g).bfloat16(), torch.randn(E, F, D, generator=g).bfloat16()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ref = B.gemm1_dgrad(dgu, w1, w3, lay)
+    monkeypatch.setattr(B, "WS_GEMM1_DGRAD", "coop")
+    got = B.gemm1_dgrad(dgu, w1, w3, lay)
+    n = int(lay.offsets[-1])
+    assert torch.equal(got[:n], ref[:n])
+
+
+def _gpu_case(T, E, K, D, F, routing, cfg, seed):
+    from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import ws_gemm1_dgrad
+    from titan_megamoe.testing import make_routing, rel_err
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=seed).cuda(), E, 128)
+    dgu = torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    out = torch.full((lay.n_cap, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ws_gemm1_dgrad(dgu, w1, w3, lay, out=out, cfg=cfg)
+    tri = gemm1_dgrad(dgu, w1, w3, lay)
+    n = int(lay.offsets[-1])
+    off = lay.offsets.tolist()
+    ref = torch.zeros(n, D, device="cuda")
+    for e in range(E):
+        a, b = off[e], off[e + 1]
+        ref[a:b] = dgu[a:b, :F].float() @ w1[e].float() + dgu[a:b, F:].float() @ w3[e].float()
+    valid = lay.row_pair[:n] >= 0
+    ref[~valid] = 0
+    assert not torch.isnan(out[:n]).any(), "live rows left unwritten"
+    assert (out[:n][~valid] == 0).all(), "padding rows must be zero"
+    assert rel_err(out[:n], ref) < 1e-2
+    assert rel_err(out[:n], tri[:n]) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", ["pingpong", "coop"])
+@pytest.mark.parametrize("case", [
+    (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 192, "zero_expert"),
+    (2048, 16, 2, 256, 256, "one_expert"), (2000, 8, 2, 200, 128, "skewed"), (16384, 128, 8, 2048, 768, "uniform"),
+], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "odd-D", "30b"])
+def test_ws_gemm1_dgrad_matches_triton_and_fp32_on_gpu(config, case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.ws_gemm import CONFIGS
+
+    _gpu_case(*case, CONFIGS[config], seed=7)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile-sm90"]:
+        print(json.dumps(_compile_sm90_all()))
+    else:
+        raise SystemExit("usage: python tests/test_ws_gemm.py compile-sm90")
