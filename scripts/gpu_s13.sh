@@ -9,6 +9,9 @@
 #     accumulator; fixed, now a CPU compile check): ws check / bench again with the ping-pong and cooperative
 #     schedules, the GPU cases of tests/test_ws_gemm.py, and compare.layer EP 1 both shapes with
 #     WS_GEMM1_DGRAD=pingpong and =coop beside the default (Triton GEMM1 dgrad) in the same process.
+#   PART=c (~8 min): with the cooperative Gluon GEMM1 dgrad the default (D >= 2048): tests/test_ws_gemm.py and the
+#     single-GPU tests of tests/test_gpu.py (graph capture, no host sync, real shapes), compare.layer EP 1 both
+#     shapes with WS_GEMM1_DGRAD=0 beside the default, and the per-kernel profile of the 30B step.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s13.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -55,6 +58,18 @@ for l in open('$OUT/ws_bench_b.log'):
     --switches WS_GEMM1_DGRAD=pingpong WS_GEMM1_DGRAD=coop --out "$OUT/keep/layer_1xh200_ep1_s10b.json" \
     > "$OUT/layer_s10b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer switches rc $?"; grep "^|" "$OUT/layer_s10b.log"
+elif [ "$PART" = c ]; then
+  timeout -s KILL 120 python3 -m pytest -q -rA tests/test_ws_gemm.py > "$OUT/keep/tests_ws_gemm_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ws tests: $(tail -1 "$OUT/keep/tests_ws_gemm_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_ws_gemm_c.log" | head
+  timeout -s KILL 260 python3 -m pytest -q -rA tests/test_gpu.py -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head
+  timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches WS_GEMM1_DGRAD=0 --out "$OUT/keep/layer_1xh200_ep1_s10c.json" > "$OUT/layer_s10c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer_s10c.log"
+  timeout 90 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --top 14 --iters 3 --warmup 2 \
+    --out "$OUT/keep/profile_30b_megamoe-triton_s10c.json" > "$OUT/profile_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -20 "$OUT/profile_30b.log"
 else
   echo "PART=$PART: unknown"; exit 2
 fi

@@ -87,7 +87,7 @@ def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
 def test_override_sets_a_multi_valued_switch_as_its_string():
     from titan_megamoe.kernels import grouped_gemm_bwd
 
-    assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "0"
-    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DGRAD": "coop"}):
-        assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "coop"
-    assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "0"
+    assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "coop"  # the default
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DGRAD": "pingpong"}):
+        assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "pingpong"
+    assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "coop"

@@ -32,6 +32,8 @@ tensors.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -91,9 +93,14 @@ class WsConfig:
 
 
 DEFAULT = WsConfig()
-#: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``.
+#: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``. Measured on one H200
+#: (scripts/bench_ws_gemm.py bench, do_bench, 16384 tokens, top-8, 128 experts; every variant bitwise equal to
+#: the Triton kernel; benchmarks/results/bench_ws_gemm_s10b_1xh200_20261202.json), ms at the 30B / 235B shapes:
+#: Triton GEMM1 dgrad 1.535 / 5.789; ping-pong 128 x 128, 4 stages 1.403 / 5.513 (5 stages 1.355 / 5.648);
+#: cooperative 128 x 256, 3 stages, group_m 1 1.256 / 5.324 (group_m 8: 1.327 / 5.324; 128 x 128, 5 stages:
+#: 1.388 / 5.437). The 128 x 128 tiles of ping-pong read twice the operand bytes per FLOP of 128 x 256.
 CONFIGS = {"pingpong": WsConfig(block_n=128, stages=4, group_m=8),
-           "coop": WsConfig(block_n=256, stages=3, group_m=8, coop=True)}
+           "coop": WsConfig(block_n=256, stages=3, group_m=1, coop=True)}
 
 
 if HAVE_GLUON:
@@ -255,12 +262,17 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int) -> tuple[dict, dict]:
     return sig, cx
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...]):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+
+
 def _desc(t: Tensor, shape, block) -> "TensorDescriptor":
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    """Host TMA descriptor of the contiguous bf16 ``t`` viewed as ``shape``, tiles of ``block``."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
-    return TensorDescriptor(t, list(shape), strides, list(block), layout)
+    return TensorDescriptor(t, list(shape), strides, list(block), _smem_layout(tuple(block)))
 
 
 def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, out: Tensor | None = None,
