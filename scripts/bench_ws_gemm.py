@@ -1,7 +1,10 @@
-"""Check and time the warp-specialized Gluon GEMM1 dgrad (kernels/ws_gemm.py) against the Triton one (GPU only).
+"""Check and time the warp-specialized Gluon GEMM1 dgrad and GEMM1 forward (kernels/ws_gemm.py) against the
+Triton ones (GPU only).
 
-    python scripts/bench_ws_gemm.py check            # correctness: edge-case routings, poisoned outputs
-    python scripts/bench_ws_gemm.py bench [--out f]  # do_bench medians at the 30B / 235B shapes, configs
+    python scripts/bench_ws_gemm.py check            # GEMM1 dgrad: edge-case routings, poisoned outputs
+    python scripts/bench_ws_gemm.py bench [--out f]  # GEMM1 dgrad: do_bench at the 30B / 235B shapes, configs
+    python scripts/bench_ws_gemm.py check-fwd        # GEMM1 forward (gathered rows, SwiGLU), same checks
+    python scripts/bench_ws_gemm.py bench-fwd [--out f]
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -148,15 +151,115 @@ def bench(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def check_fwd() -> int:
+    from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import ws_gemm1_fwd
+    from titan_megamoe.testing import make_routing
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cases = [  # (name, T, E, K, D, F, routing)
+        ("uniform", 4096, 16, 4, 512, 256, "uniform"), ("T not a multiple of BM, top_k 1", 1000, 8, 1, 256, 128, "uniform"),
+        ("experts with zero tokens", 3000, 32, 4, 384, 256, "zero_expert"),
+        ("all tokens to one expert", 2048, 16, 2, 256, 256, "one_expert"), ("skewed", 5000, 64, 8, 512, 128, "skewed"),
+        ("one program", 2048, 8, 4, 512, 256, "uniform"), ("30B shape", 16384, 128, 8, 2048, 768, "uniform"),
+    ]
+    failed = 0
+    for i, (name, T, E, K, D, F, routing) in enumerate(cases):
+        g = torch.Generator(device="cuda").manual_seed(i + 11)
+        ids = make_routing(routing, T, E, K, seed=i).cuda()
+        lay = build_routing_layout(ids, E, 128)
+        x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        w1 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        w3 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        gu = torch.full((lay.n_cap, 2 * F), float("nan"), device="cuda", dtype=torch.bfloat16)
+        h = torch.full((lay.n_cap, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu, h_out=h, programs=1 if name == "one program" else None)
+        torch.cuda.synchronize()
+        tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
+        n = int(lay.offsets[-1])
+        pair = lay.row_pair[:n]
+        valid = pair >= 0
+        xr = x[(pair.clamp_min(0) // K).long()].float() * valid[:, None]
+        ref_g = torch.empty(n, F, device="cuda")
+        ref_u = torch.empty(n, F, device="cuda")
+        off = lay.offsets.tolist()
+        for e in range(E):
+            a, b = off[e], off[e + 1]
+            ref_g[a:b] = xr[a:b] @ w1[e].float().T
+            ref_u[a:b] = xr[a:b] @ w3[e].float().T
+        ref_h = ref_g / (1 + torch.exp(-ref_g)) * ref_u
+        live_gu, live_h = gu[:n].float(), h[:n].float()
+        err = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+        nan_rows = int(torch.isnan(live_gu).any(1).sum() + torch.isnan(live_h).any(1).sum())
+        pad_nonzero = int((live_gu[~valid] != 0).any(1).sum() + (live_h[~valid] != 0).any(1).sum())
+        e_gu = err(live_gu, torch.cat([ref_g, ref_u], 1))
+        e_h = err(live_h, ref_h)
+        bitwise = bool(torch.equal(gu[:n], tgu[:n]) and torch.equal(h[:n], th[:n]))
+        ok = nan_rows == 0 and pad_nonzero == 0 and e_gu < 1e-2 and e_h < 1e-2
+        failed += not ok
+        print(json.dumps(dict(case=name, ok=ok, rel_err_gate_up=e_gu, rel_err_h=e_h, bitwise_triton=bitwise,
+                              nan_rows=nan_rows, nonzero_padding_rows=pad_nonzero)), flush=True)
+    print(f"ws_gemm1_fwd check: {len(cases) - failed}/{len(cases)} passed")
+    return 1 if failed else 0
+
+
+def bench_fwd(out_path: str | None, shapes: list[str]) -> int:
+    import triton
+
+    from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import FWD_CONFIG, WsConfig, ws_gemm1_fwd
+    from titan_megamoe.testing import make_routing
+
+    rows = []
+    for sh in shapes:
+        D, F = SHAPES[sh]
+        E, K, T = 128, 8, 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+        x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        w1 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        w3 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        flops = 2 * T * K * 2 * F * D
+        tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
+        ms = triton.testing.do_bench(lambda: gemm1_swiglu_fwd(x, w1, w3, lay, gate_up_out=tgu, h_out=th), warmup=25,
+                                     rep=100, return_mode="median")
+        rows.append(dict(shape=sh, kernel="triton gemm1_swiglu_fwd (default config)", ms=ms, tflops=flops / ms / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+        n = int(lay.offsets[-1])
+        for cfg in (FWD_CONFIG, WsConfig(block_n=128, stages=3, group_m=1, coop=True, consumer_regs=216,
+                                         producer_regs=72),
+                    WsConfig(block_n=128, stages=4, group_m=8, coop=True, consumer_regs=216, producer_regs=72)):
+            gu, h = ws_gemm1_fwd(x, w1, w3, lay, cfg=cfg)
+            same = bool(torch.equal(gu[:n], tgu[:n]) and torch.equal(h[:n], th[:n]))
+            ms = triton.testing.do_bench(lambda: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu, h_out=h, cfg=cfg),
+                                         warmup=25, rep=100, return_mode="median")
+            rows.append(dict(shape=sh, kernel="gluon ws_gemm1_fwd", cfg=repr(cfg), ms=ms, tflops=flops / ms / 1e9,
+                             bitwise_triton=same))
+            print(json.dumps(rows[-1]), flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"script": "scripts/bench_ws_gemm.py bench-fwd", "gpu": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+                       "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"), "tokens": 16384, "top_k": 8,
+                       "experts": 128, "routing": "uniform", "rows": rows}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["check", "bench"])
+    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ws_gemm: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if a.what == "check-fwd":
+        return check_fwd()
+    if a.what == "bench-fwd":
+        return bench_fwd(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

@@ -12,6 +12,9 @@
 #   PART=c (~8 min): with the cooperative Gluon GEMM1 dgrad the default (D >= 2048): tests/test_ws_gemm.py and the
 #     single-GPU tests of tests/test_gpu.py (graph capture, no host sync, real shapes), compare.layer EP 1 both
 #     shapes with WS_GEMM1_DGRAD=0 beside the default, and the per-kernel profile of the 30B step.
+#   PART=d (~7 min): the Gluon GEMM1 forward (gathered rows by cp.async in 4 producer warps, SwiGLU epilogue):
+#     check-fwd (killed after 120 s should it hang), bench-fwd against the Triton kernel, its GPU tests, and, only
+#     if the check passed, compare.layer EP 1 both shapes with WS_GEMM1=1 beside the default in one process.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s13.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -70,6 +73,27 @@ elif [ "$PART" = c ]; then
   timeout 90 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --top 14 --iters 3 --warmup 2 \
     --out "$OUT/keep/profile_30b_megamoe-triton_s10c.json" > "$OUT/profile_30b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -20 "$OUT/profile_30b.log"
+elif [ "$PART" = d ]; then
+  timeout -s KILL 120 python3 scripts/bench_ws_gemm.py check-fwd > "$OUT/keep/ws_check_fwd.log" 2>&1
+  rc=$?; echo "[t=$((SECONDS - t0))s] ws check-fwd rc $rc"; grep -v "^{" "$OUT/keep/ws_check_fwd.log" | tail -5
+  python3 -c "
+import json
+for l in open('$OUT/keep/ws_check_fwd.log'):
+    if l.startswith('{'): r=json.loads(l); print(' ', r['ok'], r['case'], '%.2e'%r['rel_err_gate_up'], '%.2e'%r['rel_err_h'], r['bitwise_triton'], r['nan_rows'], r['nonzero_padding_rows'])"
+  if [ $rc = 0 ]; then
+    timeout -s KILL 120 python3 scripts/bench_ws_gemm.py bench-fwd --out "$OUT/keep/bench_ws_gemm1_fwd_1xh200.json" > "$OUT/ws_bench_fwd.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] ws bench-fwd rc $?"; grep -v "^{" "$OUT/ws_bench_fwd.log" | tail -3
+    python3 -c "
+import json
+for l in open('$OUT/ws_bench_fwd.log'):
+    if l.startswith('{'): r=json.loads(l); print(' ', r.get('shape',''), r['kernel'][:30], r.get('cfg','')[9:75], '%.3f ms'%r['ms'], '%.0f TF/s'%r['tflops'], r.get('bitwise_triton',''))"
+    timeout -s KILL 100 python3 -m pytest -q -rA tests/test_ws_gemm.py -k "fwd" > "$OUT/keep/tests_ws_fwd.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] fwd tests: $(tail -1 "$OUT/keep/tests_ws_fwd.log")"
+    timeout 220 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+      --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+      --switches WS_GEMM1=1 --out "$OUT/keep/layer_1xh200_ep1_s10d.json" > "$OUT/layer_s10d.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer_s10d.log"
+  fi
 else
   echo "PART=$PART: unknown"; exit 2
 fi

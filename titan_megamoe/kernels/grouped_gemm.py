@@ -49,12 +49,18 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.comm.signals import wait_flags
-from titan_megamoe.kernels.jit import cdiv, flavor, grouped_tile, interpreting, live_tile_range, next_pow2
+from titan_megamoe.kernels.jit import cdiv, env_flag, flavor, grouped_tile, interpreting, live_tile_range, next_pow2
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.configs import GemmConfig, config_for, persistent_programs
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
 
 __all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_mode"]
+
+#: GEMM1 by the warp-specialized Gluon kernel (``kernels/ws_gemm.py``: x rows gathered by cp.async in 4 producer
+#: warps, weights by TMA, two cooperative consumer warpgroups) where it applies (sm_90, BM 128, D >= 2048,
+#: F % 128 == 0, no EP arrival wait); else the Triton kernel. Off by default (``TITAN_MEGAMOE_WS_GEMM1=1``):
+#: not yet through the GPU test suite. Read at import; a same-process switch (``switches.py``).
+WS_GEMM1 = env_flag("TITAN_MEGAMOE_WS_GEMM1", False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -466,6 +472,11 @@ def gemm1_swiglu_fwd(
     T, D = x_TD.shape
     E, F, _ = w1_EFD.shape
     dev = x_TD.device
+    if WS_GEMM1 and config is None and wait is None and layout.block_m == 128 and D >= 2048:
+        from titan_megamoe.kernels import ws_gemm
+
+        if ws_gemm.ws_gemm1_fwd_supported(x_TD, w1_EFD) is None and x_TD.is_contiguous():
+            return ws_gemm.ws_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gate_up_out=gate_up_out, h_out=h_out)
     interpret = interpret_mode()
     cfg = _resolve_config(config, "gemm1", D, F, interpret)
     _check_bf16_2d_or_3d("x", x_TD, (T, D), dev)

@@ -42,6 +42,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         tma,
@@ -54,7 +55,8 @@ try:
 except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper API
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "CONFIGS", "WsConfig", "sm90_compile_args", "ws_gemm1_dgrad", "ws_gemm1_dgrad_supported"]
+__all__ = ["HAVE_GLUON", "CONFIGS", "FWD_CONFIG", "WsConfig", "sm90_compile_args", "ws_gemm1_dgrad",
+           "ws_gemm1_dgrad_supported", "ws_gemm1_fwd", "ws_gemm1_fwd_supported"]
 
 
 class WsConfig:
@@ -231,6 +233,134 @@ if HAVE_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+    # ---------------------------------------------------------------------------------------------
+    # GEMM1 forward: gathered x rows (cp.async, 4 producer warps) x w1 / w3 (TMA), SwiGLU epilogue
+    # ---------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _g1f_producer(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                      b3_bufs, ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        BN: gl.constexpr = w1_desc.block_type.shape[0]
+        KT: gl.constexpr = D // BK
+        # 16-byte chunks: 8 bf16 per thread along K, 8 threads per 64-column row, 4 rows per warp x 4 warps
+        gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        nbytes: gl.constexpr = 2 * w1_desc.block_type.nbytes
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        idx = 0
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            e = gl.load(tile_expert_ptr + pid_m)
+            pair = gl.load(row_pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gather)))
+            ok = pair >= 0
+            # int64: token * D overflows int32 for large token counts
+            tok = gl.where(ok, pair // TOPK, 0).to(gl.int64)
+            cols = gl.arange(0, BK, layout=gl.SliceLayout(0, gather))
+            ptrs = x_ptr + gl.expand_dims(tok * D, 1) + gl.expand_dims(cols, 0)
+            mask = gl.expand_dims(ok, 1) & gl.expand_dims(cols < BK, 0)
+            w_row = e * F + pid_n * BN
+            for k in range(KT):
+                s = idx % STAGES
+                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
+                # padding rows (pair -1) are masked: cp.async zero-fills them
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k * BK, mask=mask)
+                async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)  # one arrival per thread
+                bar = ready_b.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(w1_desc, [w_row, k * BK], bar, b1_bufs.index(s))
+                tma.async_copy_global_to_shared(w3_desc, [w_row, k * BK], bar, b3_bufs.index(s))
+                idx += 1
+
+    @gluon.jit
+    def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b,
+                      empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
+        BMC: gl.constexpr = h_desc.block_type.shape[0]
+        BN: gl.constexpr = h_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KT: gl.constexpr = D // BK
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * KT
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                mbarrier.wait(ready_a.index(s), ph)
+                mbarrier.wait(ready_b.index(s), ph)
+                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                acc_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas),
+            # SwiGLU in fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
+            row0 = pid_m * BM + C * BMC
+            col0 = pid_n * BN
+            valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
+            vf = gl.expand_dims(valid.to(gl.float32), 1)
+            gate = acc_g * vf
+            up = acc_u * vf
+            tma.store_wait(pendings=0)
+            c_smem.store(gate.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+            h = gate / (1.0 + gl.exp(-gate)) * up
+            tma.store_wait(pendings=0)
+            c_smem.store(up.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store(h.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm1_fwd_ws_kernel(x_ptr, w1_desc, w3_desc, gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
+                             D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
+                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T], h[r] = silu(gate) * up per row tile, t = row_pair[r]
+        // TOPK (the Triton kernel is ``grouped_gemm._gemm1_swiglu_fwd_kernel``). Grid: (programs,)."""
+        dtype: gl.constexpr = w1_desc.dtype
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
+        b1_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
+        b3_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
+        c0 = gl.allocate_shared_memory(dtype, h_desc.block_type.shape, h_desc.layout)
+        c1 = gl.allocate_shared_memory(dtype, h_desc.block_type.shape, h_desc.layout)
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        gl.warp_specialize([
+            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a,
+                             ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
+            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a,
+                             ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
+            (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                             b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig = DEFAULT) -> str | None:
     """None if the warp-specialized GEMM1 dgrad can take these operands, else why not."""
     if not HAVE_GLUON:
@@ -245,21 +375,96 @@ def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig
     return None
 
 
-def sm90_compile_args(cfg: WsConfig, D: int, F: int) -> tuple[dict, dict]:
-    """(signature, constexprs) of ``_gemm1_dgrad_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build
-    checks: registers, shared memory, wgmma count, no ptxas wgmma serialization)."""
+def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", top_k: int = 8) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_gemm1_dgrad_ws_kernel`` (``kind`` "gemm1_dgrad") or ``_gemm1_fwd_ws_kernel``
+    ("gemm1") for ``sm90_check.compile_sm90`` (CPU build checks: registers, shared memory, wgmma count, no
+    ptxas wgmma serialization)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
     def desc(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
 
+    if kind == "gemm1":
+        sig = {"x_ptr": "*bf16", "w1_desc": desc([bn, bk]), "w3_desc": desc([bn, bk]), "gu_desc": desc([bm // 2, bn]),
+               "h_desc": desc([bm // 2, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
+               "offsets_ptr": "*i32", "E": "i32"}
+        cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
+                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+        return sig, cx
     sig = {"a_desc": desc([bm, bk]), "w1_desc": desc([bk, bn]), "w3_desc": desc([bk, bn]),
            "dx_desc": desc([bm // 2 if cfg.coop else bm, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
            "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(F=F, NUM_N=-(-D // bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, COOP=cfg.coop,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx
+
+
+#: Config of the Gluon GEMM1 forward (cooperative: each consumer holds the gate and up accumulators of
+#: 64 rows x 128 columns; 216 registers for them, 72 for the 4-warp gather producer: the sm_90a build
+#: spills nothing there, 200 / 104 spilled 88-112 bytes).
+FWD_CONFIG = WsConfig(block_n=128, stages=4, group_m=1, coop=True, consumer_regs=216, producer_regs=72)
+
+
+def ws_gemm1_fwd_supported(x_TD: Tensor, w1_EFD: Tensor, cfg: WsConfig = FWD_CONFIG) -> str | None:
+    """None if the warp-specialized GEMM1 forward can take these operands, else why not."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon Hopper API"
+    if not x_TD.is_cuda or torch.cuda.get_device_capability(x_TD.device)[0] != 9:
+        return "needs an sm_90 (Hopper) GPU"
+    if not triton.__version__.startswith("3.6"):
+        return f"written against Triton 3.6's Gluon, found {triton.__version__}"
+    E, F, D = w1_EFD.shape
+    if F % cfg.block_n or D % cfg.block_k:
+        return f"needs F % {cfg.block_n} == 0 and D % {cfg.block_k} == 0 (F={F}, D={D})"
+    return None
+
+
+def ws_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, gate_up_out: Tensor | None = None,
+                 h_out: Tensor | None = None, cfg: WsConfig = FWD_CONFIG, programs: int | None = None):
+    """GEMM1 (gate and up) with the row gather and SwiGLU, by the warp-specialized Gluon kernel.
+
+    Same contract as ``grouped_gemm.gemm1_swiglu_fwd``: for each padded row r with pair p = row_pair[r] >= 0,
+    t = p // K, e = tile_expert[r // BM]: gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T] and
+    h[r] = silu(gate) * up (fp32, then bf16); padding rows of live tiles are zeros, tiles past offsets[E]
+    are not written.
+
+    Args:
+        x_TD: (T, D) bf16 contiguous; w1_EFD, w3_EFD: (E, F, D) bf16 contiguous.
+        layout: the routing layout (block_m 128).
+        gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 outputs.
+        programs: persistent grid size (default: the SM count).
+
+    Returns:
+        (gate_up (N_cap, 2F), h (N_cap, F)).
+
+    Raises:
+        ValueError: an unsupported case (``ws_gemm1_fwd_supported``'s reason) or mismatched shapes.
+    """
+    reason = ws_gemm1_fwd_supported(x_TD, w1_EFD, cfg)
+    if reason:
+        raise ValueError(f"ws_gemm1_fwd: {reason}")
+    E, F, D = w1_EFD.shape
+    if layout.block_m != cfg.block_m or tuple(w3_EFD.shape) != (E, F, D) or x_TD.shape[1] != D:
+        raise ValueError(f"ws_gemm1_fwd: x {tuple(x_TD.shape)}, w3 {tuple(w3_EFD.shape)} or layout.block_m "
+                         f"{layout.block_m} do not match (E, F, D) = ({E}, {F}, {D}), block_m {cfg.block_m}")
+    n_cap, dev = layout.n_cap, x_TD.device
+    gu = torch.empty((n_cap, 2 * F), dtype=torch.bfloat16, device=dev) if gate_up_out is None else gate_up_out
+    h = torch.empty((n_cap, F), dtype=torch.bfloat16, device=dev) if h_out is None else h_out
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    w1_desc = _desc(w1_EFD, (E * F, D), (bn, bk))
+    w3_desc = _desc(w3_EFD, (E * F, D), (bn, bk))
+    gu_desc = _desc(gu, (n_cap, 2 * F), (bm // 2, bn))
+    h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
+    num_n = F // bn
+    if programs is None:
+        programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    _gemm1_fwd_ws_kernel[(programs,)](
+        x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
+        D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg)
+    return gu, h
 
 
 @functools.lru_cache(maxsize=None)
