@@ -15,6 +15,10 @@
 #   PART=d (~7 min): the Gluon GEMM1 forward (gathered rows by cp.async in 4 producer warps, SwiGLU epilogue):
 #     check-fwd (killed after 120 s should it hang), bench-fwd against the Triton kernel, its GPU tests, and, only
 #     if the check passed, compare.layer EP 1 both shapes with WS_GEMM1=1 beside the default in one process.
+#   PART=e (~4 min): the Gluon kernels launched through kernels/launch.py's fast path (PART d: WS_GEMM1=1 cut the
+#     30B forward's device time 2.395 -> 2.231 ms but its host enqueue went 0.93 -> 1.26 ms through Gluon's own
+#     launch path, so the forward from idle did not move): tests/test_ws_gemm.py on the GPU, compare.layer EP 1
+#     both shapes with WS_GEMM1=1 beside the default.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s13.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -93,6 +97,16 @@ for l in open('$OUT/ws_bench_fwd.log'):
       --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
       --switches WS_GEMM1=1 --out "$OUT/keep/layer_1xh200_ep1_s10d.json" > "$OUT/layer_s10d.log" 2>&1
     echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer_s10d.log"
+  fi
+elif [ "$PART" = e ]; then
+  timeout -s KILL 120 python3 -m pytest -q -rA tests/test_ws_gemm.py > "$OUT/keep/tests_ws_gemm_e.log" 2>&1
+  rc=$?; echo "[t=$((SECONDS - t0))s] ws tests rc $rc: $(tail -1 "$OUT/keep/tests_ws_gemm_e.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_ws_gemm_e.log" | head
+  if [ $rc = 0 ]; then
+    timeout 220 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+      --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+      --switches WS_GEMM1=1 --out "$OUT/keep/layer_1xh200_ep1_s10e.json" > "$OUT/layer_s10e.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer_s10e.log"
   fi
 else
   echo "PART=$PART: unknown"; exit 2

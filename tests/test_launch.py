@@ -22,7 +22,7 @@ import pytest
 from titan_megamoe.kernels.sm90_check import nvidia_backend_reason
 
 CASES = ["routing_layout", "gemm1", "gemm2", "combine", "combine_misaligned", "gemm2_dgrad_tma", "quant_1x128",
-         "gemm1_fp8"]
+         "gemm1_fp8", "gluon_gemm1_dgrad", "gluon_gemm1_fwd"]
 
 
 def _same(a, b) -> bool:
@@ -77,7 +77,22 @@ def _cases():
     w1q, w3q = torch.zeros(E, F, D, dtype=f8), torch.zeros(E, F, D, dtype=f8)
     w1s, w3s = torch.ones(E, F // 128, D // 128), torch.ones(E, F // 128, D // 128)
     fp8_cfg = dict(config=g8.fp8_config_for("gemm1", D, F, False))
+    from titan_megamoe.kernels import ws_gemm as W  # Gluon kernels: launched directly (their launchers want a GPU)
+    from titan_megamoe.kernels.launch import launch
+
+    c, cf = W.CONFIGS["coop"], W.FWD_CONFIG
+    dx = torch.zeros(lay.n_cap, D, dtype=bf)
+    g1d_args = (W._desc(gu, (lay.n_cap, 2 * F), (128, 64)), W._desc(w1, (E * F, D), (64, c.block_n)),
+                W._desc(w3, (E * F, D), (64, c.block_n)), W._desc(dx, (lay.n_cap, D), (64, c.block_n)),
+                lay.row_pair, lay.tile_expert, lay.offsets, E, F, D // c.block_n, c.group_m, c.stages, c.coop,
+                c.producer_regs, c.consumer_regs)
+    g1f_args = (x, W._desc(w1, (E * F, D), (128, 64)), W._desc(w3, (E * F, D), (128, 64)),
+                W._desc(gu, (lay.n_cap, 2 * F), (64, 128)), W._desc(h, (lay.n_cap, F), (64, 128)),
+                lay.row_pair, lay.tile_expert, lay.offsets, E, D, F, K, F // 128, cf.group_m, cf.stages, 128, 64,
+                cf.producer_regs, cf.consumer_regs)
     return {
+        "gluon_gemm1_dgrad": lambda: launch(W._gemm1_dgrad_ws_kernel, (4,), *g1d_args, num_warps=4, maxnreg=c.maxnreg),
+        "gluon_gemm1_fwd": lambda: launch(W._gemm1_fwd_ws_kernel, (4,), *g1f_args, num_warps=4, maxnreg=cf.maxnreg),
         "routing_layout": lambda: build_routing_layout_triton(ids, E, 128),
         "gemm1": lambda: gg.gemm1_swiglu_fwd(x, w1, w3, lay, gate_up_out=gu, h_out=h),
         "gemm2": lambda: gg.gemm2_scatter_fwd(h, w2, scores, lay, out_pairs=y),

@@ -59,6 +59,11 @@ def flavor(kernel, interpret: bool):
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
+        if getattr(kernel, "is_gluon", lambda: False)():  # Gluon: compiled only (no interpreter flavor)
+            if interpret:
+                raise RuntimeError(f"{kernel.fn.__name__} is a Gluon kernel: Triton's interpreter cannot run it")
+            got = _FLAVORS[key] = kernel
+            return got
         want = InterpretedFunction if interpret else JITFunction
         got = _FLAVORS[key] = kernel if isinstance(kernel, want) else want(kernel.fn)
     return got

@@ -37,6 +37,9 @@ import functools
 import torch
 from torch import Tensor
 
+from titan_megamoe.kernels.configs import _sm_count
+from titan_megamoe.kernels.launch import launch
+
 try:
     import triton
     from triton.experimental import gluon
@@ -458,12 +461,12 @@ def ws_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, gate_u
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // bn
     if programs is None:
-        programs = torch.cuda.get_device_properties(dev).multi_processor_count
+        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     programs = max(1, min(programs, layout.n_tiles_cap * num_n))
-    _gemm1_fwd_ws_kernel[(programs,)](
-        x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
-        D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
-        num_warps=4, maxnreg=cfg.maxnreg)
+    launch(_gemm1_fwd_ws_kernel, (programs,),
+           x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
+           D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
+           num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -516,10 +519,10 @@ def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout,
     dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bn))
     num_n = -(-D // bn)
     if programs is None:
-        programs = torch.cuda.get_device_properties(dx.device).multi_processor_count
+        programs = _sm_count(dx.device.index if dx.device.index is not None else torch.cuda.current_device())
     programs = max(1, min(programs, layout.n_tiles_cap * num_n))
-    _gemm1_dgrad_ws_kernel[(programs,)](
-        a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
-        F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs,
-        num_warps=4, maxnreg=cfg.maxnreg)
+    launch(_gemm1_dgrad_ws_kernel, (programs,),
+           a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
+           F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs,
+           num_warps=4, maxnreg=cfg.maxnreg)
     return dx
