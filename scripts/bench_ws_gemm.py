@@ -31,6 +31,19 @@ import torch  # noqa: E402
 SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
 
 
+def _write(out_path: str | None, what: str, rows: list[dict]) -> None:
+    """The rows with their provenance (GPU, versions, date, git revision from the caller) as JSON."""
+    if not out_path:
+        return
+    import triton
+
+    with open(out_path, "w") as f:
+        json.dump({"script": f"scripts/bench_ws_gemm.py {what}", "gpu": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+                   "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"), "tokens": 16384, "top_k": 8,
+                   "experts": 128, "routing": "uniform", "rows": rows}, f, indent=1)
+
+
 def _inputs(T, E, K, D, F, routing, seed):
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.testing import make_routing
@@ -142,12 +155,7 @@ def bench(out_path: str | None, shapes: list[str]) -> int:
             rows.append(dict(shape=sh, kernel="gluon ws_gemm1_dgrad", cfg=repr(cfg), ms=ms, tflops=flops / ms / 1e9,
                              bitwise_triton=same))
             print(json.dumps(rows[-1]), flush=True)
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump({"script": "scripts/bench_ws_gemm.py bench", "gpu": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
-                       "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"), "tokens": 16384, "top_k": 8,
-                       "experts": 128, "routing": "uniform", "rows": rows}, f, indent=1)
+    _write(out_path, "bench", rows)
     return 0
 
 
@@ -238,12 +246,7 @@ def bench_fwd(out_path: str | None, shapes: list[str]) -> int:
             rows.append(dict(shape=sh, kernel="gluon ws_gemm1_fwd", cfg=repr(cfg), ms=ms, tflops=flops / ms / 1e9,
                              bitwise_triton=same))
             print(json.dumps(rows[-1]), flush=True)
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump({"script": "scripts/bench_ws_gemm.py bench-fwd", "gpu": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
-                       "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"), "tokens": 16384, "top_k": 8,
-                       "experts": 128, "routing": "uniform", "rows": rows}, f, indent=1)
+    _write(out_path, "bench-fwd", rows)
     return 0
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU, next session's calls (written in session 9, which had 1 H200 only).
+# GPU calls written in session 9 for session 10, which did not run them (its device time went to the Gluon
+# kernels, scripts/gpu_s13.sh); PART a moved into scripts/gpu_s14.sh PART a.
 #   PART=a (1 H200, ~4 min): compare.layer EP 1 30B fp8 / fp8_bwd with stock fp8 compiled beside them (FP8 not
 #     re-measured since session 8) and a profiler trace of the 30B bf16 step (compare.profile --trace) for
 #     the next kernel work (the GEMM epilogues' exposure, docs/NOTES.md session 9). (Session 9's last call

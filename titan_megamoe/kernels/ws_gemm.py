@@ -1,33 +1,40 @@
-"""Warp-specialized grouped GEMMs for Hopper (sm_90a), written in Gluon: GEMM1 dgrad first.
+"""Warp-specialized grouped GEMMs for Hopper (sm_90a), written in Gluon: GEMM1 dgrad and GEMM1.
 
-Why: every Triton GEMM of the layer runs at 600-640 TF/s on an H200 against ~790 for cuBLAS's dense
+Why: every Triton GEMM of the layer ran at 600-640 TF/s on an H200 against ~790 for cuBLAS's dense
 GEMM (docs/NOTES.md, session 9). Triton 3.6 does not warp-specialize Hopper kernels, so a tile's
 epilogue (fp32 -> bf16, stores) and the wait for its first operands stall the tensor cores. Gluon, the
 explicit-layout front end shipped in the same Triton, has the pieces: ``warp_specialize``, TMA with
-mbarriers, asynchronous ``warpgroup_mma``.
+mbarriers, asynchronous ``warpgroup_mma``. Design after CUTLASS's Hopper warp-specialized kernels, in our
+own words; measurements and the bugs paid for in docs/NOTES.md, session 10.
 
-Structure (CUTLASS's "ping-pong" Hopper schedule, in our own words):
+Structure:
 
-* one producer warp issues the TMA loads of every tile of the program, through a ring of ``STAGES``
-  operand buffers (one ``ready`` mbarrier per buffer, completed by the copies' byte count; one
-  ``empty`` mbarrier, arrived by the consumer that read it);
-* two consumer warpgroups take the program's tiles alternately (tile j to consumer j % 2). Their main
-  loops are serialized by a pair of ``order`` mbarriers: a consumer starts tile j's main loop once the
-  other has issued tile j - 1's last MMA, so the tensor cores run one main loop at a time while the
-  other consumer runs its epilogue (mask, bf16 cast, shared-memory staging, TMA store). The order also
-  keeps every ``ready`` wait within one phase of its barrier (parity waits alias otherwise);
+* a producer partition issues the loads of every tile of the program through a ring of ``STAGES``
+  operand buffers (``ready`` mbarriers completed by the copies, ``empty`` ones arrived by the consumers
+  that read a buffer): one warp issuing TMA for contiguous operands; four warps issuing cp.async for
+  gathered token rows (TMA cannot gather rows on Hopper), one ``noinc`` arrival per thread;
+* two consumer warpgroups: "cooperative" (both on every tile, half of its rows each: 128 x 256 tiles,
+  m64n256 wgmma; the default) or "ping-pong" (tile j to consumer j % 2, main loops serialized by two
+  ``order`` mbarriers so one consumer's epilogue runs under the other's main loop; this order also keeps
+  every parity wait within one phase of its barrier);
 * persistent grid: one program per SM over the live tiles (offsets[E] // BM row tiles x column blocks,
-  read on the device), in the grouped order of ``jit.grouped_tile``.
+  read on the device), in the grouped order of ``jit.grouped_tile``;
+* epilogues mask padding rows by a multiply, never a select on the accumulator: with the select, ptxas
+  serializes every wgmma of the kernel (note C7514; ``sm90_check.compile_sm90`` reports it).
 
-Kernel here: GEMM1 dgrad, dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e] (the Triton kernel is
-``grouped_gemm_bwd._gemm1_dgrad_kernel``; same operands, same output, same zeros on padding rows). Both
-operands are contiguous, so both load by TMA: A = dgate_up rows (N_cap, 2F), K-major; B = w1 / w3 viewed
-(E*F, D), N-major (wgmma reads B either way). The 2F reduction is F / BK steps over (dgate, w1) then
-F / BK over (dup, w3), all into one fp32 accumulator, in the Triton kernel's order.
+Kernels:
 
-Preconditions (``ws_gemm1_dgrad_supported``): sm_90 GPU, Triton 3.6 with Gluon, F % BK == 0 (a K block
-must not straddle two experts' weight rows), D % 8 == 0 (TMA row strides of 16 bytes), contiguous
-tensors.
+* GEMM1 dgrad, dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e] (the Triton kernel is
+  ``grouped_gemm_bwd._gemm1_dgrad_kernel``; same output bit for bit, zeros on padding rows). A = dgate_up
+  rows (N_cap, 2F), B = w1 / w3 viewed (E*F, D), both by TMA; the 2F reduction is F / BK steps over
+  (dgate, w1) then F / BK over (dup, w3), in the Triton kernel's order.
+* GEMM1 forward, gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T], h[r] = silu(gate) * up (the Triton kernel
+  is ``grouped_gemm._gemm1_swiglu_fwd_kernel``; same output bit for bit): x rows gathered by cp.async,
+  w1 / w3 tiles by TMA, gate and up accumulated side by side, SwiGLU in the epilogue.
+
+Preconditions (``ws_gemm1_dgrad_supported`` / ``ws_gemm1_fwd_supported``): sm_90 GPU, Triton 3.6 with
+Gluon, a K block never straddling two experts' weight rows (F % BK == 0 for the dgrad, F % BN == 0 and
+D % BK == 0 for the forward), 16-byte TMA row strides, contiguous tensors, routing layout block 128.
 """
 
 from __future__ import annotations
@@ -364,14 +371,22 @@ if HAVE_GLUON:
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig = DEFAULT) -> str | None:
-    """None if the warp-specialized GEMM1 dgrad can take these operands, else why not."""
+def _platform_reason(t: Tensor) -> str | None:
+    """Why the Gluon kernels cannot run on ``t``'s device with this Triton (None: they can)."""
     if not HAVE_GLUON:
         return "this Triton has no Gluon Hopper API"
-    if not dgate_up_N2F.is_cuda or torch.cuda.get_device_capability(dgate_up_N2F.device)[0] != 9:
+    if not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] != 9:
         return "needs an sm_90 (Hopper) GPU"
     if not triton.__version__.startswith("3.6"):
         return f"written against Triton 3.6's Gluon, found {triton.__version__}"
+    return None
+
+
+def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig = DEFAULT) -> str | None:
+    """None if the warp-specialized GEMM1 dgrad can take these operands, else why not."""
+    reason = _platform_reason(dgate_up_N2F)
+    if reason:
+        return reason
     E, F, D = w1_EFD.shape
     if F % cfg.block_k or D % 8:
         return f"needs F % {cfg.block_k} == 0 and D % 8 == 0 (F={F}, D={D})"
@@ -411,12 +426,9 @@ FWD_CONFIG = WsConfig(block_n=128, stages=4, group_m=1, coop=True, consumer_regs
 
 def ws_gemm1_fwd_supported(x_TD: Tensor, w1_EFD: Tensor, cfg: WsConfig = FWD_CONFIG) -> str | None:
     """None if the warp-specialized GEMM1 forward can take these operands, else why not."""
-    if not HAVE_GLUON:
-        return "this Triton has no Gluon Hopper API"
-    if not x_TD.is_cuda or torch.cuda.get_device_capability(x_TD.device)[0] != 9:
-        return "needs an sm_90 (Hopper) GPU"
-    if not triton.__version__.startswith("3.6"):
-        return f"written against Triton 3.6's Gluon, found {triton.__version__}"
+    reason = _platform_reason(x_TD)
+    if reason:
+        return reason
     E, F, D = w1_EFD.shape
     if F % cfg.block_n or D % cfg.block_k:
         return f"needs F % {cfg.block_n} == 0 and D % {cfg.block_k} == 0 (F={F}, D={D})"
