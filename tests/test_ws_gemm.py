@@ -83,6 +83,10 @@ def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
     assert reason is not None and ("sm_90" in reason or "Gluon" in reason)
     with pytest.raises(ValueError, match="ws_gemm1_dgrad: "):
         ws_gemm.ws_gemm1_dgrad(dgu, w1, w1, None)
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert ws_gemm.ws_gemm1_fwd_supported(x, w1) is not None
+    with pytest.raises(ValueError, match="ws_gemm1_fwd: "):
+        ws_gemm.ws_gemm1_fwd(x, w1, w1, None)
     if ws_gemm.HAVE_GLUON:
         assert ws_gemm.WsConfig(coop=True, block_n=256, stages=3).smem_bytes() <= 232448
         assert ws_gemm.WsConfig(stages=4).smem_bytes() <= 232448

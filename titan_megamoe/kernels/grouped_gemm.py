@@ -462,6 +462,9 @@ def gemm1_swiglu_fwd(
         ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
             layout built for other T, K, E or block_m.
 
+    With ``WS_GEMM1`` on (``TITAN_MEGAMOE_WS_GEMM1=1``), no ``config`` / ``wait``, sm_90 and D >= 2048, the
+    warp-specialized Gluon kernel (``ws_gemm.ws_gemm1_fwd``) computes the same outputs, bit for bit.
+
     Host syncs: none. Example (``test_worked_example_layout_rows``): T=2, K=2, E=3, BM=16, ids
     [[2, 0], [0, 1]] -> tile_expert [0, 1, 2, -1], N_cap 64: rows 0 and 1 = x[0] and x[1] through
     expert 0, row 16 = x[1] through expert 1, row 32 = x[0] through expert 2; rows 2-15, 17-31,
@@ -472,11 +475,6 @@ def gemm1_swiglu_fwd(
     T, D = x_TD.shape
     E, F, _ = w1_EFD.shape
     dev = x_TD.device
-    if WS_GEMM1 and config is None and wait is None and layout.block_m == 128 and D >= 2048:
-        from titan_megamoe.kernels import ws_gemm
-
-        if ws_gemm.ws_gemm1_fwd_supported(x_TD, w1_EFD) is None and x_TD.is_contiguous():
-            return ws_gemm.ws_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gate_up_out=gate_up_out, h_out=h_out)
     interpret = interpret_mode()
     cfg = _resolve_config(config, "gemm1", D, F, interpret)
     _check_bf16_2d_or_3d("x", x_TD, (T, D), dev)
@@ -493,6 +491,11 @@ def gemm1_swiglu_fwd(
     _check_bf16_2d_or_3d("h_out", h_out, (N, F), dev)
     if layout.n_tiles_cap == 0:
         return gate_up_out, h_out
+    if WS_GEMM1 and config is None and wait is None and layout.block_m == 128 and D >= 2048:
+        from titan_megamoe.kernels import ws_gemm
+
+        if ws_gemm.ws_gemm1_fwd_supported(x_TD, w1_EFD) is None:
+            return ws_gemm.ws_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gate_up_out=gate_up_out, h_out=h_out)
     use_tma = _tma_usable(cfg, w1_EFD, w3_EFD)  # else the pointer path (same results)
     if use_tma and not interpret:
         _ensure_tma_allocator()

@@ -402,6 +402,8 @@ def gemm1_dgrad(
         unwritten; ``scatter_dx`` sums the placed rows per token.
 
     Grid: n_tiles_cap * cdiv(D, BN) programs (grouped order); each owns a BM x BN tile of dx_rows.
+    Without ``config``, on sm_90 with BM 128 and D >= ``WS_GEMM1_DGRAD_MIN_DIM``, the warp-specialized Gluon
+    kernel (``ws_gemm.ws_gemm1_dgrad``, ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``) computes the same output, bit for bit.
     """
     dev = dgate_up_N2F.device
     if w1_EFD.dim() != 3:
