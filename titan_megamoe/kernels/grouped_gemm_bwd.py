@@ -413,18 +413,17 @@ def gemm1_dgrad(
     _check(w1_EFD, "w1", (layout.num_experts, F, D), _ACT, dev)
     _check(w3_EFD, "w3", (layout.num_experts, F, D), _ACT, dev)
     _check(dgate_up_N2F, "dgate_up", (layout.n_cap, 2 * F), _ACT, dev)
+    if out is not None:
+        _check(out, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
     if config is None and WS_GEMM1_DGRAD != "0" and layout.block_m == 128 and D >= WS_GEMM1_DGRAD_MIN_DIM:
         from titan_megamoe.kernels import ws_gemm
 
         ws_cfg = ws_gemm.CONFIGS[WS_GEMM1_DGRAD]
         if ws_gemm.ws_gemm1_dgrad_supported(dgate_up_N2F, w1_EFD, ws_cfg) is None:
-            if out is not None:
-                _check(out, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
             return ws_gemm.ws_gemm1_dgrad(dgate_up_N2F, w1_EFD, w3_EFD, layout, out=out, cfg=ws_cfg)
     cfg = config or default_bwd_config("gemm1_dgrad", layout, D, F)
     _check_row_config(cfg, layout)
     dx_rows = torch.empty((layout.n_cap, D), dtype=_ACT, device=dev) if out is None else out
-    _check(dx_rows, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
     nbd = cdiv(D, cfg.block_n)
     n_tiles = layout.n_tiles_cap
     use_tma = _tma_ok(cfg, dgate_up_N2F, w1_EFD, w3_EFD) and F % 8 == 0  # (N_cap, 2, F) view: F*2 B rows

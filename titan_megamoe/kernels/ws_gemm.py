@@ -40,6 +40,7 @@ D % BK == 0 for the forward), 16-byte TMA row strides, contiguous tensors, routi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -69,6 +70,7 @@ __all__ = ["HAVE_GLUON", "CONFIGS", "FWD_CONFIG", "WsConfig", "sm90_compile_args
            "ws_gemm1_dgrad_supported", "ws_gemm1_fwd", "ws_gemm1_fwd_supported"]
 
 
+@dataclass(frozen=True, repr=False)  # frozen: CONFIGS / FWD_CONFIG are shared module-level objects
 class WsConfig:
     """Tile and pipeline of the warp-specialized kernels.
 
@@ -86,13 +88,19 @@ class WsConfig:
         maxnreg: register cap of the launch: 12 warps (two consumer warpgroups and the producer's
             warpgroup) x 32 threads x 168 = 64512 of the SM's 65536; the producer gets 40 per thread,
             the consumers the rest (232 each).
+        producer_regs, consumer_regs: registers per thread of the producer partition and of each consumer
+            warpgroup (``setmaxnreg``), within ``maxnreg``'s budget.
     """
 
-    def __init__(self, block_m=128, block_n=128, block_k=64, stages=4, group_m=8, coop=False, maxnreg=168,
-                 producer_regs=40, consumer_regs=232):
-        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
-        self.stages, self.group_m, self.coop, self.maxnreg = stages, group_m, coop, maxnreg
-        self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    group_m: int = 8
+    coop: bool = False
+    maxnreg: int = 168
+    producer_regs: int = 40
+    consumer_regs: int = 232
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
