@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU calls of session 11 (1 H200).
+#   PART=a: the opt-in Gluon GEMM1 forward through the single-GPU GPU suite (tests/test_gpu.py,
+#     tests/test_ws_gemm.py with TITAN_MEGAMOE_WS_GEMM1=1: graph capture, no host sync, real-shape
+#     reference) before it becomes the default; scripts/host_profile.py at 30B (where the host time of
+#     the forward goes on this machine: launch timeline and cProfile).
+#   PART=b: after the host-side changes: host_profile.py again, compare.layer EP 1 both shapes, GPU suite.
+# Call as: REV=<hash> PART=a bash scripts/gpu_s15.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+if [ "$PART" = a ]; then
+  TITAN_MEGAMOE_WS_GEMM1=1 timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm.py \
+    -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu_ws_gemm1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests (WS_GEMM1=1): $(tail -1 "$OUT/keep/tests_gpu_ws_gemm1.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_ws_gemm1.log" | head
+  TITAN_MEGAMOE_WS_GEMM1=1 timeout 200 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_30b.json" \
+    > "$OUT/keep/host_profile_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] host_profile rc $?"; head -c 1500 "$OUT/keep/host_profile_30b.log"
+elif [ "$PART" = b ]; then
+  timeout 200 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_30b.json" \
+    > "$OUT/keep/host_profile_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] host_profile rc $?"; head -c 1500 "$OUT/keep/host_profile_30b.log"
+  timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
+  timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm.py \
+    -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
+else
+  echo "PART=$PART: unknown"; exit 2
+fi
+session_pack s15$PART
