@@ -1,10 +1,11 @@
-"""Check and time the warp-specialized Gluon GEMM1 dgrad and GEMM1 forward (kernels/ws_gemm.py) against the
-Triton ones (GPU only).
+"""Check and time the warp-specialized Gluon GEMM1 dgrad, GEMM1 forward and GEMM2 dgrad (kernels/ws_gemm.py)
+against the Triton ones (GPU only).
 
     python scripts/bench_ws_gemm.py check            # GEMM1 dgrad: edge-case routings, poisoned outputs
     python scripts/bench_ws_gemm.py bench [--out f]  # GEMM1 dgrad: do_bench at the 30B / 235B shapes, configs
     python scripts/bench_ws_gemm.py check-fwd        # GEMM1 forward (gathered rows, SwiGLU), same checks
     python scripts/bench_ws_gemm.py bench-fwd [--out f]
+    python scripts/bench_ws_gemm.py bench-g2d [--out f]  # GEMM2 dgrad (checks: tests/test_ws_gemm.py on a GPU)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -160,6 +161,7 @@ def bench(out_path: str | None, shapes: list[str]) -> int:
 
 
 def check_fwd() -> int:
+    from titan_megamoe import switches
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import ws_gemm1_fwd
@@ -184,7 +186,8 @@ def check_fwd() -> int:
         h = torch.full((lay.n_cap, F), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu, h_out=h, programs=1 if name == "one program" else None)
         torch.cuda.synchronize()
-        tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1": "0"}):  # the Triton kernel (the default is the Gluon one)
+            tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
         n = int(lay.offsets[-1])
         pair = lay.row_pair[:n]
         valid = pair >= 0
@@ -215,6 +218,7 @@ def check_fwd() -> int:
 def bench_fwd(out_path: str | None, shapes: list[str]) -> int:
     import triton
 
+    from titan_megamoe import switches
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import FWD_CONFIG, WsConfig, ws_gemm1_fwd
@@ -230,9 +234,10 @@ def bench_fwd(out_path: str | None, shapes: list[str]) -> int:
         w1 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
         w3 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
         flops = 2 * T * K * 2 * F * D
-        tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
-        ms = triton.testing.do_bench(lambda: gemm1_swiglu_fwd(x, w1, w3, lay, gate_up_out=tgu, h_out=th), warmup=25,
-                                     rep=100, return_mode="median")
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1": "0"}):  # the Triton kernel (the default is the Gluon one)
+            tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
+            ms = triton.testing.do_bench(lambda: gemm1_swiglu_fwd(x, w1, w3, lay, gate_up_out=tgu, h_out=th),
+                                         warmup=25, rep=100, return_mode="median")
         rows.append(dict(shape=sh, kernel="triton gemm1_swiglu_fwd (default config)", ms=ms, tflops=flops / ms / 1e9))
         print(json.dumps(rows[-1]), flush=True)
         n = int(lay.offsets[-1])
@@ -250,9 +255,54 @@ def bench_fwd(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def bench_g2d(out_path: str | None, shapes: list[str]) -> int:
+    """GEMM2 dgrad (dout row gather, SwiGLU backward, d score partials, s h): Triton vs Gluon configs."""
+    import triton
+
+    from titan_megamoe import switches
+    from titan_megamoe.kernels.grouped_gemm_bwd import gemm2_dgrad_swiglu_bwd
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import G2D_CONFIG, WsConfig, ws_gemm2_dgrad
+    from titan_megamoe.testing import make_routing
+
+    rows = []
+    for sh in shapes:
+        D, F = SHAPES[sh]
+        E, K, T = 128, 8, 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+        dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        w2 = (torch.randn(E, D, F, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        gu = torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g).bfloat16()
+        sc = torch.rand(T, K, device="cuda", generator=g)
+        flops = 2 * T * K * F * D
+        ths = torch.empty(lay.n_cap, F, device="cuda", dtype=torch.bfloat16)
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM2_DGRAD": "0"}):  # the Triton kernel
+            tdgu, tpart = gemm2_dgrad_swiglu_bwd(dout, w2, gu, sc, lay, hs_out=ths)
+            ms = triton.testing.do_bench(lambda: gemm2_dgrad_swiglu_bwd(dout, w2, gu, sc, lay, hs_out=ths),
+                                         warmup=25, rep=100, return_mode="median")
+        rows.append(dict(shape=sh, kernel="triton gemm2_dgrad_swiglu_bwd (default config)", ms=ms,
+                         tflops=flops / ms / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+        n = int(lay.offsets[-1])
+        for cfg in (G2D_CONFIG, WsConfig(block_n=128, stages=5, group_m=1, coop=True, consumer_regs=216,
+                                         producer_regs=72),
+                    WsConfig(block_n=128, stages=4, group_m=8, coop=True, consumer_regs=216, producer_regs=72)):
+            dgu, part, hs = ws_gemm2_dgrad(dout, w2, gu, sc, lay, cfg=cfg)
+            same = bool(torch.equal(dgu[:n], tdgu[:n]) and torch.equal(hs[:n], ths[:n]))
+            dscore_diff = float((part[:n].sum(1) - tpart[:n].sum(1)).abs().max())
+            ms = triton.testing.do_bench(lambda: ws_gemm2_dgrad(dout, w2, gu, sc, lay, out=(dgu, part), hs_out=hs,
+                                                                cfg=cfg), warmup=25, rep=100, return_mode="median")
+            rows.append(dict(shape=sh, kernel="gluon ws_gemm2_dgrad", cfg=repr(cfg), ms=ms, tflops=flops / ms / 1e9,
+                             bitwise_triton_dgate_up_hs=same, max_abs_diff_dscore_rows=dscore_diff))
+            print(json.dumps(rows[-1]), flush=True)
+    _write(out_path, "bench-g2d", rows)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd"])
+    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -263,6 +313,8 @@ def main(argv=None) -> int:
         return check_fwd()
     if a.what == "bench-fwd":
         return bench_fwd(a.out, a.shapes.split(","))
+    if a.what == "bench-g2d":
+        return bench_g2d(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

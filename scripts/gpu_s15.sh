@@ -4,7 +4,9 @@
 #     tests/test_ws_gemm.py with TITAN_MEGAMOE_WS_GEMM1=1: graph capture, no host sync, real-shape
 #     reference) before it becomes the default; scripts/host_profile.py at 30B (where the host time of
 #     the forward goes on this machine: launch timeline and cProfile).
-#   PART=b: after the host-side changes: host_profile.py again, compare.layer EP 1 both shapes, GPU suite.
+#   PART=b: the Gluon GEMM2 dgrad's first run (bench-g2d, bounded; tests/test_ws_gemm.py), host_profile.py after
+#     the host-side changes, compare.layer EP 1 both shapes with WS_GEMM2_DGRAD=1 beside the defaults (WS_GEMM1 on).
+#   PART=c: tests/test_gpu.py single-GPU with TITAN_MEGAMOE_WS_GEMM2_DGRAD=1.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s15.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -17,17 +19,25 @@ if [ "$PART" = a ]; then
     > "$OUT/keep/host_profile_30b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] host_profile rc $?"; head -c 1500 "$OUT/keep/host_profile_30b.log"
 elif [ "$PART" = b ]; then
-  timeout 200 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_30b.json" \
+  # the Gluon GEMM2 dgrad, first run: bench (canary, bounded), its GPU tests, then the layer with it
+  timeout -s KILL 120 python3 scripts/bench_ws_gemm.py bench-g2d --out "$OUT/keep/bench_ws_gemm2_dgrad.json" \
+    > "$OUT/keep/bench_g2d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench-g2d rc $?"; cat "$OUT/keep/bench_g2d.log" | cut -c1-400
+  timeout -s KILL 200 python3 -m pytest -q -rA tests/test_ws_gemm.py > "$OUT/keep/tests_ws_gemm.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] test_ws_gemm: $(tail -1 "$OUT/keep/tests_ws_gemm.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_ws_gemm.log" | head
+  timeout 120 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_30b.json" \
     > "$OUT/keep/host_profile_30b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] host_profile rc $?"; head -c 1500 "$OUT/keep/host_profile_30b.log"
+  echo "[t=$((SECONDS - t0))s] host_profile rc $?"; head -c 1200 "$OUT/keep/host_profile_30b.log"
   timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
-    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --switches WS_GEMM2_DGRAD=1 \
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
-  timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm.py \
-    -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
+elif [ "$PART" = c ]; then
+  TITAN_MEGAMOE_WS_GEMM2_DGRAD=1 timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py \
+    -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu_ws_gemm2_dgrad.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests (WS_GEMM2_DGRAD=1): $(tail -1 "$OUT/keep/tests_gpu_ws_gemm2_dgrad.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_ws_gemm2_dgrad.log" | head
 else
   echo "PART=$PART: unknown"; exit 2
 fi

@@ -56,7 +56,7 @@ def main() -> None:
     real_launch = L.launch
 
     def stamped(kernel, grid, *args, **kwargs):
-        stamps.append((getattr(kernel, "__name__", None) or kernel.fn.__name__, time.perf_counter()))
+        stamps.append((getattr(getattr(kernel, "fn", kernel), "__name__", "?"), time.perf_counter()))
         return real_launch(kernel, grid, *args, **kwargs)
 
     def step(backward: bool):
@@ -69,8 +69,16 @@ def main() -> None:
         step(True)
     torch.cuda.synchronize()
 
-    # 1. launch timeline of the forward, device busy
-    L.launch = stamped
+    # 1. launch timeline of the forward, device busy: every module's ``launch`` name, and the router's gate
+    patched = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("titan_megamoe.") and getattr(m, "launch", None) is real_launch]
+    for m in patched:
+        m.launch = stamped
+    gate = getattr(getattr(layer, "router", None), "gate", None)
+    hooks = []
+    if gate is not None:
+        hooks.append(gate.register_forward_pre_hook(lambda *a: stamps.append(("gate_linear_start", time.perf_counter()))))
+        hooks.append(gate.register_forward_hook(lambda *a: stamps.append(("gate_linear_end", time.perf_counter()))))
     fwd_us, per_kernel = [], {}
     try:
         for _ in range(a.iters):
@@ -85,7 +93,10 @@ def main() -> None:
             y.backward(dy)
             torch.cuda.synchronize()
     finally:
-        L.launch = real_launch
+        for m in patched:
+            m.launch = real_launch
+        for h in hooks:
+            h.remove()
     timeline = {k: round(statistics.median(v), 1) for k, v in per_kernel.items()}
     print(json.dumps({"fwd_host_us": round(statistics.median(fwd_us), 1), "launch_at_us": timeline}))
 

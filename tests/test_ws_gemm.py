@@ -31,6 +31,11 @@ def _compile_sm90_all() -> list[dict]:
         sig, cx = ws_gemm.sm90_compile_args(cfg, D, F, kind="gemm1")
         r = compile_sm90(ws_gemm._gemm1_fwd_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"fwd_{shape}", **r))
+    for shape, (D, F) in SHAPES.items():
+        cfg = ws_gemm.G2D_CONFIG
+        sig, cx = ws_gemm.sm90_compile_args(cfg, D, F, kind="gemm2_dgrad")
+        r = compile_sm90(ws_gemm._gemm2_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"g2d_{shape}", **r))
     lay = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     lay_b = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     sig = {"a_desc": f"tensordesc<bf16[64, 64],{lay!r}>", "b_desc": f"tensordesc<bf16[64, 128],{lay_b!r}>",
@@ -67,6 +72,19 @@ def test_ws_gemm1_fwd_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
+@pytest.mark.parametrize("label", ["g2d_30b", "g2d_235b"])
+def test_ws_gemm2_dgrad_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+
+    r = sm90_result(__file__, label)
+    assert r["target"], "PTX not built for sm_90a"
+    assert r["wgmma"] == 16, r  # two consumers x two m64n64 column halves x 4 k16 steps
+    assert r["cp_async"] > 0 and r["tma"] > 0, "gathered dout rows by cp.async, w2 by TMA"
+    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # 216 / 72 registers: no spills
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
 def test_the_serialization_check_reports_a_serialized_kernel():
     """The check above can fail: a kernel ptxas serializes is reported."""
     r = sm90_result(__file__, "serialized")
@@ -87,6 +105,10 @@ def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
     assert ws_gemm.ws_gemm1_fwd_supported(x, w1) is not None
     with pytest.raises(ValueError, match="ws_gemm1_fwd: "):
         ws_gemm.ws_gemm1_fwd(x, w1, w1, None)
+    dout, w2 = torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    assert ws_gemm.ws_gemm2_dgrad_supported(dout, w2) is not None
+    with pytest.raises(ValueError, match="ws_gemm2_dgrad: "):
+        ws_gemm.ws_gemm2_dgrad(dout, w2, torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(16, 2), None)
     if ws_gemm.HAVE_GLUON:
         assert ws_gemm.WsConfig(coop=True, block_n=256, stages=3).smem_bytes() <= 232448
         assert ws_gemm.WsConfig(stages=4).smem_bytes() <= 232448
@@ -112,6 +134,97 @@ def test_gemm1_dgrad_switch_falls_back_to_triton_where_ws_cannot_run(monkeypatch
     got = B.gemm1_dgrad(dgu, w1, w3, lay)
     n = int(lay.offsets[-1])
     assert torch.equal(got[:n], ref[:n])
+
+
+def test_gemm2_dgrad_switch_falls_back_to_triton_where_ws_cannot_run(monkeypatch):
+    """With WS_GEMM2_DGRAD on, a case the Gluon kernel does not take (no GPU, D below its minimum) runs the Triton
+    kernel, with its outputs."""
+    if torch.cuda.is_available():
+        pytest.skip("runs the Triton interpreter on CPU tensors (CPU machines; the GPU cases below cover the GPU)")
+    from titan_megamoe.kernels import grouped_gemm_bwd as B
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    g = torch.Generator().manual_seed(1)
+    T, K, E, D, F = 40, 2, 4, 32, 32
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=g), E, 16)
+    dout = torch.randn(T, D, generator=g).bfloat16()
+    w2 = torch.randn(E, D, F, generator=g).bfloat16()
+    gu = torch.randn(lay.n_cap, 2 * F, generator=g).bfloat16()
+    sc = torch.rand(T, K, generator=g)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(B, "WS_GEMM2_DGRAD", on)
+        hs = torch.empty(lay.n_cap, F, dtype=torch.bfloat16)
+        outs.append((*B.gemm2_dgrad_swiglu_bwd(dout, w2, gu, sc, lay, hs_out=hs), hs))
+    n = int(lay.offsets[-1])
+    for a, b in zip(*outs):
+        assert torch.equal(a[:n], b[:n])
+
+
+def _g2d_reference(dout, w2, gu, sc, lay):
+    """fp32 GEMM2 dgrad + SwiGLU backward from the definitions: (dgate_up, hs, dscore per row)."""
+    n = int(lay.offsets[-1])
+    K, F = lay.top_k, w2.shape[2]
+    pair = lay.row_pair[:n].long()
+    valid = pair >= 0
+    tok = pair.clamp_min(0) // K
+    g = torch.zeros(n, F, device=dout.device)
+    off = lay.offsets.tolist()
+    for e in range(w2.shape[0]):
+        a, b = off[e], off[e + 1]
+        g[a:b] = dout[tok[a:b]].float() @ w2[e].float()
+    g[~valid] = 0
+    s = (sc.reshape(-1)[pair.clamp_min(0)] * valid)[:, None]
+    gate, up = gu[:n, :F].float(), gu[:n, F:].float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    h = (silu * up).bfloat16().float()
+    dh = g * s
+    dgu = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], 1)
+    return dgu, silu * up * s, (g * h).sum(1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 256, "zero_expert"),
+    (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
+], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"])
+def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe import switches
+    from titan_megamoe.kernels.grouped_gemm_bwd import gemm2_dgrad_swiglu_bwd
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import ws_gemm2_dgrad
+    from titan_megamoe.testing import make_routing, rel_err
+
+    T, E, K, D, F, routing = case
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=5).cuda(), E, 128)
+    dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w2 = (torch.randn(E, D, F, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    gu = torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g).bfloat16()
+    n = int(lay.offsets[-1])
+    gu[:n][lay.row_pair[:n] < 0] = 0  # the forward's padding rows
+    sc = torch.rand(T, K, device="cuda", generator=g)
+    nan = lambda *shape, dt=torch.bfloat16: torch.full(shape, float("nan"), device="cuda", dtype=dt)  # noqa: E731
+    out = (nan(lay.n_cap, 2 * F), nan(lay.n_cap, F // 128, dt=torch.float32))
+    hs = nan(lay.n_cap, F)
+    ws_gemm2_dgrad(dout, w2, gu, sc, lay, out=out, hs_out=hs)
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM2_DGRAD": "0"}):  # the Triton kernel
+        ths = torch.empty_like(hs)
+        tdgu, tpart = gemm2_dgrad_swiglu_bwd(dout, w2, gu, sc, lay, hs_out=ths)
+    dgu, part = out
+    valid = lay.row_pair[:n] >= 0
+    for t in (dgu, part, hs):
+        assert not torch.isnan(t[:n]).any(), "live rows left unwritten"
+        assert (t[:n][~valid] == 0).all(), "padding rows must be zero"
+    rdgu, rhs, rdscore = _g2d_reference(dout, w2, gu, sc, lay)
+    assert rel_err(dgu[:n], rdgu) < 1e-2 and rel_err(hs[:n], rhs) < 1e-2
+    assert rel_err(part[:n].sum(1), rdscore) < 1e-2
+    assert rel_err(dgu[:n], tdgu[:n]) < 1e-2 and rel_err(hs[:n], ths[:n]) < 1e-2
+    assert rel_err(part[:n].sum(1), tpart[:n].sum(1)) < 1e-3
 
 
 def _gpu_case(T, E, K, D, F, routing, cfg, seed):
@@ -164,6 +277,7 @@ def test_ws_gemm1_dgrad_matches_triton_and_fp32_on_gpu(config, case):
 def test_ws_gemm1_fwd_matches_triton_on_gpu(case):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe import switches
     from titan_megamoe.kernels.grouped_gemm import gemm1_swiglu_fwd
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import ws_gemm1_fwd
@@ -178,7 +292,8 @@ def test_ws_gemm1_fwd_matches_triton_on_gpu(case):
     gu = torch.full((lay.n_cap, 2 * F), float("nan"), device="cuda", dtype=torch.bfloat16)
     h = torch.full((lay.n_cap, F), float("nan"), device="cuda", dtype=torch.bfloat16)
     ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu, h_out=h)
-    tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1": "0"}):  # the Triton kernel (the default is the Gluon one)
+        tgu, th = gemm1_swiglu_fwd(x, w1, w3, lay)
     n = int(lay.offsets[-1])
     valid = lay.row_pair[:n] >= 0
     assert not torch.isnan(gu[:n]).any() and not torch.isnan(h[:n]).any(), "live rows left unwritten"

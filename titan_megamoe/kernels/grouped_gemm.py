@@ -58,9 +58,12 @@ __all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_m
 
 #: GEMM1 by the warp-specialized Gluon kernel (``kernels/ws_gemm.py``: x rows gathered by cp.async in 4 producer
 #: warps, weights by TMA, two cooperative consumer warpgroups) where it applies (sm_90, BM 128, D >= 2048,
-#: F % 128 == 0, no EP arrival wait); else the Triton kernel. Off by default (``TITAN_MEGAMOE_WS_GEMM1=1``):
-#: not yet through the GPU test suite. Read at import; a same-process switch (``switches.py``).
-WS_GEMM1 = env_flag("TITAN_MEGAMOE_WS_GEMM1", False)
+#: F % 128 == 0, no EP arrival wait); else the Triton kernel. On by default (``TITAN_MEGAMOE_WS_GEMM1=0``: off)
+#: since the single-GPU GPU suite passed with it (logs/tests_gpu_ws_gemm1_s11a_1xh200_20261202.log: graph
+#: capture, no host sync, real-shape reference); bitwise the Triton kernel's output in every case checked;
+#: layer forward 3.189 -> 2.929 ms from idle at 30B (layer_1xh200_ep1_s10e_20261202.json). Read at import; a
+#: same-process switch (``switches.py``).
+WS_GEMM1 = env_flag("TITAN_MEGAMOE_WS_GEMM1", True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -462,7 +465,7 @@ def gemm1_swiglu_fwd(
         ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
             layout built for other T, K, E or block_m.
 
-    With ``WS_GEMM1`` on (``TITAN_MEGAMOE_WS_GEMM1=1``), no ``config`` / ``wait``, sm_90 and D >= 2048, the
+    With ``WS_GEMM1`` on (the default; ``TITAN_MEGAMOE_WS_GEMM1=0`` off), no ``config`` / ``wait``, sm_90 and D >= 2048, the
     warp-specialized Gluon kernel (``ws_gemm.ws_gemm1_fwd``) computes the same outputs, bit for bit.
 
     Host syncs: none. Example (``test_worked_example_layout_rows``): T=2, K=2, E=3, BM=16, ids
@@ -494,8 +497,8 @@ def gemm1_swiglu_fwd(
     if WS_GEMM1 and config is None and wait is None and layout.block_m == 128 and D >= 2048:
         from titan_megamoe.kernels import ws_gemm
 
-        if ws_gemm.ws_gemm1_fwd_supported(x_TD, w1_EFD) is None:
-            return ws_gemm.ws_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gate_up_out=gate_up_out, h_out=h_out)
+        if ws_gemm.ws_gemm1_fwd_supported(x_TD, w1_EFD) is None:  # operands, outputs and layout checked above
+            return ws_gemm.launch_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gate_up_out, h_out)
     use_tma = _tma_usable(cfg, w1_EFD, w3_EFD)  # else the pointer path (same results)
     if use_tma and not interpret:
         _ensure_tma_allocator()

@@ -66,8 +66,9 @@ try:
 except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper API
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "CONFIGS", "FWD_CONFIG", "WsConfig", "sm90_compile_args", "ws_gemm1_dgrad",
-           "ws_gemm1_dgrad_supported", "ws_gemm1_fwd", "ws_gemm1_fwd_supported"]
+__all__ = ["HAVE_GLUON", "CONFIGS", "FWD_CONFIG", "G2D_CONFIG", "WsConfig", "sm90_compile_args", "ws_gemm1_dgrad",
+           "ws_gemm1_dgrad_supported", "ws_gemm1_fwd", "ws_gemm1_fwd_supported", "ws_gemm2_dgrad",
+           "ws_gemm2_dgrad_supported"]
 
 
 @dataclass(frozen=True, repr=False)  # frozen: CONFIGS / FWD_CONFIG are shared module-level objects
@@ -379,11 +380,166 @@ if HAVE_GLUON:
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+    # ---------------------------------------------------------------------------------------------
+    # GEMM2 dgrad: gathered dout rows (cp.async) x w2 (TMA), SwiGLU-backward epilogue
+    # ---------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _g2d_producer(dout_ptr, w2_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a,
+                      ready_b, empty, D: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        BN: gl.constexpr = w2_desc.block_type.shape[1]
+        KT: gl.constexpr = D // BK
+        gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # as _g1f_producer
+        nbytes: gl.constexpr = w2_desc.block_type.nbytes
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        idx = 0
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            e = gl.load(tile_expert_ptr + pid_m)
+            pair = gl.load(row_pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gather)))
+            ok = pair >= 0
+            tok = gl.where(ok, pair // TOPK, 0).to(gl.int64)  # int64: token * D overflows int32
+            cols = gl.arange(0, BK, layout=gl.SliceLayout(0, gather))
+            ptrs = dout_ptr + gl.expand_dims(tok * D, 1) + gl.expand_dims(cols, 0)
+            mask = gl.expand_dims(ok, 1) & gl.expand_dims(cols < BK, 0)
+            for k in range(KT):
+                s = idx % STAGES
+                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k * BK, mask=mask)  # padding: zeros
+                async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)
+                bar = ready_b.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(w2_desc, [e * D + k * BK, pid_n * BN], bar, b_bufs.index(s))
+                idx += 1
+
+    @gluon.jit
+    def _g2d_epilogue(g, dgu_desc, hs_desc, gate_up_ptr, ok, vf, sc, rows, row0, col0, c_smem, F: gl.constexpr):
+        """SwiGLU backward of one BMC x BH column block (g = the fp32 GEMM result; the Triton kernel's formulas):
+        writes dgate, dup and hs through ``c_smem``, returns the block's row sums of g h."""
+        BH: gl.constexpr = c_smem.type.shape[1]
+        col_layout: gl.constexpr = gl.SliceLayout(0, g.type.layout)
+        off = gl.expand_dims(rows.to(gl.int64) * (2 * F), 1) + gl.expand_dims(col0 + gl.arange(0, BH, layout=col_layout), 0)
+        gate = gl.load(gate_up_ptr + off).to(gl.float32) * vf
+        up = gl.load(gate_up_ptr + off + F).to(gl.float32) * vf
+        sig = 1.0 / (1.0 + gl.exp(-gate))
+        silu = gate * sig
+        g = g * vf
+        dscore = gl.sum(g * (silu * up).to(gl.bfloat16).to(gl.float32), axis=1)  # h as GEMM2 consumed it
+        dh = g * sc
+        tma.store_wait(pendings=0)
+        c_smem.store((dh * up * (sig * (1.0 + gate * (1.0 - sig)))).to(gl.bfloat16))  # silu' = sig (1 + x (1 - sig))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dgu_desc, [row0, col0], c_smem)
+        tma.store_wait(pendings=0)
+        c_smem.store((dh * silu).to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], c_smem)
+        tma.store_wait(pendings=0)
+        c_smem.store((silu * up * sc).to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(hs_desc, [row0, col0], c_smem)
+        return dscore
+
+    @gluon.jit
+    def _g2d_consumer(dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs,
+                      b_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2). The BN columns
+        # are two accumulators of BN / 2 (two m64n64 wgmma per k16 step): the epilogue's fp32 tiles of one half
+        # fit the registers (one m64n128 accumulator and its gate / up / SwiGLU tiles spilled 200 bytes).
+        BMC: gl.constexpr = hs_desc.block_type.shape[0]
+        BH: gl.constexpr = hs_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KT: gl.constexpr = D // BK
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            acc0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * KT
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                mbarrier.wait(ready_a.index(s), ph)
+                mbarrier.wait(ready_b.index(s), ph)
+                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s)
+                acc0 = warpgroup_mma(a, b.slice(0, BH, dim=1), acc0, is_async=True)
+                acc1 = warpgroup_mma(a, b.slice(BH, BH, dim=1), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            # epilogue; padding rows masked by multiplies (a select on the accumulator serializes the wgmmas)
+            row0 = pid_m * BM + C * BMC
+            rows = row0 + gl.arange(0, BMC, layout=row_layout)
+            pair = gl.load(row_pair_ptr + rows)
+            ok = pair >= 0
+            vf = gl.expand_dims(ok.to(gl.float32), 1)
+            sc = gl.expand_dims(gl.load(scores_ptr + gl.where(ok, pair, 0)) * ok.to(gl.float32), 1)
+            col0 = pid_n * 2 * BH
+            dscore = _g2d_epilogue(acc0, dgu_desc, hs_desc, gate_up_ptr, ok, vf, sc, rows, row0, col0, c_smem, F)
+            dscore += _g2d_epilogue(acc1, dgu_desc, hs_desc, gate_up_ptr, ok, vf, sc, rows, row0, col0 + BH, c_smem, F)
+            gl.store(dscore_ptr + rows.to(gl.int64) * NUM_N + pid_n, dscore)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm2_dgrad_ws_kernel(dout_ptr, w2_desc, dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr,
+                               tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+                               NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
+                               BK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """g = dout[t] @ w2[e] per row tile, then the SwiGLU backward: dgate_up, hs = s h and the d score
+        partials (the Triton kernel is ``grouped_gemm_bwd._gemm2_dgrad_swiglu_bwd_kernel``). Grid: (programs,)."""
+        dtype: gl.constexpr = w2_desc.dtype
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
+        c0 = gl.allocate_shared_memory(dtype, hs_desc.block_type.shape, hs_desc.layout)
+        c1 = gl.allocate_shared_memory(dtype, hs_desc.block_type.shape, hs_desc.layout)
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        gl.warp_specialize([
+            (_g2d_consumer, (dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E,
+                             a_bufs, b_bufs, ready_a, ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
+            (_g2d_consumer, (dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E,
+                             a_bufs, b_bufs, ready_a, ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
+            (_g2d_producer, (dout_ptr, w2_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
+                             ready_a, ready_b, empty, D, TOPK, NUM_N, GROUP_M, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # device index -> compute capability (a driver query per launch
+# cost ~40 us of the H200 host's time per forward, scripts/host_profile.py)
+
+
+def _capability(dev: torch.device) -> tuple[int, int]:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return cap
+
+
 def _platform_reason(t: Tensor) -> str | None:
     """Why the Gluon kernels cannot run on ``t``'s device with this Triton (None: they can)."""
     if not HAVE_GLUON:
         return "this Triton has no Gluon Hopper API"
-    if not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] != 9:
+    if not t.is_cuda or _capability(t.device)[0] != 9:
         return "needs an sm_90 (Hopper) GPU"
     if not triton.__version__.startswith("3.6"):
         return f"written against Triton 3.6's Gluon, found {triton.__version__}"
@@ -402,8 +558,8 @@ def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig
 
 
 def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", top_k: int = 8) -> tuple[dict, dict]:
-    """(signature, constexprs) of ``_gemm1_dgrad_ws_kernel`` (``kind`` "gemm1_dgrad") or ``_gemm1_fwd_ws_kernel``
-    ("gemm1") for ``sm90_check.compile_sm90`` (CPU build checks: registers, shared memory, wgmma count, no
+    """(signature, constexprs) of ``_gemm1_dgrad_ws_kernel`` (``kind`` "gemm1_dgrad"), ``_gemm1_fwd_ws_kernel``
+    ("gemm1") or ``_gemm2_dgrad_ws_kernel`` ("gemm2_dgrad") for ``sm90_check.compile_sm90`` (CPU build checks: registers, shared memory, wgmma count, no
     ptxas wgmma serialization)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
@@ -411,6 +567,13 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", 
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
 
+    if kind == "gemm2_dgrad":
+        sig = {"dout_ptr": "*bf16", "w2_desc": desc([bk, bn]), "dgu_desc": desc([bm // 2, bn // 2]),
+               "hs_desc": desc([bm // 2, bn // 2]), "gate_up_ptr": "*bf16", "scores_ptr": "*fp32", "dscore_ptr": "*fp32",
+               "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
+        cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
+                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+        return sig, cx
     if kind == "gemm1":
         sig = {"x_ptr": "*bf16", "w1_desc": desc([bn, bk]), "w3_desc": desc([bn, bk]), "gu_desc": desc([bm // 2, bn]),
                "h_desc": desc([bm // 2, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
@@ -474,6 +637,15 @@ def ws_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, gate_u
     n_cap, dev = layout.n_cap, x_TD.device
     gu = torch.empty((n_cap, 2 * F), dtype=torch.bfloat16, device=dev) if gate_up_out is None else gate_up_out
     h = torch.empty((n_cap, F), dtype=torch.bfloat16, device=dev) if h_out is None else h_out
+    return launch_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gu, h, cfg, programs)
+
+
+def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: Tensor, h: Tensor,
+                     cfg: WsConfig = FWD_CONFIG, programs: int | None = None):
+    """``ws_gemm1_fwd`` without its checks, for a caller that has made them (``grouped_gemm.gemm1_swiglu_fwd``:
+    operands, outputs, layout, and ``ws_gemm1_fwd_supported``); returns (gu, h)."""
+    E, F, D = w1_EFD.shape
+    n_cap, dev = layout.n_cap, x_TD.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     w1_desc = _desc(w1_EFD, (E * F, D), (bn, bk))
     w3_desc = _desc(w3_EFD, (E * F, D), (bn, bk))
@@ -532,6 +704,15 @@ def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout,
         raise ValueError(f"ws_gemm1_dgrad: dgate_up {tuple(dgate_up_N2F.shape)} / w3 {tuple(w3_EFD.shape)} do not "
                          f"match (N_cap, 2F) = ({n_cap}, {2 * F}) / (E, F, D) = ({E}, {F}, {D})")
     dx = torch.empty((n_cap, D), dtype=torch.bfloat16, device=dgate_up_N2F.device) if out is None else out
+    return launch_gemm1_dgrad(dgate_up_N2F, w1_EFD, w3_EFD, layout, dx, cfg, programs)
+
+
+def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, dx: Tensor,
+                       cfg: WsConfig = DEFAULT, programs: int | None = None) -> Tensor:
+    """``ws_gemm1_dgrad`` without its checks, for a caller that has made them (``grouped_gemm_bwd.gemm1_dgrad``:
+    operands, output, layout, and ``ws_gemm1_dgrad_supported``); returns dx."""
+    E, F, D = w1_EFD.shape
+    n_cap = layout.n_cap
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bm, bk))
     w1_desc = _desc(w1_EFD, (E * F, D), (bk, bn))
@@ -546,3 +727,82 @@ def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout,
            F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs,
            num_warps=4, maxnreg=cfg.maxnreg)
     return dx
+
+
+#: Config of the Gluon GEMM2 dgrad (cooperative 128 x 128 tiles: each consumer holds a 64 x 128 fp32 accumulator
+#: and the epilogue's fp32 gate / up / SwiGLU tiles; BN 128 gives the Triton kernel's d score partial columns).
+G2D_CONFIG = WsConfig(block_n=128, stages=4, group_m=1, coop=True, consumer_regs=216, producer_regs=72)
+
+
+def ws_gemm2_dgrad_supported(dout_TD: Tensor, w2_EDF: Tensor, cfg: WsConfig = G2D_CONFIG) -> str | None:
+    """None if the warp-specialized GEMM2 dgrad can take these operands, else why not."""
+    reason = _platform_reason(dout_TD)
+    if reason:
+        return reason
+    E, D, F = w2_EDF.shape
+    if F % cfg.block_n or D % cfg.block_k:
+        return f"needs F % {cfg.block_n} == 0 and D % {cfg.block_k} == 0 (F={F}, D={D})"
+    return None
+
+
+def ws_gemm2_dgrad(dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout, *,
+                   out: tuple[Tensor, Tensor] | None = None, hs_out: Tensor | None = None,
+                   cfg: WsConfig = G2D_CONFIG, programs: int | None = None):
+    """GEMM2 dgrad with the row gather and the SwiGLU backward, by the warp-specialized Gluon kernel.
+
+    Same contract as ``grouped_gemm_bwd.gemm2_dgrad_swiglu_bwd`` with ``hs_out`` (required here): per padded row r
+    (pair p >= 0, token t = p // K, expert e): g = dout[t] @ w2[e] (fp32), dh = s[p] g, dgate = dh up silu'(gate),
+    dup = dh silu(gate), hs[r] = bf16(s[p] silu(gate) up), dscore_partial[r, j] = sum of g h over the columns of
+    block j (h = bf16(silu(gate) up)); zeros on padding rows; tiles past offsets[E] not written.
+
+    Args:
+        dout_TD: (T, D) bf16 contiguous; w2_EDF: (E, D, F) bf16 contiguous; gate_up_N2F: (N_cap, 2F) bf16 saved by
+            the forward; scores_TK: (T, K) fp32; layout: the routing layout (block_m 128).
+        out: optional (dgate_up (N_cap, 2F) bf16, dscore_partial (N_cap, F // 128) fp32) buffers.
+        hs_out: (N_cap, F) bf16 buffer for s h (optional: allocated if None).
+        programs: persistent grid size (default: the SM count).
+
+    Returns:
+        (dgate_up, dscore_partial, hs).
+
+    Raises:
+        ValueError: an unsupported case (``ws_gemm2_dgrad_supported``'s reason) or mismatched shapes.
+    """
+    reason = ws_gemm2_dgrad_supported(dout_TD, w2_EDF, cfg)
+    if reason:
+        raise ValueError(f"ws_gemm2_dgrad: {reason}")
+    E, D, F = w2_EDF.shape
+    n_cap, dev, nb = layout.n_cap, dout_TD.device, F // cfg.block_n
+    T, K = scores_TK.shape
+    if (layout.block_m != cfg.block_m or tuple(dout_TD.shape) != (T, D) or tuple(gate_up_N2F.shape) != (n_cap, 2 * F)
+            or layout.top_k != K):
+        raise ValueError(f"ws_gemm2_dgrad: dout {tuple(dout_TD.shape)}, gate_up {tuple(gate_up_N2F.shape)}, scores "
+                         f"{tuple(scores_TK.shape)} or layout (block_m {layout.block_m}, top_k {layout.top_k}) do not "
+                         f"match (E, D, F) = ({E}, {D}, {F}), N_cap {n_cap}, block_m {cfg.block_m}")
+    if out is None:
+        out = (torch.empty((n_cap, 2 * F), dtype=torch.bfloat16, device=dev),
+               torch.empty((n_cap, nb), dtype=torch.float32, device=dev))
+    hs = torch.empty((n_cap, F), dtype=torch.bfloat16, device=dev) if hs_out is None else hs_out
+    return (*launch_gemm2_dgrad(dout_TD, w2_EDF, gate_up_N2F, scores_TK, layout, out[0], out[1], hs, cfg, programs), hs)
+
+
+def launch_gemm2_dgrad(dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout,
+                       dgate_up: Tensor, dscore_part: Tensor, hs: Tensor, cfg: WsConfig = G2D_CONFIG,
+                       programs: int | None = None):
+    """``ws_gemm2_dgrad`` without its checks, for a caller that has made them
+    (``grouped_gemm_bwd.gemm2_dgrad_swiglu_bwd``); returns (dgate_up, dscore_part)."""
+    E, D, F = w2_EDF.shape
+    n_cap, dev = layout.n_cap, dout_TD.device
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    w2_desc = _desc(w2_EDF, (E * D, F), (bk, bn))
+    dgu_desc = _desc(dgate_up, (n_cap, 2 * F), (bm // 2, bn // 2))  # the epilogue writes column halves
+    hs_desc = _desc(hs, (n_cap, F), (bm // 2, bn // 2))
+    num_n = F // bn
+    if programs is None:
+        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    launch(_gemm2_dgrad_ws_kernel, (programs,),
+           dout_TD, w2_desc, dgu_desc, hs_desc, gate_up_N2F, scores_TK, dscore_part, layout.row_pair,
+           layout.tile_expert, layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk,
+           cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+    return dgate_up, dscore_part
