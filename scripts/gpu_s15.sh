@@ -6,7 +6,8 @@
 #     the forward goes on this machine: launch timeline and cProfile).
 #   PART=b: the Gluon GEMM2 dgrad's first run (bench-g2d, bounded; tests/test_ws_gemm.py), host_profile.py after
 #     the host-side changes, compare.layer EP 1 both shapes with WS_GEMM2_DGRAD=1 beside the defaults (WS_GEMM1 on).
-#   PART=c: tests/test_gpu.py single-GPU with TITAN_MEGAMOE_WS_GEMM2_DGRAD=1.
+#   PART=c: the GEMM2 dgrad storing the gathered dout rows for the w2 wgrad (STORE_DY_ROWS): tests/test_gpu.py
+#     single-GPU and tests/test_kernels_bwd.py on the GPU, compare.layer with STORE_DY_ROWS=0 beside the defaults.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s15.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -34,10 +35,15 @@ elif [ "$PART" = b ]; then
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
 elif [ "$PART" = c ]; then
-  TITAN_MEGAMOE_WS_GEMM2_DGRAD=1 timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py \
-    -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu_ws_gemm2_dgrad.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests (WS_GEMM2_DGRAD=1): $(tail -1 "$OUT/keep/tests_gpu_ws_gemm2_dgrad.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_ws_gemm2_dgrad.log" | head
+  # the GEMM2 dgrad storing the gathered dout rows (STORE_DY_ROWS, default on): GPU tests, then layer A/B
+  timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py tests/test_kernels_bwd.py \
+    -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" > "$OUT/keep/tests_gpu.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
+  timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --switches STORE_DY_ROWS=0 \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
 else
   echo "PART=$PART: unknown"; exit 2
 fi
