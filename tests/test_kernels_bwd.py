@@ -226,32 +226,6 @@ def test_wgrad_grouped_mm_matches_oracle_and_triton(case):
     assert torch.equal(again[0], got["grouped_mm"]["dw1"]) and torch.equal(again[1], got["grouped_mm"]["dw3"])
 
 
-@pytest.mark.parametrize("case", [Case("zero_expert", 33, 8, 2, 64, 32, seed=1), Case("uniform", 40, 4, 1, 32, 96, seed=2),
-                                  Case("one_expert", 29, 4, 3, 96, 32, seed=3)],
-                         ids=lambda c: f"{c.routing}-T{c.T}-K{c.K}-D{c.D}-F{c.F}")
-def test_gemm2_dgrad_stores_the_gathered_dout_rows(case):
-    """dy_rows_out: the GEMM2 dgrad writes gather_rows(dout)'s rows (every row below offsets[E], zeros on padding
-    rows; K steps split over the column blocks: more steps than blocks, fewer, and one block) and its other
-    outputs are unchanged."""
-    B = _bwd_module()
-    from titan_megamoe.kernels import grouped_gemm_wgrad as W
-
-    t = _inputs(case, 16)
-    lay = t["layout"]
-    cfg = _configs(case, lay, case.D, case.F)["gemm2_dgrad"]
-    hs0, hs1 = (torch.empty(lay.n_cap, case.F, dtype=torch.bfloat16, device=t["x"].device) for _ in range(2))
-    dy = torch.full((lay.n_cap, case.D), float("nan"), dtype=torch.bfloat16, device=t["x"].device)
-    plain = B.gemm2_dgrad_swiglu_bwd(t["dout"], t["w2"], t["gate_up"], t["scores"], lay, cfg, hs_out=hs0)
-    fused = B.gemm2_dgrad_swiglu_bwd(t["dout"], t["w2"], t["gate_up"], t["scores"], lay, cfg, hs_out=hs1,
-                                     dy_rows_out=dy)
-    end = int(lay.offsets[-1])
-    assert torch.equal(dy[:end], W.gather_rows(t["dout"], lay)[:end])
-    for a, b in zip((*plain, hs0), (*fused, hs1)):
-        assert torch.equal(a[:end], b[:end])
-    dw2 = B.wgrad_w2(t["dout"], t["gate_up"], t["scores"], lay, hs_NF=hs1, impl="grouped_mm", dout_rows=dy)
-    assert torch.equal(dw2, B.wgrad_w2(t["dout"], t["gate_up"], t["scores"], lay, hs_NF=hs1, impl="grouped_mm"))
-
-
 def test_gather_rows_padding_zero_and_tokens():
     """gather_rows: row r < offsets[E] = x[row_pair[r] // K] or exact zeros on padding rows."""
     from titan_megamoe.kernels import grouped_gemm_wgrad as W
@@ -377,7 +351,6 @@ def test_preconditions_raise():
 COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D=2048, F=768, K=8
     ("gemm2_dgrad_tma", "gemm2_dgrad", True),  # the default: two programs per SM (HOPPER_GEMM2_DGRAD_2CTA)
     ("gemm2_dgrad_ptr", "gemm2_dgrad", False),
-    ("gemm2_dgrad_dy_tma", "gemm2_dgrad_dy", True),  # + the gathered dout rows stored (STORE_DY, the default)
     ("gemm2_dgrad_1cta_tma", "gemm2_dgrad_1cta", True),  # TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=0: one per SM
     ("gemm1_dgrad_tma", "gemm1_dgrad", True),
     ("gemm1_dgrad_ptr", "gemm1_dgrad", False),
@@ -420,20 +393,19 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                 kern, sig, cx = B._scatter_dx_kernel, {"dx_rows_ND": "*bf16", "pair_row_P": "*i32", "dx_TD": "*bf16",
                                                        "T": "i32"}, dict(D=D, K=K, BT=32, BD=128)
         else:
-            base = kind.replace("_hs", "").replace("_1cta", "").replace("_dy", "")
-            cfg = dataclasses.replace(B.default_bwd_config(base, _Lay, D, F),
+            cfg = dataclasses.replace(B.default_bwd_config(kind.replace("_hs", "").replace("_1cta", ""), _Lay, D, F),
                                       use_tma=tma)
             if kind == "gemm2_dgrad_1cta":
                 cfg = dataclasses.replace(cfg, num_stages=4, maxnreg=None)
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
             tile = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, USE_TMA=tma, INTERPRET=False)
             opts = cfg.compile_options()
-            if kind in ("gemm2_dgrad", "gemm2_dgrad_1cta", "gemm2_dgrad_dy"):
+            if kind in ("gemm2_dgrad", "gemm2_dgrad_1cta"):
                 kern = B._gemm2_dgrad_swiglu_bwd_kernel
                 sig = {"dout_TD": "*bf16", "w2_EDF": desc([1, bk, bn]) if tma else "*bf16", "gate_up_N2F": "*bf16",
                        "scores_P": "*fp32", "row_pair_N": "*i32", "tile_expert_M": "*i32", "dgate_up_N2F": "*bf16",
-                       "dscore_part_NB": "*fp32", "hs_NF": "*bf16", "dy_rows_ND": "*bf16", "n_tiles": "i32"}
-                cx = dict(D=D, F=F, K=K, NB=-(-F // bn), STORE_HS=True, STORE_DY=kind == "gemm2_dgrad_dy", **tile)
+                       "dscore_part_NB": "*fp32", "hs_NF": "*bf16", "n_tiles": "i32"}
+                cx = dict(D=D, F=F, K=K, NB=-(-F // bn), STORE_HS=True, **tile)
             elif kind == "gemm1_dgrad":
                 kern = B._gemm1_dgrad_kernel
                 sig = {"dgate_up_N2F": desc([bm, 1, bk]) if tma else "*bf16",

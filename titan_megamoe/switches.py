@@ -59,7 +59,6 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", "1", attrs=(("titan_megamoe.kernels.configs", "GEMM2_DGRAD_2CTA"),),
            caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_WS_GEMM1", "1", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM1"),)),
-    Switch("TITAN_MEGAMOE_STORE_DY_ROWS", "1", attrs=(("titan_megamoe.ops.triton_backend", "STORE_DY_ROWS"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM2_DGRAD", "0", attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM2_DGRAD"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", values=("0", "pingpong", "coop"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM1_DGRAD"),)),

@@ -107,11 +107,10 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     dgate_up_N2F,     # (N_cap, 2F) bf16 out
     dscore_part_NB,   # (N_cap, NB) fp32 out
     hs_NF,            # (N_cap, F) bf16 out, s[p] * h[r] for wgrad_w2 (only if STORE_HS)
-    dy_rows_ND,       # (N_cap, D) bf16 out, the gathered dout rows for wgrad_w2 (only if STORE_DY)
     n_tiles,          # i32 row tiles of the layout
     D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,  # NB = cdiv(F, BN)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, STORE_HS: tl.constexpr, INTERPRET: tl.constexpr, STORE_DY: tl.constexpr = False,
+    USE_TMA: tl.constexpr, STORE_HS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """g = dout[t] @ w2[e]; SwiGLU backward; d score partials; optionally hs = s * h for wgrad_w2.
 
@@ -140,9 +139,6 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     for k0 in range(0, D, BK):
         ks = k0 + tl.arange(0, BK)
         a = tl.load(dout_TD + tok64[:, None] * D + ks[None, :], mask=valid[:, None] & (ks[None, :] < D), other=0.0)
-        if STORE_DY:  # the gather wgrad_w2 needs, for free: K step i stored by the column block i % NB
-            if (k0 // BK) % NB == pid_n:
-                tl.store(dy_rows_ND + rows64[:, None] * D + ks[None, :], a, mask=ks[None, :] < D)
         if USE_TMA:
             b = w2_EDF.load([e, k0, pid_n * BN]).reshape(BK, BN)
         else:
@@ -293,7 +289,6 @@ def _scatter_dx_kernel(
 def gemm2_dgrad_swiglu_bwd(
     dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
     config: GemmConfig | None = None, *, out: tuple[Tensor, Tensor] | None = None, hs_out: Tensor | None = None,
-    dy_rows_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GEMM2 dgrad fused with the SwiGLU backward and the routing-score gradient partials.
 
@@ -313,10 +308,6 @@ def gemm2_dgrad_swiglu_bwd(
         hs_out: optional (N_cap, F) bf16 buffer; when given, also written with hs[r] = bf16(s[p] h[r])
             (zeros on padding rows), which ``wgrad_w2(..., hs_NF=hs_out)`` consumes without recomputing
             SwiGLU in its main loop (one extra N_cap x F bf16 write, read once).
-        dy_rows_out: optional (N_cap, D) bf16 buffer; when given, also written with the gathered dout rows
-            (``wgrad_grouped_gemm.gather_rows``'s contract: rows below offsets[E], zeros on padding rows), the
-            A operand the kernel loads anyway, each K step stored by one of the NB column blocks' programs:
-            ``wgrad_w2(..., dout_rows=dy_rows_out)`` then skips its gather pass.
 
     Returns:
         dgate_up_N2F (N_cap, 2F) bf16 (zeros on padding rows) and dscore_partial (N_cap, NB) fp32 with
@@ -347,9 +338,7 @@ def gemm2_dgrad_swiglu_bwd(
         raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
     if hs_out is not None:
         _check(hs_out, "hs_out", (layout.n_cap, F), _ACT, dev)
-    if dy_rows_out is not None:
-        _check(dy_rows_out, "dy_rows_out", (layout.n_cap, D), _ACT, dev)
-    if (WS_GEMM2_DGRAD and config is None and hs_out is not None and dy_rows_out is None and layout.block_m == 128
+    if (WS_GEMM2_DGRAD and config is None and hs_out is not None and layout.block_m == 128
             and D >= WS_GEMM1_DGRAD_MIN_DIM and (out is None or out[1].shape[1:] == (F // 128,))):
         from titan_megamoe.kernels import ws_gemm
 
@@ -377,10 +366,9 @@ def gemm2_dgrad_swiglu_bwd(
     if n_tiles * nb:
         launch(_gemm2_dgrad_swiglu_bwd_kernel, (n_tiles * nb,),
             dout_TD, w2_arg, gate_up_N2F, scores_TK, layout.row_pair, layout.tile_expert, dgate_up,
-            dscore_part, dgate_up if hs_out is None else hs_out, dgate_up if dy_rows_out is None else dy_rows_out,
-            n_tiles, D, F, K, nb,
+            dscore_part, dgate_up if hs_out is None else hs_out, n_tiles, D, F, K, nb,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
-            STORE_HS=hs_out is not None, STORE_DY=dy_rows_out is not None, **_launch_opts(cfg),
+            STORE_HS=hs_out is not None, **_launch_opts(cfg),
         )
     return dgate_up, dscore_part
 

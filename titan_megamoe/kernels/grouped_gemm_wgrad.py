@@ -264,7 +264,7 @@ def _wgrad_out(out, shape, out_dtype, dev, name):
 def wgrad_w2(
     dout_TD: Tensor, gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout,
     config: GemmConfig | None = None, *, hs_NF: Tensor | None = None, out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None, impl: str | None = None, dout_rows: Tensor | None = None,
+    out: Tensor | None = None, impl: str | None = None,
 ) -> Tensor:
     """dw2[e] = sum_{rows r of e} (s[p] dout[t])^T outer h[r] = sum_r dout[t]^T outer (s[p] h[r]).
 
@@ -280,9 +280,6 @@ def wgrad_w2(
         out: optional (E, D, F) caller buffer of ``out_dtype``.
         impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
             needs ``hs_NF``, bf16 output and no config / out).
-        dout_rows: optional (N_cap, D) bf16 dout rows already in the layout's order (``gather_rows``'s
-            contract; ``gemm2_dgrad_swiglu_bwd(..., dy_rows_out=)`` writes them): the grouped_mm path uses
-            them instead of gathering (the Triton path gathers in its loader and ignores them).
 
     Returns:
         (E, D, F) dw2; experts without rows get exact zeros.
@@ -310,11 +307,7 @@ def wgrad_w2(
     custom = config is not None or out is not None or hs_NF is None
     if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
         # dw2[e] = dout_rows[e]^T @ (s h)[e]; padding rows of the gathered dout are zeros
-        if dout_rows is None:
-            dout_rows = gather_rows(dout_TD, layout)
-        else:
-            _check(dout_rows, "dout_rows", (layout.n_cap, D), _ACT, dev)
-        return _grouped_mm_wgrad(dout_rows.t(), hs_NF, layout)
+        return _grouped_mm_wgrad(gather_rows(dout_TD, layout).t(), hs_NF, layout)
     cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
     dw2 = _wgrad_out(out, (E, D, F), out_dtype, dev, "out (dw2)")
     nbm, nbn = cdiv(D, cfg.block_m), cdiv(F, cfg.block_n)

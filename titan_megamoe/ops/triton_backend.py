@@ -25,17 +25,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
-__all__ = ["BLOCK_M", "STORE_DY_ROWS", "check_triton_inputs", "triton_fwd", "triton_bwd", "layout_from_tensors"]
+__all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_bwd", "layout_from_tensors"]
 
 #: Row block of the grouped GEMMs (and of the routing layout).
 BLOCK_M = 128
-#: The backward's GEMM2 dgrad kernel also stores the dout rows it gathers, for the w2 wgrad's grouped GEMM (which
-#: then skips its own gather pass: 0.2 ms of the 30B shape's backward on an H200). ``TITAN_MEGAMOE_STORE_DY_ROWS=0``:
-#: the separate gather. Read at import; a same-process switch.
-STORE_DY_ROWS = env_flag("TITAN_MEGAMOE_STORE_DY_ROWS", True)
 
 
 def _block_m() -> int:
@@ -89,23 +84,16 @@ def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor
         wgrad_w13,
     )
 
-    from titan_megamoe.kernels.grouped_gemm_wgrad import wgrad_impl
-
     T, K = topk_scores_TK.shape
     dout_TD = dout_TD.contiguous()
     # s*h rows stored by the dgrad epilogue for the w2 wgrad: 4x faster there than recomputing h from
     # gate_up in the wgrad loader (H200, 30B shape: 1.04 vs 4.42 ms), for a transient N_cap x F bf16.
     hs = torch.empty((layout.n_cap, w1.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
-    # the dout rows of the w2 wgrad, stored by the dgrad kernel that gathers them anyway (when the w2 wgrad
-    # is the grouped GEMM that reads them): one gather pass fewer
-    dy_rows = None
-    if STORE_DY_ROWS and wgrad_impl(dout_TD.device) == "grouped_mm":
-        dy_rows = torch.empty((layout.n_cap, dout_TD.shape[1]), dtype=dout_TD.dtype, device=dout_TD.device)
     dgate_up, dscore_part = gemm2_dgrad_swiglu_bwd(dout_TD, w2.contiguous(), gate_up, topk_scores_TK, layout,
-                                                   hs_out=hs, dy_rows_out=dy_rows)
+                                                   hs_out=hs)
     dscores = reduce_dscore(dscore_part, layout, T, K)
-    dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout, hs_NF=hs, dout_rows=dy_rows)
-    del hs, dy_rows  # back to the allocator before wgrad_w13's gathered x rows (peak memory)
+    dw2 = wgrad_w2(dout_TD, gate_up, topk_scores_TK, layout, hs_NF=hs)
+    del hs  # 0.2 GiB at 30B back to the allocator before wgrad_w13's gathered x rows (peak memory)
     dw1, dw3 = wgrad_w13(dgate_up, x_TD.contiguous(), layout)
     dx_rows = gemm1_dgrad(dgate_up, w1.contiguous(), w3.contiguous(), layout)
     dx = scatter_dx(dx_rows, layout, T, K)
