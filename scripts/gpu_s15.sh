@@ -7,7 +7,9 @@
 #   PART=b: the Gluon GEMM2 dgrad's first run (bench-g2d, bounded; tests/test_ws_gemm.py), host_profile.py after
 #     the host-side changes, compare.layer EP 1 both shapes with WS_GEMM2_DGRAD=1 beside the defaults (WS_GEMM1 on).
 #   PART=c: the GEMM2 dgrad storing the gathered dout rows for the w2 wgrad (STORE_DY_ROWS): tests/test_gpu.py
-#     single-GPU and tests/test_kernels_bwd.py on the GPU, compare.layer with STORE_DY_ROWS=0 beside the defaults.
+#     single-GPU and tests/test_kernels_bwd.py on the GPU, compare.layer with STORE_DY_ROWS=0 beside the defaults
+#     (failed: wrong backward, no time saved; reverted).
+#   PART=d: the same GPU tests at HEAD after the revert, compare.layer with WS_GEMM1=0 beside the defaults.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s15.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -42,6 +44,16 @@ elif [ "$PART" = c ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
   timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --switches STORE_DY_ROWS=0 \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
+elif [ "$PART" = d ]; then
+  # HEAD after the revert: the single-GPU GPU suite with the defaults (Gluon GEMM1 forward on), layer A/B
+  timeout -s KILL 300 python3 -m pytest -q -rA tests/test_gpu.py tests/test_kernels_bwd.py \
+    -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" > "$OUT/keep/tests_gpu.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
+  timeout 240 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --switches WS_GEMM1=0 \
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
 else
