@@ -10,6 +10,7 @@
 #     single-GPU and tests/test_kernels_bwd.py on the GPU, compare.layer with STORE_DY_ROWS=0 beside the defaults
 #     (failed: wrong backward, no time saved; reverted).
 #   PART=d: the same GPU tests at HEAD after the revert, compare.layer with WS_GEMM1=0 beside the defaults.
+#   PART=e: the two tests/test_kernels_bwd.py failures of PART d, with switches off one at a time.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s15.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -56,6 +57,14 @@ elif [ "$PART" = d ]; then
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --switches WS_GEMM1=0 \
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
+elif [ "$PART" = e ]; then
+  # the two test_kernels_bwd.py GPU failures of PART d (never run under pytest on a GPU before): bisect by switch
+  for sw in "" TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=0 TITAN_MEGAMOE_FAST_LAUNCH=0 TITAN_MEGAMOE_WGRAD=triton; do
+    env $sw timeout -s KILL 100 python3 -m pytest -q -rA tests/test_kernels_bwd.py \
+      -k "nan_poisoned or grads_match_oracle_cuda" > "$OUT/keep/tests_kbwd_${sw:-defaults}.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] ${sw:-defaults}: $(tail -1 "$OUT/keep/tests_kbwd_${sw:-defaults}.log")"
+    grep -E "^E  .*(Error|not deterministic|unwritten)" "$OUT/keep/tests_kbwd_${sw:-defaults}.log" | cut -c1-250 | head -4
+  done
 else
   echo "PART=$PART: unknown"; exit 2
 fi
