@@ -475,8 +475,13 @@ def _gpu_correctness(verbose: bool = False) -> None:
         got = _run_bwd(t, c, cfg)
         _check_against_oracle(c, got, t)
         again = _run_bwd(t, c, cfg)
+        end = int(t["layout"].offsets[-1])
         for k, v in got.items():
-            assert torch.equal(v, again[k]), f"{c}: {k} not deterministic"
+            if k in ("dgate_up", "dscore_partial", "dx_rows", "hs"):  # per layout row: rows from offsets[E] on
+                v, w = v[:end], again[k][:end]  # are left unwritten (torch.empty's leftovers differ between runs)
+            else:
+                w = again[k]
+            assert torch.equal(v, w), f"{c}: {k} not deterministic"
         if verbose:
             print(json.dumps({"gpu_case": dataclasses.astuple(c)[:6], "tma": c.use_tma, "ok": True}), flush=True)
 

@@ -142,8 +142,8 @@ def _wgrad_w2_kernel(
     Grid: (NBM * NBN, E), NBM = cdiv(D, BM), NBN = cdiv(F, BN), grouped order within an expert. The
     program of (m, n, e) owns dw2[e, m*BM:(m+1)*BM, n*BN:(n+1)*BN] and loops over the expert's rows in
     BK chunks (bounds read from offsets on device); no rows -> zeros.
-    Precondition (HS_SAVED + TMA): hs rows are finite (they are all written by gemm2_dgrad): a chunk's
-    rows past the expert's end meet zero dout columns.
+    HS_SAVED + TMA: the tile's rows past the expert's end are masked to 0 (a BK chunk can reach rows from
+    offsets[E] on, which gemm2_dgrad leaves unwritten, when BK exceeds the layout's BM; NaN x 0 is NaN).
     """
     pid = tl.program_id(0)
     e = tl.program_id(1)
@@ -167,8 +167,8 @@ def _wgrad_w2_kernel(
         # dout^T tile (BM, BK): token rows gathered, transposed by the pointer layout.
         a = tl.load(dout_TD + tok64[None, :] * D + dd[:, None], mask=valid[None, :] & d_ok[:, None], other=0.0)
         if HS_SAVED:
-            if USE_TMA:
-                b = hs_NF.load([r0, pid_n * BN])
+            if USE_TMA:  # masked: a chunk can run past offsets[E] into unwritten rows when BK > the layout's BM
+                b = tl.where(valid[:, None], hs_NF.load([r0, pid_n * BN]), 0.0).to(dout_TD.dtype.element_ty)
             else:
                 b = tl.load(hs_NF + rows64[:, None] * F + ff[None, :], mask=valid[:, None] & f_ok[None, :], other=0.0)
         else:
