@@ -12,6 +12,7 @@
 #   PART=d: the same GPU tests at HEAD after the revert, compare.layer with WS_GEMM1=0 beside the defaults.
 #   PART=e: the two tests/test_kernels_bwd.py failures of PART d, with switches off one at a time (no change).
 #   PART=f: tests/test_kernels_bwd.py on the GPU after the two fixes.
+#   PART=g: the fused eager layer (one autograd node for gate, router and experts): GPU tests, layer A/B.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s15.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -72,6 +73,17 @@ elif [ "$PART" = f ]; then
     > "$OUT/keep/tests_kernels_bwd.log" 2>&1
   echo "[t=$((SECONDS - t0))s] test_kernels_bwd: $(tail -1 "$OUT/keep/tests_kernels_bwd.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_kernels_bwd.log" | head
+elif [ "$PART" = g ]; then
+  # the fused eager layer (ops/eager_layer.py, FUSED_LAYER on by default): its tests and the GPU suite, then the
+  # layer A/B against FUSED_LAYER=0 in one process
+  timeout -s KILL 200 python3 -m pytest -q -rA tests/test_eager_layer.py tests/test_gpu.py \
+    -k "not ep_triton and not reference_ep2" > "$OUT/keep/tests_gpu.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
+  timeout 150 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot --switches FUSED_LAYER=0 \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"
 else
   echo "PART=$PART: unknown"; exit 2
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from torchtitan.models.moe.moe import MoE, MoEArgs, TokenChoiceTopKRouter
 
@@ -18,9 +19,20 @@ from titan_megamoe.config import MegaMoEConfig
 from titan_megamoe.experts import MegaMoEExperts
 from titan_megamoe.kernels import jit
 from titan_megamoe.kernels import router as fused_router
+from titan_megamoe.ops import eager_layer
+from titan_megamoe.ops import triton_backend as tb
 from titan_megamoe.parallelize import strip_torchtitan_ep_hooks
 
 __all__ = ["MegaMoE", "MegaMoERouter", "moe_args_of"]
+
+
+def _has_global_module_hooks() -> bool:
+    """Any ``torch.nn.modules.module.register_module_forward_*`` / backward hook installed (they must see
+    the router and experts modules called)."""
+    from torch.nn.modules import module as m
+
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 class MegaMoERouter(TokenChoiceTopKRouter):
@@ -193,10 +205,50 @@ class MegaMoE(MoE):
         new.train(moe.training)
         return new
 
+    def _fused_layer_ok(self, x: Tensor) -> bool:
+        """Whether ``forward`` runs the gate, router and experts as one autograd node
+        (``ops/eager_layer.py``): eager mode, ``TITAN_MEGAMOE_FUSED_LAYER`` on, the fused router's conditions,
+        a gate without bias, the triton backend in bf16 at EP = 1 (plain tensors, not DTensors) with scores
+        after the experts, no module hooks on router, gate or experts (FSDP's all-gather, profilers) and no
+        global ones, and the tokens within ``max_tokens_per_rank``. Otherwise the modular path runs."""
+        router, experts = self.router, self.experts
+        if not (eager_layer.ENABLED and type(router) is MegaMoERouter and "forward" not in vars(router)
+                and router.gate.bias is None and type(x) is Tensor and x.dtype == torch.bfloat16):
+            return False
+        cfg = experts.config
+        if cfg.backend != "triton" or cfg.precision != "bf16" or experts.score_before_experts:
+            return False
+        w = (router.gate.weight, experts.w1, experts.w2, experts.w3)
+        if any(isinstance(t, DTensor) or t.dtype != torch.bfloat16 for t in w):
+            return False
+        counts = self.tokens_per_expert
+        if (type(counts) is not Tensor or counts.dtype != torch.float32 or counts.device != x.device
+                or not counts.is_contiguous()):
+            return False
+        if 0 < experts.max_tokens_per_rank < x.shape[0]:
+            return False  # the modular path raises CapacityError
+        for m in (router, router.gate, experts):
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return False
+        if _has_global_module_hooks():
+            return False
+        return router._fused_ok(x, self.expert_bias)
+
     def forward(self, x: Tensor) -> Tensor:
         """x (bs, slen, dim) -> (bs, slen, dim)."""
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
+        # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
+        strip_torchtitan_ep_hooks(self.experts)
+        if self._fused_layer_ok(x):
+            r, ex = self.router, self.experts
+            tb.check_triton_inputs(x, None, None, ex.w1, ex.w2, ex.w3, self.layer_name)
+            out = eager_layer.FusedLayerFunction.apply(
+                x, r.gate.weight, self.expert_bias, self.tokens_per_expert, ex.w1, ex.w2, ex.w3, r.top_k,
+                r.score_func, r.route_norm, r.route_scale)
+            if self.shared_experts is not None:
+                out = self.shared_experts(x) + out
+            return out.reshape(bs, slen, dim)
         if isinstance(self.router, MegaMoERouter) and "forward" not in vars(self.router):
             # the fused router adds the counts in its kernel (returns None for them)
             top_scores, selected, counts = self.router(x, self.expert_bias, counts_into=self.tokens_per_expert)
@@ -205,8 +257,6 @@ class MegaMoE(MoE):
         if counts is not None:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
-        strip_torchtitan_ep_hooks(self.experts)
         out = self.experts(x, selected, top_scores)
         if self.shared_experts is not None:
             out = self.shared_experts(x) + out

@@ -49,7 +49,7 @@ try:  # triton is a Linux-only dependency: elsewhere the layer keeps its torch r
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
 
-__all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "topk_route", "topk_route_differentiable",
+__all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "topk_route", "topk_route_backward", "topk_route_differentiable",
            "TopKRouteFunction"]
 
 #: Largest E the kernel takes (the (BLOCK_T, E_PAD) tiles live in registers).
@@ -279,21 +279,27 @@ class TopKRouteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_top, _g_ids, _g_counts):
-        """Closed form, recomputing the fp32 scores from the saved logits (device-bound, torch ops)."""
         logits_TE, ids = ctx.saved_tensors
-        score_func, route_norm, route_scale = ctx.cfg
-        s = _scores_fp32(logits_TE, score_func)
-        g = g_top.to(torch.float32) * route_scale
-        if route_norm:  # y = v / (sum v + eps): dv = (g - sum(g * y)) / (sum v + eps)
-            v = s.gather(1, ids)
-            denom = v.sum(dim=-1, keepdim=True) + 1e-20
-            g = (g - (g * (v / denom)).sum(dim=-1, keepdim=True)) / denom
-        ds = torch.zeros_like(s).scatter_add_(1, ids, g)
-        if score_func == "softmax":
-            dl = s * (ds - (ds * s).sum(dim=1, keepdim=True))
-        else:
-            dl = ds * s * (1.0 - s)
-        return dl.to(logits_TE.dtype), None, None, None, None, None, None
+        dl = topk_route_backward(logits_TE, ids, g_top, *ctx.cfg)
+        return dl, None, None, None, None, None, None
+
+
+def topk_route_backward(logits_TE: Tensor, ids_TK: Tensor, g_top_TK: Tensor, score_func: str, route_norm: bool,
+                        route_scale: float) -> Tensor:
+    """d logits (T, E) in logits' dtype from d top_scores (T, K): the closed form of :func:`topk_route`'s
+    gradient, recomputing the fp32 scores from the logits (device-bound torch ops, no host sync)."""
+    s = _scores_fp32(logits_TE, score_func)
+    g = g_top_TK.to(torch.float32) * route_scale
+    if route_norm:  # y = v / (sum v + eps): dv = (g - sum(g * y)) / (sum v + eps)
+        v = s.gather(1, ids_TK)
+        denom = v.sum(dim=-1, keepdim=True) + 1e-20
+        g = (g - (g * (v / denom)).sum(dim=-1, keepdim=True)) / denom
+    ds = torch.zeros_like(s).scatter_add_(1, ids_TK, g)
+    if score_func == "softmax":
+        dl = s * (ds - (ds * s).sum(dim=1, keepdim=True))
+    else:
+        dl = ds * s * (1.0 - s)
+    return dl.to(logits_TE.dtype)
 
 
 def topk_route_differentiable(logits_TE: Tensor, top_k: int, *, score_func: str,

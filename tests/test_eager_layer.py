@@ -1,0 +1,116 @@
+"""ops/eager_layer.py: MegaMoE's eager forward as one autograd node (gate linear, fused router, fused experts)
+gives the modular path's output, expert-weight gradients and per-expert counts bitwise (router module + experts
+module), dx and the gate's gradient within bf16 error (dx: the router's part added inside one GEMM, rounded once);
+and every case it does not cover falls back to the modular path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torchtitan.models.moe.moe import MoEArgs  # noqa: E402
+
+from titan_megamoe.config import MegaMoEConfig  # noqa: E402
+from titan_megamoe.layer import MegaMoE  # noqa: E402
+from titan_megamoe.ops import eager_layer  # noqa: E402
+from titan_megamoe.testing import assert_close_rel  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layer(D, F, E, K, *, score_func="softmax", route_norm=True, shared=0, seed=0, precision="bf16"):
+    args = MoEArgs(num_experts=E, top_k=K, score_func=score_func, route_norm=route_norm, num_shared_experts=shared,
+                   score_before_experts=False, load_balance_coeff=1e-3)
+    layer = MegaMoE(args, D, F, config=MegaMoEConfig(backend="triton", precision=precision))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        layer.init_weights(0.5, torch.device(DEV))
+    layer = layer.to(DEV).to(torch.bfloat16)
+    layer.tokens_per_expert = layer.tokens_per_expert.float()
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.randn(E) * 0.01)  # selection-only bias: exercised, no gradient
+    return layer
+
+
+def _step(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    layer.tokens_per_expert.zero_()
+    xx = x.clone().requires_grad_()
+    out = layer(xx)
+    out.backward(dy)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), xx.grad, grads, layer.tokens_per_expert.clone()
+
+
+CASES = [  # (T, D, F, E, K, score_func, route_norm, shared): the edge each row covers
+    (37, 32, 48, 4, 2, "softmax", True, 0),  # T not a multiple of the block, F != D
+    (20, 32, 32, 8, 1, "sigmoid", False, 0),  # top_k = 1, sigmoid, some experts without tokens
+    (24, 48, 32, 4, 4, "softmax", True, 1),  # top_k = E, a shared expert (added outside the node)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-K{c[4]}-{c[5]}-shared{c[7]}" for c in CASES])
+def test_fused_layer_matches_the_modular_path(case, monkeypatch):
+    T, D, F, E, K, score_func, route_norm, shared = case
+    layer = _layer(D, F, E, K, score_func=score_func, route_norm=route_norm, shared=shared)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, T, D, generator=g).bfloat16().to(DEV)
+    dy = torch.randn(2, T, D, generator=g).bfloat16().to(DEV)
+    calls = []
+    real = eager_layer.FusedLayerFunction.apply
+    monkeypatch.setattr(eager_layer.FusedLayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(eager_layer, "ENABLED", False)
+    ref = _step(layer, x, dy)
+    assert not calls
+    monkeypatch.setattr(eager_layer, "ENABLED", True)
+    got = _step(layer, x, dy)
+    assert calls, "the fused layer path did not run"
+    assert torch.equal(got[0], ref[0]), "forward output"
+    assert torch.equal(got[3], ref[3]), "tokens_per_expert"
+    assert got[2].keys() == ref[2].keys() and "router.gate.weight" in got[2]
+    for name in got[2]:
+        if name == "router.gate.weight":  # the same GEMM, but cuBLAS may pick another algorithm than autograd's
+            assert_close_rel(got[2][name].float(), ref[2][name].float(), torch.bfloat16, name)
+        else:
+            assert torch.equal(got[2][name], ref[2][name]), name
+    assert_close_rel(got[1].float(), ref[1].float(), torch.bfloat16, "dx")  # router's part rounded once
+    again = _step(layer, x, dy)
+    assert torch.equal(again[1], got[1]) and all(torch.equal(again[2][n], got[2][n]) for n in got[2])
+
+
+def test_fused_layer_falls_back_where_it_does_not_apply(monkeypatch):
+    """Hooks on the experts (FSDP's all-gather would run there), a gate bias, fp8 and the switch off all take
+    the modular path, whose results stay right."""
+    calls = []
+    real = eager_layer.FusedLayerFunction.apply
+    monkeypatch.setattr(eager_layer.FusedLayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 16, 32).bfloat16().to(DEV)
+    layer = _layer(32, 32, 4, 2)
+    assert layer._fused_layer_ok(x.view(-1, 32))
+    h = layer.experts.register_forward_pre_hook(lambda m, a: None)
+    assert not layer._fused_layer_ok(x.view(-1, 32))
+    layer(x)
+    h.remove()
+    assert not calls
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert not layer._fused_layer_ok(x.view(-1, 32))
+    finally:
+        h.remove()
+    layer.router.gate.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16, device=DEV))
+    assert not layer._fused_layer_ok(x.view(-1, 32))
+    layer.router.gate.bias = None
+    layer.experts.max_tokens_per_rank = 8  # fewer than the 16 tokens: the modular path raises CapacityError
+    assert not layer._fused_layer_ok(x.view(-1, 32))
+    layer.experts.max_tokens_per_rank = 0
+    monkeypatch.setattr(eager_layer, "ENABLED", False)
+    assert not layer._fused_layer_ok(x.view(-1, 32))
+    monkeypatch.setattr(eager_layer, "ENABLED", True)
+    assert not _layer(128, 128, 4, 2, precision="fp8")._fused_layer_ok(torch.zeros(4, 128).bfloat16().to(DEV))
+    layer(x)
+    assert calls == [1]
