@@ -106,9 +106,19 @@ def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="ws_gemm1_fwd: "):
         ws_gemm.ws_gemm1_fwd(x, w1, w1, None)
     dout, w2 = torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    gu = torch.zeros(256, 256, dtype=torch.bfloat16)
     assert ws_gemm.ws_gemm2_dgrad_supported(dout, w2) is not None
     with pytest.raises(ValueError, match="ws_gemm2_dgrad: "):
-        ws_gemm.ws_gemm2_dgrad(dout, w2, torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(16, 2), None)
+        ws_gemm.ws_gemm2_dgrad(dout, w2, gu, torch.zeros(16, 2), None)
+    # operands the kernels would misread through raw pointers are refused by name, before anything else
+    with pytest.raises(ValueError, match="ws_gemm2_dgrad: scores must be a contiguous torch.float32"):
+        ws_gemm.ws_gemm2_dgrad(dout, w2, gu, torch.zeros(16, 2, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="ws_gemm2_dgrad: gate_up must be a contiguous torch.bfloat16.*strided"):
+        ws_gemm.ws_gemm2_dgrad(dout, w2, gu.t(), torch.zeros(16, 2), None)
+    with pytest.raises(ValueError, match="ws_gemm1_fwd: w3 must be a contiguous torch.bfloat16"):
+        ws_gemm.ws_gemm1_fwd(x, w1, w1.float(), None)
+    with pytest.raises(ValueError, match="ws_gemm1_dgrad: out must be"):
+        ws_gemm.ws_gemm1_dgrad(dgu, w1, w1, None, out=torch.zeros(256, 64))
     if ws_gemm.HAVE_GLUON:
         assert ws_gemm.WsConfig(coop=True, block_n=256, stages=3).smem_bytes() <= 232448
         assert ws_gemm.WsConfig(stages=4).smem_bytes() <= 232448

@@ -145,6 +145,20 @@ if HAVE_GLUON:
         return n_live, gl.maximum(total - pid + nprog - 1, 0) // nprog
 
     @gluon.jit
+    def _gathered_rows(src_ptr, row_pair_ptr, pid_m, D: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
+                       BK: gl.constexpr):
+        """(pointers, mask) of the first BK columns of row tile ``pid_m``'s token rows of ``src`` (T, D), for a
+        4-warp cp.async producer: row r holds src[row_pair[r] // TOPK], padding rows (pair -1) masked. 16-byte
+        chunks: 8 bf16 per thread along K, 8 threads per 64-column row, 4 rows per warp x 4 warps."""
+        gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        pair = gl.load(row_pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gather)))
+        ok = pair >= 0
+        tok = gl.where(ok, pair // TOPK, 0).to(gl.int64)  # int64: token * D overflows int32 for large token counts
+        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, gather))
+        ptrs = src_ptr + gl.expand_dims(tok * D, 1) + gl.expand_dims(cols, 0)
+        return ptrs, gl.expand_dims(ok, 1) & gl.expand_dims(cols < BK, 0)
+
+    @gluon.jit
     def _g1d_producer(a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                       F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -264,21 +278,13 @@ if HAVE_GLUON:
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w1_desc.block_type.shape[0]
         KT: gl.constexpr = D // BK
-        # 16-byte chunks: 8 bf16 per thread along K, 8 threads per 64-column row, 4 rows per warp x 4 warps
-        gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         nbytes: gl.constexpr = 2 * w1_desc.block_type.nbytes
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
             e = gl.load(tile_expert_ptr + pid_m)
-            pair = gl.load(row_pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gather)))
-            ok = pair >= 0
-            # int64: token * D overflows int32 for large token counts
-            tok = gl.where(ok, pair // TOPK, 0).to(gl.int64)
-            cols = gl.arange(0, BK, layout=gl.SliceLayout(0, gather))
-            ptrs = x_ptr + gl.expand_dims(tok * D, 1) + gl.expand_dims(cols, 0)
-            mask = gl.expand_dims(ok, 1) & gl.expand_dims(cols < BK, 0)
+            ptrs, mask = _gathered_rows(x_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
             w_row = e * F + pid_n * BN
             for k in range(KT):
                 s = idx % STAGES
@@ -392,19 +398,13 @@ if HAVE_GLUON:
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w2_desc.block_type.shape[1]
         KT: gl.constexpr = D // BK
-        gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # as _g1f_producer
         nbytes: gl.constexpr = w2_desc.block_type.nbytes
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
             e = gl.load(tile_expert_ptr + pid_m)
-            pair = gl.load(row_pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gather)))
-            ok = pair >= 0
-            tok = gl.where(ok, pair // TOPK, 0).to(gl.int64)  # int64: token * D overflows int32
-            cols = gl.arange(0, BK, layout=gl.SliceLayout(0, gather))
-            ptrs = dout_ptr + gl.expand_dims(tok * D, 1) + gl.expand_dims(cols, 0)
-            mask = gl.expand_dims(ok, 1) & gl.expand_dims(cols < BK, 0)
+            ptrs, mask = _gathered_rows(dout_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
             for k in range(KT):
                 s = idx % STAGES
                 mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
@@ -535,6 +535,19 @@ def _capability(dev: torch.device) -> tuple[int, int]:
     return cap
 
 
+def _check_operands(fn: str, fp32: tuple[str, ...] = (), **tensors: Tensor) -> None:
+    """Raise ValueError naming ``fn`` and the operand unless every tensor is contiguous, bf16 (fp32 for the names in
+    ``fp32``) and on the first one's device: the kernels read raw pointers and TMA descriptors, so another dtype or
+    a strided view would be misread, not refused."""
+    dev = next(iter(tensors.values())).device
+    for name, t in tensors.items():
+        want = torch.float32 if name in fp32 else torch.bfloat16
+        if t.dtype != want or not t.is_contiguous() or t.device != dev:
+            raise ValueError(f"{fn}: {name} must be a contiguous {want} tensor on {dev}, got {t.dtype} "
+                             f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device} (pass "
+                             f"tensor.to({want}).contiguous())")
+
+
 def _platform_reason(t: Tensor) -> str | None:
     """Why the Gluon kernels cannot run on ``t``'s device with this Triton (None: they can)."""
     if not HAVE_GLUON:
@@ -627,6 +640,8 @@ def ws_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, gate_u
     Raises:
         ValueError: an unsupported case (``ws_gemm1_fwd_supported``'s reason) or mismatched shapes.
     """
+    _check_operands("ws_gemm1_fwd", x=x_TD, w1=w1_EFD, w3=w3_EFD,
+                    **{k: v for k, v in (("gate_up_out", gate_up_out), ("h_out", h_out)) if v is not None})
     reason = ws_gemm1_fwd_supported(x_TD, w1_EFD, cfg)
     if reason:
         raise ValueError(f"ws_gemm1_fwd: {reason}")
@@ -693,6 +708,8 @@ def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout,
     Raises:
         ValueError: shapes / layout block size / an unsupported case (``ws_gemm1_dgrad_supported``'s reason).
     """
+    _check_operands("ws_gemm1_dgrad", dgate_up=dgate_up_N2F, w1=w1_EFD, w3=w3_EFD,
+                    **({} if out is None else {"out": out}))
     reason = ws_gemm1_dgrad_supported(dgate_up_N2F, w1_EFD, cfg)
     if reason:
         raise ValueError(f"ws_gemm1_dgrad: {reason}")
@@ -766,8 +783,12 @@ def ws_gemm2_dgrad(dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, scores_
         (dgate_up, dscore_partial, hs).
 
     Raises:
-        ValueError: an unsupported case (``ws_gemm2_dgrad_supported``'s reason) or mismatched shapes.
+        ValueError: an operand of another dtype, not contiguous or on another device; an unsupported case
+            (``ws_gemm2_dgrad_supported``'s reason); mismatched shapes.
     """
+    outs = {} if out is None else {"out[0] (dgate_up)": out[0], "out[1] (dscore_partial)": out[1]}
+    _check_operands("ws_gemm2_dgrad", ("scores", "out[1] (dscore_partial)"), dout=dout_TD, w2=w2_EDF,
+                    gate_up=gate_up_N2F, scores=scores_TK, **outs, **({} if hs_out is None else {"hs_out": hs_out}))
     reason = ws_gemm2_dgrad_supported(dout_TD, w2_EDF, cfg)
     if reason:
         raise ValueError(f"ws_gemm2_dgrad: {reason}")
