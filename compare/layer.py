@@ -43,6 +43,7 @@ import math
 import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,8 +57,9 @@ from titan_megamoe.switches import override as override_switches
 from titan_megamoe.switches import parse_switches
 from compare.builders import (IMPLS, PRECISIONS, build_layer, inject_routing, model_dtype, skip_reason,
                               stock_layer_context)
+from compare.power import PowerSampler
 from compare.records import (default_out_path, device_time_table, fill_speedups, markdown_table, new_record,
-                             provenance, write_results)
+                             power_table, provenance, write_results)
 from compare.shapes import LayerShape, parse_shape, shape_choices
 from compare.timing import (flush_l2, l2_flush_bytes, max_over_ranks, measure_gemm_tflops, percentiles, time_fwd_bwd,
                             timer_name)
@@ -98,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-time", action="store_true",
                    help="CUDA: also time --iters steps behind a device sleep, so the host enqueues ahead: the "
                         "layer's device time alone (*_device_ms fields, second table)")
+    p.add_argument("--cooldown-ms", type=float, default=0.0,
+                   help="CUDA: also time --iters steps from an idle device after the host sleeps this many ms "
+                        "before each (lower duty cycle: a power-capped layer runs at a higher clock); "
+                        "*_cool_ms fields, shown beside the default times (0: off)")
     p.add_argument("--tiny", action="store_true",
                    help=f"CPU smoke run: defaults {TINY} (explicit options still win)")
     p.add_argument("--switches", nargs="+", default=[], metavar="NAME=V[,NAME=V]",
@@ -126,6 +132,8 @@ class Plan:
     device: torch.device
     world_size: int
     device_time: bool = False
+    #: host sleep before each step of the cool-down pass (ms); 0: no such pass
+    cooldown_ms: float = 0.0
     #: switch settings of the megamoe rows: {} (as the process runs) first, then one per --switches entry
     variants: list[dict] = field(default_factory=lambda: [{}])
 
@@ -212,6 +220,8 @@ def parse_options(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
         parser.error(f"argument --iters: must be >= 1, got {args.iters}")
     if args.warmup < 0:
         parser.error(f"argument --warmup: must be >= 0, got {args.warmup}")
+    if not (0.0 <= args.cooldown_ms <= 10_000.0):
+        parser.error(f"argument --cooldown-ms: must be in [0, 10000] ms, got {args.cooldown_ms}")
     if not (args.zipf_s > 0 and math.isfinite(args.zipf_s)):
         parser.error(f"argument --zipf-s: must be a finite number > 0, got {args.zipf_s}")
     ws = _world_size()
@@ -265,7 +275,7 @@ def parse_options(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
         except ValueError as err:
             parser.error(f"argument --switches: {err}")
     return args, Plan(shapes, impls, precisions, routings, args.tokens, args.iters, args.warmup,
-                      device, ws, args.device_time, variants)
+                      device, ws, args.device_time, args.cooldown_ms if use_cuda else 0.0, variants)
 
 
 #: Device sleep queued before each step of the --device-time pass (ms): above the host's enqueue time of
@@ -309,8 +319,9 @@ def _inputs(shape: LayerShape, T: int, dtype: torch.dtype, device: torch.device,
     return x.requires_grad_(), g
 
 
-def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank) -> dict:
-    """Build and time one layer on this rank. Returns the local result (never raises)."""
+def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank, sampler: PowerSampler | None = None) -> dict:
+    """Build and time one layer on this rank. Returns the local result (never raises). ``sampler``: the
+    clock / power samples of each timing pass go into the result's "power" (compare/power.py)."""
     spec = IMPLS[impl]
     ctx = stock_layer_context(precision, device) if spec.family == "stock" else contextlib.nullcontext()
     moe = None
@@ -335,21 +346,30 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank) -> dic
             def bwd(y):
                 y.backward(g)
 
+            power = {}
+
+            def timed(name, **kw):
+                t_start = time.time()
+                out = time_fwd_bwd(fwd, bwd, device=device, iters=plan.iters, before_step=before_step, **kw)
+                if sampler is not None and sampler.active:
+                    power[name] = sampler.window(t_start, time.time())
+                return out
+
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            samples = time_fwd_bwd(fwd, bwd, device=device, iters=plan.iters, warmup=plan.warmup,
-                                   before_step=before_step)
+            samples = timed("idle", warmup=plan.warmup)
             peak = None
             if device.type == "cuda":  # the L2-flush scratch buffer is not the layer's
                 peak = (torch.cuda.max_memory_allocated(device) - l2_flush_bytes(device)) / 2**30
             tpe = moe.tokens_per_expert.detach().float().cpu().tolist()
-            device_samples = None
+            device_samples = cool_samples = None
             if plan.device_time and device.type == "cuda":
-                device_samples = time_fwd_bwd(fwd, bwd, device=device, iters=plan.iters, warmup=1,
-                                              before_step=before_step, head_start_ms=DEVICE_HEAD_START_MS)
+                device_samples = timed("device", warmup=1, head_start_ms=DEVICE_HEAD_START_MS)
+            if plan.cooldown_ms > 0 and device.type == "cuda":
+                cool_samples = timed("cool", warmup=1, cooldown_ms=plan.cooldown_ms)
         return {"status": "ok", "samples": samples, "peak": peak, "counts": tpe, "notes": built.notes,
-                "device_samples": device_samples}
+                "device_samples": device_samples, "cool_samples": cool_samples, "power": power or None}
     except Exception as err:  # recorded as status "error"; all ranks still reach the gather
         traceback.print_exc()
         msg = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
@@ -372,7 +392,7 @@ def _gather(obj, ws: int) -> list:
 
 
 def _fill_measurements(rec: dict, results: list[dict], shape: LayerShape, T: int,
-                       rates: dict[str, float | None]) -> None:
+                       rates: dict[str, float | None], cooldown_ms: float = 0.0) -> None:
     bad = [f"rank {i}: {r['reason']}" for i, r in enumerate(results) if r["status"] != "ok"]
     if bad:
         rec.update(status="error", reason="; ".join(bad))
@@ -391,6 +411,12 @@ def _fill_measurements(rec: dict, results: list[dict], shape: LayerShape, T: int
             rec["notes"] = list(results[0]["notes"]) + [
                 f"device-time pass: a step's host enqueue took {host_max:.1f} ms >= the {DEVICE_HEAD_START_MS} ms head "
                 "start; *_device_ms include host time"]
+    if all(r.get("cool_samples") for r in results):
+        for phase in ("fwd", "bwd", "fwdbwd"):
+            rec[f"{phase}_cool_ms"] = percentiles(max_over_ranks([r["cool_samples"][phase] for r in results]))["median"]
+        rec["cooldown_ms"] = cooldown_ms
+    if any(r.get("power") for r in results):
+        rec["power"] = [r.get("power") for r in results]
     peaks = [r["peak"] for r in results if r["peak"] is not None]
     rec["peak_gib"] = max(peaks) if peaks else None
     counts = [sum(c) for c in zip(*[r["counts"] for r in results])]
@@ -464,12 +490,36 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
     all_rates = _gather({k: v[0] for k, v in local_rates.items()}, ws)
     rates = {k: (min(r[k] for r in all_rates) if all(r[k] for r in all_rates) else None) for k in kinds}
     hostnames = _gather(socket.gethostname(), ws)
+    sampler = PowerSampler(device.index or 0) if device.type == "cuda" else None
     flush_l2(device)  # allocate the L2-flush buffer before any peak-memory window opens
 
     records: list[dict] = []
     n_impl_rows = sum(len(plan.variants) if IMPLS[i].family == "megamoe" else 1 for i in plan.impls)
     total = len(plan.shapes) * len(plan.routings) * n_impl_rows * len(plan.precisions)
     bar = tqdm(total=total, disable=rank != 0, file=sys.stderr, desc="compare.layer", dynamic_ncols=True)
+    with sampler if sampler is not None else contextlib.nullcontext():
+        _run_all(plan, args, rank, mesh, ws, T, rates, sampler, records, bar, say)
+    bar.close()
+    fill_speedups(records)
+
+    if rank == 0:
+        run = provenance(device=device, world_size=ws, dist_backend=backend, hostnames=hostnames,
+                         argv=argv, options={k: v for k, v in vars(args).items()})
+        run["gemm_rates_tflops"] = rates
+        run["gemm_rate_method"] = {k: v[1] for k, v in local_rates.items()}
+        run["timer"] = timer_name(device)
+        run["cpu_threads"] = torch.get_num_threads()
+        if sampler is not None:
+            run["power_sampling"] = ("nvml every 20 ms" if sampler.active else f"unavailable: {sampler.unavailable}")
+            run["power_limit_w"] = sampler.power_limit_w()
+        _report(args, plan, run, records, rates, ws, device)
+    if ws > 1:
+        dist.barrier()
+    return 1 if any(r["status"] == "error" for r in records) else 0
+
+
+def _run_all(plan: Plan, args, rank: int, mesh, ws: int, T: int, rates, sampler, records: list, bar, say) -> None:
+    device = plan.device
     for shape in plan.shapes:
         for rspec in plan.routings:
             ids, note, extra = _fixed_ids(rspec, shape, T, ws, rank, args.seed)
@@ -495,41 +545,35 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
                             say(f"skip {what} {shape.name} {rspec.name}: {why}")
                         else:
                             with override_switches(sw):
-                                local = _run_one(impl, precision, shape, ids, device, mesh, plan, args.seed, rank)
-                            _fill_measurements(rec, _gather(local, ws), shape, T, rates)
+                                local = _run_one(impl, precision, shape, ids, device, mesh, plan, args.seed, rank,
+                                                 sampler)
+                            _fill_measurements(rec, _gather(local, ws), shape, T, rates, plan.cooldown_ms)
                             if rec["status"] != "ok":
                                 say(f"ERROR {what} {shape.name} {rspec.name}: {rec['reason']}")
                         records.append(rec)
                         bar.update(1)
-    bar.close()
-    fill_speedups(records)
 
-    if rank == 0:
-        run = provenance(device=device, world_size=ws, dist_backend=backend, hostnames=hostnames,
-                         argv=argv, options={k: v for k, v in vars(args).items()})
-        run["gemm_rates_tflops"] = rates
-        run["gemm_rate_method"] = {k: v[1] for k, v in local_rates.items()}
-        run["timer"] = timer_name(device)
-        run["cpu_threads"] = torch.get_num_threads()
-        out = Path(args.out) if args.out else default_out_path(run["gpu"], device.type, ws,
-                                                               note="tiny" if args.tiny else None)
-        write_results(out, run, records)
-        print(markdown_table(records))
-        if plan.device_time:
-            print("\n" + device_time_table(records))
-        rate_txt = ", ".join(f"{k} {v:.4g}" if v else f"{k} n/a" for k, v in rates.items())
-        print(f"\nGEMM rates (TFLOP/s, this run): {rate_txt}; times: median of {plan.iters} steps, "
-              f"max over {ws} rank(s); wrote {out}")
-        if not args.no_plot:
-            from compare.plots import layer_chart
 
-            png = Path(args.plot) if args.plot else out.with_suffix(".png")
-            layer_chart(records, png, title=f"{run['gpu']} x{ws}  {run['date_utc']}  {run['git_rev'] or ''}"[:120])
-            print(f"wrote {png}")
-        sys.stdout.flush()
-    if ws > 1:
-        dist.barrier()
-    return 1 if any(r["status"] == "error" for r in records) else 0
+def _report(args, plan: Plan, run: dict, records: list[dict], rates, ws: int, device) -> None:
+    """Rank 0: write the JSON, print the tables, draw the chart."""
+    out = Path(args.out) if args.out else default_out_path(run["gpu"], device.type, ws,
+                                                           note="tiny" if args.tiny else None)
+    write_results(out, run, records)
+    print(markdown_table(records))
+    if plan.device_time or plan.cooldown_ms > 0:
+        print("\n" + device_time_table(records))
+    if any(r.get("power") for r in records):
+        print("\n" + power_table(records))
+    rate_txt = ", ".join(f"{k} {v:.4g}" if v else f"{k} n/a" for k, v in rates.items())
+    print(f"\nGEMM rates (TFLOP/s, this run): {rate_txt}; times: median of {plan.iters} steps, "
+          f"max over {ws} rank(s); wrote {out}")
+    if not args.no_plot:
+        from compare.plots import layer_chart
+
+        png = Path(args.plot) if args.plot else out.with_suffix(".png")
+        layer_chart(records, png, title=f"{run['gpu']} x{ws}  {run['date_utc']}  {run['git_rev'] or ''}"[:120])
+        print(f"wrote {png}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

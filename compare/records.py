@@ -18,6 +18,7 @@ File layout (``SCHEMA = "titan_megamoe.compare.layer/1"``)::
         "gemm_rates_tflops": {"bf16": 761.2, "fp8": 1210.0},  # dense GEMM rates measured in this run
         "gemm_rate_method": {"bf16": "torch.matmul 8192x8192x8192 bf16", ...},
         "timer": "cuda-events" | "cpu-perf-counter",
+        "power_sampling": "nvml every 20 ms" | "unavailable: <why>",  "power_limit_w": 700.0,   # CUDA only
         "flop_model": "compare/flops.py: routed GEMMs 2*T*K*D*F*3 fwd, x2 bwd, x3 fwd+bwd"
       },
       "records": [ { ...one per (implementation, precision, shape, routing)... } ]
@@ -41,6 +42,12 @@ Record fields (times in ms, median over timed steps of the per-step max over ran
     fwd_device_ms, bwd_device_ms, fwdbwd_device_ms   with --device-time (CUDA): the same medians for
                      steps started behind a device sleep of device_time_head_start_ms, i.e. the
                      device's work alone; null without it
+    fwd_cool_ms, bwd_cool_ms, fwdbwd_cool_ms   with --cooldown-ms (CUDA): the same medians for steps
+                     started from an idle device after the host slept cooldown_ms (lower duty cycle:
+                     a power-capped layer runs at a higher SM clock); null without it
+    power            (CUDA, NVML available) one entry per rank: {"idle" | "device" | "cool": {samples,
+                     sm_mhz_median, sm_mhz_min, power_w_median, power_w_max, temp_c_max, reasons}} for
+                     each timing pass (compare/power.py; reasons e.g. ["sw_power_cap"]); null otherwise
     peak_gib         max over ranks of torch.cuda.max_memory_allocated (weights included) | null on CPU
     flops            {"fwd", "bwd", "fwdbwd"} per rank (compare/flops.py)
     tflops           effective fwd+bwd TFLOP/s per rank;  tflops_fwd, tflops_bwd
@@ -79,6 +86,7 @@ __all__ = [
     "load_results",
     "markdown_table",
     "device_time_table",
+    "power_table",
 ]
 
 SCHEMA = "titan_megamoe.compare.layer/1"
@@ -101,7 +109,8 @@ def new_record(*, implementation: str, family: str, backend: str | None, compile
     for p in PHASES:
         rec[f"{p}_ms"] = rec[f"{p}_p20_ms"] = rec[f"{p}_p80_ms"] = None
     rec.update(host_fwd_ms=None, host_fwdbwd_ms=None, fwd_device_ms=None, bwd_device_ms=None,
-               fwdbwd_device_ms=None, device_time_head_start_ms=None)
+               fwdbwd_device_ms=None, device_time_head_start_ms=None, fwd_cool_ms=None, bwd_cool_ms=None,
+               fwdbwd_cool_ms=None, cooldown_ms=None, power=None)
     rec.update(peak_gib=None, flops=None, tflops=None, tflops_fwd=None, tflops_bwd=None,
                floor_ms=None, floor_fwd_ms=None, floor_ratio=None, floor_ratio_fwd=None,
                speedup_vs={}, status="pending", reason=None, notes=[])
@@ -305,19 +314,39 @@ def _fmt(x, spec=".2f"):
 
 
 def device_time_table(records: list[dict]) -> str:
-    """One row per ok record: the idle-start times beside the device-only times (--device-time) and
-    the host's enqueue times, so a host-bound layer shows as fwd ms well above fwd device ms."""
-    head = ("| shape | ep | impl | prec | fwd ms | fwd device ms | fwd+bwd ms | fwd+bwd device ms "
-            "| host enqueue fwd ms | host enqueue fwd+bwd ms |")
+    """One row per ok record: the idle-start times beside the device-only times (--device-time), the
+    cool-down times (--cooldown-ms) and the host's enqueue times, so a host-bound layer shows as fwd ms
+    well above fwd device ms and a power-capped one as fwd+bwd ms well above fwd+bwd cool ms."""
+    head = ("| shape | ep | impl | prec | fwd ms | fwd device ms | fwd cool ms | fwd+bwd ms | fwd+bwd device ms "
+            "| fwd+bwd cool ms | host enqueue fwd ms | host enqueue fwd+bwd ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r["status"] != "ok":
             continue
         lines.append(
             f"| {r['shape']['name']} | {r['ep']} | {impl_label(r)} | {r['precision']} | "
-            f"{_fmt(r['fwd_ms'], '.4g')} | {_fmt(r.get('fwd_device_ms'), '.4g')} | {_fmt(r['fwdbwd_ms'], '.4g')} | "
-            f"{_fmt(r.get('fwdbwd_device_ms'), '.4g')} | {_fmt(r.get('host_fwd_ms'), '.3g')} | "
+            f"{_fmt(r['fwd_ms'], '.4g')} | {_fmt(r.get('fwd_device_ms'), '.4g')} | {_fmt(r.get('fwd_cool_ms'), '.4g')} | "
+            f"{_fmt(r['fwdbwd_ms'], '.4g')} | {_fmt(r.get('fwdbwd_device_ms'), '.4g')} | "
+            f"{_fmt(r.get('fwdbwd_cool_ms'), '.4g')} | {_fmt(r.get('host_fwd_ms'), '.3g')} | "
             f"{_fmt(r.get('host_fwdbwd_ms'), '.3g')} |")
+    return "\n".join(lines)
+
+
+def power_table(records: list[dict]) -> str:
+    """One row per (ok record, timing pass) with NVML samples (rank 0's GPU): median / min SM clock,
+    median / max power, max temperature and the clock-event reasons seen."""
+    head = "| shape | impl | prec | pass | SM MHz median [min] | power W median [max] | max C | reasons |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        if r["status"] != "ok" or not r.get("power") or not r["power"][0]:
+            continue
+        for name, w in r["power"][0].items():
+            if not w:
+                continue
+            lines.append(
+                f"| {r['shape']['name']} | {impl_label(r)} | {r['precision']} | {name} | "
+                f"{w['sm_mhz_median']:.0f} [{w['sm_mhz_min']:.0f}] | {w['power_w_median']:.0f} [{w['power_w_max']:.0f}] | "
+                f"{w['temp_c_max']:.0f} | {', '.join(w['reasons']) or '-'} |")
     return "\n".join(lines)
 
 

@@ -130,6 +130,7 @@ def time_fwd_bwd(
     before_step: Callable[[], None] | None = None,
     l2_flush: bool = True,
     head_start_ms: float = 0.0,
+    cooldown_ms: float = 0.0,
 ) -> dict[str, list[float]]:
     """Time ``iters`` training steps of one layer after ``warmup`` untimed ones (warm-up also
     triggers torch.compile and any autotuning). See the module docstring for what is timed.
@@ -139,6 +140,11 @@ def time_fwd_bwd(
     the device's work alone (the layer's *device time*), as long as the host's enqueue time (the
     ``host_*`` samples) stays below the head start. 0: the step starts from an idle device, as a
     layer called after a sync does, and any host time before a kernel shows up in the times.
+
+    ``cooldown_ms`` > 0: the host sleeps that long after the barrier, before the step, with the device
+    idle: the step still starts from an idle device, but the GPU's duty cycle drops, so a power-capped
+    layer (lower SM clock in back-to-back steps, compare/power.py) runs at the clock it gets after a
+    pause. Not a substitute for the default protocol: both are reported (compare.layer --cooldown-ms).
 
     Returns:
         this rank's per-step samples in ms: {"fwd": [...], "bwd": [...], "fwdbwd": [...],
@@ -158,6 +164,8 @@ def time_fwd_bwd(
         if l2_flush:
             flush_l2(device)
         barrier(device)
+        if cooldown_ms > 0:
+            time.sleep(cooldown_ms / 1e3)
         if cycles:
             torch.cuda._sleep(cycles)
         h0 = time.perf_counter()

@@ -19,6 +19,7 @@ RECORD_FIELDS = {
     "fwdbwd_ms", "fwd_p20_ms", "fwd_p80_ms", "fwdbwd_p20_ms", "fwdbwd_p80_ms", "peak_gib", "tflops",
     "floor_ms", "floor_ratio", "speedup_vs", "status", "reason", "routing_note", "host_fwd_ms", "host_fwdbwd_ms",
     "fwd_device_ms", "bwd_device_ms", "fwdbwd_device_ms", "device_time_head_start_ms",
+    "fwd_cool_ms", "bwd_cool_ms", "fwdbwd_cool_ms", "cooldown_ms", "power",
 }
 RUN_FIELDS = {"gpu", "torch", "triton", "torchtitan", "git_rev", "git_dirty", "date_utc", "command",
               "hostnames", "gemm_rates_tflops"}
@@ -247,6 +248,46 @@ def test_host_enqueue_times_and_device_time_option(tmp_path, capsys):
     for r in recs:
         assert r["status"] == "ok" and 0 < r["host_fwd_ms"] <= r["host_fwdbwd_ms"]
         assert r["fwd_device_ms"] is None and r["fwdbwd_device_ms"] is None  # CPU
+
+
+def test_cooldown_pass_sleeps_and_fills_cool_fields_and_power_table():
+    """--cooldown-ms: time_fwd_bwd sleeps before every timed step (not inside it); the cool pass and the
+    per-pass NVML summaries land in the record (max over ranks of the per-step times) and power_table."""
+    import time as _time
+
+    from compare.layer import _fill_measurements
+    from compare.records import device_time_table, power_table
+
+    t = _time.perf_counter()
+    s = timing.time_fwd_bwd(lambda: torch.ones(3, requires_grad=True) * 2, lambda y: y.sum().backward(),
+                            device=torch.device("cpu"), iters=3, warmup=0, cooldown_ms=60.0)
+    assert _time.perf_counter() - t >= 3 * 0.06
+    assert max(s["fwdbwd"]) < 50.0  # the sleep is outside the timed step
+
+    def result(scale, cool_scale, mhz):
+        steps = {k: [v * scale for v in (1.0, 2.0, 3.0)] for k in ("fwd", "bwd", "fwdbwd", "host_fwd", "host_fwdbwd")}
+        cool = {k: [v * cool_scale for v in (1.0, 2.0, 3.0)] for k in ("fwd", "bwd", "fwdbwd")}
+        pw = {"idle": {"samples": 5, "sm_mhz_median": mhz, "sm_mhz_min": mhz - 200, "power_w_median": 699.0,
+                       "power_w_max": 702.0, "temp_c_max": 60.0, "reasons": ["sw_power_cap"]}, "cool": None}
+        return {"status": "ok", "samples": steps, "peak": 1.0, "counts": [4.0, 4.0], "notes": [],
+                "device_samples": None, "cool_samples": cool, "power": pw}
+
+    rec = new_record(implementation="megamoe-triton", family="megamoe", backend="triton", compile=False,
+                     precision="bf16", dtype="bfloat16", shape={"name": "s", "dim": 64, "hidden": 32, "experts": 2,
+                                                                "top_k": 1}, routing="random", routing_detail={},
+                     ep=2, tokens_per_rank=8, iters=3, warmup=0)
+    _fill_measurements(rec, [result(1.0, 0.5, 1515.0), result(2.0, 0.25, 1600.0)], SimpleShape(), 8,
+                       {"bf16": 100.0}, cooldown_ms=40.0)
+    assert rec["status"] == "ok" and rec["fwdbwd_ms"] == 4.0 and rec["fwdbwd_cool_ms"] == 1.0
+    assert rec["cooldown_ms"] == 40.0 and [p["idle"]["sm_mhz_median"] for p in rec["power"]] == [1515.0, 1600.0]
+    table = power_table([rec])
+    assert "| s | megamoe-triton | bf16 | idle | 1515 [1315] | 699 [702] | 60 | sw_power_cap |" in table
+    assert "| cool |" not in table  # a pass without samples has no row
+    assert "| s | 2 | megamoe-triton | bf16 | 4 | - | 1 | 4 | - | 1 | 4 | 4 |" in device_time_table([rec])
+
+
+class SimpleShape:
+    dim, hidden, top_k = 64, 32, 1
 
 
 def test_switches_add_same_process_megamoe_rows(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,153 @@
+"""GPU clock, power and clock-event reasons sampled while a layer is timed (NVML, via nvidia-ml-py).
+
+Why: an H200 at its 700 W limit lowers its SM clock in back-to-back steps (clock-event reason
+``sw_power_cap``), so the same kernels take longer than they do behind an idle gap. Session 12's
+``scripts/power_probe.py`` found MegaMoE's 235B step at a median 1515 MHz from idle back to back
+against 1905 MHz with a 40 ms cool-down before each step (27.9 vs 25.0 ms). compare.layer records
+what the clock did during each timing pass so a reader can tell a slower kernel from a capped one.
+
+:class:`PowerSampler` polls NVML every ``period_ms`` on a daemon thread (NVML's own counters, no
+``nvidia-smi`` process); :meth:`PowerSampler.window` summarizes the samples of a wall-clock window.
+Where NVML is missing (CPU machines, no ``pynvml`` module) the sampler is inactive and every window
+is ``None``; ``PowerSampler.unavailable`` says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+__all__ = ["REASON_BITS", "PowerSampler", "decode_reasons", "summarize"]
+
+#: NVML clock-event reason bits (``nvmlClocksEventReason*``, nvml.h) -> names used in the records.
+REASON_BITS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
+
+def decode_reasons(mask: int) -> list[str]:
+    """Names of the set bits of an NVML clock-event reason mask, low bit first (unknown bits as hex)."""
+    names = [name for bit, name in REASON_BITS.items() if mask & bit]
+    rest = mask & ~sum(REASON_BITS)
+    return names + ([hex(rest)] if rest else [])
+
+
+def summarize(samples: list[tuple[float, float, float, float, int]]) -> dict | None:
+    """Summary of (time_s, sm_mhz, power_w, temp_c, reasons) samples; None when there are none.
+
+    Returns {"samples", "sm_mhz_median", "sm_mhz_min", "power_w_median", "power_w_max", "temp_c_max",
+    "reasons"}: reasons is the union over the samples, as names (:func:`decode_reasons`).
+    """
+    if not samples:
+        return None
+    mask = 0
+    for s in samples:
+        mask |= s[4]
+    return {"samples": len(samples), "sm_mhz_median": statistics.median(s[1] for s in samples),
+            "sm_mhz_min": min(s[1] for s in samples), "power_w_median": statistics.median(s[2] for s in samples),
+            "power_w_max": max(s[2] for s in samples), "temp_c_max": max(s[3] for s in samples),
+            "reasons": decode_reasons(mask)}
+
+
+class PowerSampler:
+    """Background NVML sampling of one GPU: SM clock (MHz), board power (W), temperature (C), reasons.
+
+    Use as a context manager around the timing passes; ``window(t0, t1)`` (``time.time()`` seconds)
+    summarizes the samples taken between t0 and t1 (:func:`summarize`). Inactive (``window`` returns
+    None) when NVML cannot be used; ``unavailable`` holds the reason.
+
+    Args:
+        device_index: CUDA device ordinal; mapped to the NVML index through ``CUDA_VISIBLE_DEVICES``
+            when that lists plain integers, else used as is.
+        period_ms: sampling period (20 ms: the granularity nvidia-smi's ``-lms`` offers too).
+    """
+
+    def __init__(self, device_index: int = 0, period_ms: float = 20.0):
+        self.period_s = period_ms / 1e3
+        self.samples: list[tuple[float, float, float, float, int]] = []
+        self.unavailable: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml = None
+        self._handle = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(device_index))
+        except Exception as err:  # no module, no driver, no GPU: the harness runs without power data
+            self.unavailable = f"{type(err).__name__}: {err}"[:200]
+
+    @property
+    def active(self) -> bool:
+        return self._handle is not None
+
+    def _sample(self) -> tuple[float, float, float, float, int]:
+        nv, h = self._nvml, self._handle
+        try:
+            reasons = nv.nvmlDeviceGetCurrentClocksEventReasons(h)
+        except AttributeError:  # nvidia-ml-py before the "event" rename
+            reasons = nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)
+        return (time.time(), float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                nv.nvmlDeviceGetPowerUsage(h) / 1e3, float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                int(reasons))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self._sample())
+            except Exception as err:  # a driver error mid-run ends sampling, not the benchmark
+                self.unavailable = f"sampling stopped: {type(err).__name__}: {err}"[:200]
+                return
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "PowerSampler":
+        if self.active:
+            self._thread = threading.Thread(target=self._run, name="titan-megamoe-power", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+
+    def window(self, t0: float, t1: float) -> dict | None:
+        """Summary of the samples with t0 <= time <= t1 (``time.time()`` seconds); None if inactive."""
+        if not self.active:
+            return None
+        return summarize([s for s in list(self.samples) if t0 <= s[0] <= t1])
+
+    def power_limit_w(self) -> float | None:
+        """The enforced board power limit in W (None when unknown)."""
+        if not self.active:
+            return None
+        try:
+            return self._nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3
+        except Exception:
+            return None
+
+
+def _nvml_index(device_index: int) -> int:
+    import os
+
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    parts = [p.strip() for p in vis.split(",") if p.strip()]
+    if parts and all(p.isdigit() for p in parts) and device_index < len(parts):
+        return int(parts[device_index])
+    return device_index
