@@ -64,6 +64,7 @@ def test_fused_layer_matches_the_modular_path(case, monkeypatch):
     calls = []
     real = eager_layer.FusedLayerFunction.apply
     monkeypatch.setattr(eager_layer.FusedLayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(eager_layer, "FUSED_GATE", False)  # torch.mm: the modular path's own gate GEMM
     monkeypatch.setattr(eager_layer, "ENABLED", False)
     ref = _step(layer, x, dy)
     assert not calls
@@ -81,6 +82,56 @@ def test_fused_layer_matches_the_modular_path(case, monkeypatch):
     assert_close_rel(got[1].float(), ref[1].float(), torch.bfloat16, "dx")  # router's part rounded once
     again = _step(layer, x, dy)
     assert torch.equal(again[1], got[1]) and all(torch.equal(again[2][n], got[2][n]) for n in got[2])
+
+
+class _GateGivenLogits(torch.autograd.Function):
+    """The gate linear's autograd with given forward values (the fused kernel's logits)."""
+
+    @staticmethod
+    def forward(ctx, x, w, logits):
+        ctx.save_for_backward(x, w)
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, None
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-K{c[4]}-{c[5]}-shared{c[7]}" for c in CASES])
+def test_fused_gate_matches_the_modular_path_on_its_logits(case, monkeypatch):
+    """FUSED_GATE: the gate linear inside the router's kernel. Its logits are x @ w.T rounded once to bf16
+    (within one bf16 ulp of the fp32 product), and the layer equals the modular path whose gate returns those
+    logits: output, counts and expert-weight gradients bitwise, dx and the gate gradient within bf16 error."""
+    from titan_megamoe.kernels import router
+
+    T, D, F, E, K, score_func, route_norm, shared = case
+    layer = _layer(D, F, E, K, score_func=score_func, route_norm=route_norm, shared=shared, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, T, D, generator=g).bfloat16().to(DEV)
+    dy = torch.randn(2, T, D, generator=g).bfloat16().to(DEV)
+    calls = []
+    real = router.gate_topk_route
+    monkeypatch.setattr(router, "gate_topk_route", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(eager_layer, "FUSED_GATE", True)
+    got = _step(layer, x, dy)
+    assert calls, "the fused gate did not run"
+    w = layer.router.gate.weight
+    logits = real(x.view(-1, D), w.detach(), K, score_func=score_func, route_norm=route_norm, route_scale=1.0)[0]
+    exact = x.view(-1, D).float() @ w.detach().float().t()
+    assert ((logits.float() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all(), "logits beyond one bf16 ulp"
+    monkeypatch.setattr(eager_layer, "ENABLED", False)
+    monkeypatch.setattr(layer.router.gate, "forward", lambda xx: _GateGivenLogits.apply(xx, w, logits))
+    ref = _step(layer, x, dy)
+    assert torch.equal(got[0], ref[0]), "forward output"
+    assert torch.equal(got[3], ref[3]), "tokens_per_expert"
+    assert got[2].keys() == ref[2].keys()
+    for name in got[2]:
+        if name == "router.gate.weight":
+            assert_close_rel(got[2][name].float(), ref[2][name].float(), torch.bfloat16, name)
+        else:
+            assert torch.equal(got[2][name], ref[2][name]), name
+    assert_close_rel(got[1].float(), ref[1].float(), torch.bfloat16, "dx")
 
 
 def test_fused_layer_falls_back_where_it_does_not_apply(monkeypatch):

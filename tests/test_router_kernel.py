@@ -340,6 +340,67 @@ def test_errors():
         router.topk_route(torch.randn(2, router.MAX_EXPERTS + 1, device=DEV), 2, **kw)
 
 
+GATE_CASES = [  # (T, D, E, K, score_func, bias, route_norm): the edge each row covers
+    (37, 48, 8, 2, "softmax", False, True),  # E < 16 (tile padded to 16 columns), T not a multiple of BLOCK_T
+    (70, 200, 128, 8, "softmax", False, True),  # the Qwen3 router width, D not a multiple of the 64-wide step
+    (33, 65, 127, 8, "sigmoid", True, True),  # odd E (half BLOCK_T), odd D, expert bias
+    (20, 64, 16, 1, "sigmoid", False, False),  # top_k = 1
+    (9, 32, 6, 6, "softmax", True, False),  # top_k = E
+    (0, 32, 8, 2, "softmax", False, True),  # no tokens
+]
+
+
+@pytest.mark.parametrize("case", GATE_CASES, ids=[f"T{c[0]}-D{c[1]}-E{c[2]}-K{c[3]}-{c[4]}" for c in GATE_CASES])
+def test_gate_topk_route_is_topk_route_of_its_logits(monkeypatch, case):
+    """router.gate_topk_route: logits = x @ w.T rounded once to bf16 (the round-to-nearest-even of the fp32
+    product, up to the summation order: within one bf16 ulp everywhere, equal almost everywhere), then
+    exactly topk_route's routing of those logits: ids and counts equal, scores equal up to the softmax
+    sum's reduction tree (the fused tile has >= 16 columns). Every output is written (poisoned first)."""
+    T, D, E, K, score_func, with_bias, route_norm = case
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+
+    monkeypatch.setattr(router, "_empty", poisoned)
+    gen = torch.Generator().manual_seed(T + D + E)
+    x = torch.randn(T, D, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(E, D, generator=gen) / D**0.5).bfloat16().to(DEV)
+    bias = (torch.randn(E, generator=gen) * 0.05).to(DEV) if with_bias else None
+    kw = dict(score_func=score_func, expert_bias=bias, route_norm=route_norm, route_scale=1.5)
+    counts_into = torch.full((E,), 3.0, device=DEV)
+    logits, top, ids, none = router.gate_topk_route(x, w, K, counts_into=counts_into, **kw)
+    assert none is None and logits.dtype == torch.bfloat16 and logits.shape == (T, E)
+    exact = x.float() @ w.float().t()
+    assert ((logits.float() - exact).abs() <= exact.abs() * 2.0**-8).all(), "logits beyond one bf16 ulp"
+    if T:
+        assert (logits == exact.bfloat16()).float().mean() > 0.99, "logits not rounded to nearest"
+    top2, ids2, counts2 = router.topk_route(logits, K, **kw)
+    assert torch.equal(ids, ids2) and torch.equal(counts_into, counts2 + 3.0)
+    torch.testing.assert_close(top, top2, rtol=SCORE_RTOL * 4, atol=0)
+    if E >= 16:
+        assert torch.equal(top, top2)
+    again = router.gate_topk_route(x, w, K, **kw)
+    assert torch.equal(again[0], logits) and torch.equal(again[1], top) and torch.equal(again[2], ids)
+
+
+def test_gate_topk_route_errors():
+    x = torch.randn(4, 32, device=DEV).bfloat16()
+    kw = dict(score_func="softmax", route_norm=False, route_scale=1.0)
+    with pytest.raises(ValueError, match="gate_w"):
+        router.gate_topk_route(x, torch.randn(8, 31, device=DEV).bfloat16(), 2, **kw)
+    with pytest.raises(ValueError, match="share dtype"):
+        router.gate_topk_route(x, torch.randn(8, 32, device=DEV), 2, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        router.gate_topk_route(torch.randn(32, 4, device=DEV).bfloat16().t(), torch.randn(8, 32, device=DEV).bfloat16(),
+                               2, **kw)
+    with pytest.raises(ValueError, match="fewer than 16 tokens"):
+        router.gate_topk_route(x, torch.randn(512, 32, device=DEV).bfloat16(), 2, **kw)
+    with pytest.raises(ValueError, match="top_k"):
+        router.gate_topk_route(x, torch.randn(8, 32, device=DEV).bfloat16(), 9, **kw)
+    assert [router.gate_block_t(e) for e in (2, 16, 64, 128, 256, 512)] == [64, 64, 64, 32, 16, None]
+    assert [router.gate_block_t(e) for e in (127, 129)] == [16, None]  # odd E: half the tile
+
+
 def test_switch_value_is_checked(monkeypatch):
     from titan_megamoe.layer import MegaMoERouter
 
@@ -407,6 +468,14 @@ COMPILE_CASES = [
     ("bf16_e64_k32_softmax", "*bf16", 64, 32, True, True, True),  # K > UNROLL_K: the rounds as a loop
     ("bf16_e1024_k8_softmax_bias", "*bf16", 1024, 8, True, True, True),  # MAX_EXPERTS
 ]
+GATE_COMPILE_CASES = [
+    # (label, E, D, K, softmax, bias, route_norm): gate_topk_route's kernel
+    ("gate_e128_d2048_k8_softmax_norm", 128, 2048, 8, True, False, True),  # Qwen3-30B-A3B
+    ("gate_e128_d4096_k8_softmax_norm", 128, 4096, 8, True, False, True),  # Qwen3-235B-A22B
+    ("gate_e256_d7168_k8_sigmoid_bias", 256, 7168, 8, False, True, True),  # DeepSeek-V3 sized
+    ("gate_e127_d2048_k8_softmax", 127, 2048, 8, True, False, True),  # odd E
+    ("gate_e8_d1000_k2_softmax", 8, 1000, 2, True, False, True),  # E < 16, D not a multiple of 64
+]
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -420,10 +489,19 @@ def _compile_sm90_all() -> list[dict]:
         r = compile_sm90(flavor(router._topk_route_kernel, False), sig, cx, num_warps=router._NUM_WARPS,
                          num_stages=1)
         results.append(dict(label=label, **r))
+    for label, E, D, K, softmax, bias, norm in GATE_COMPILE_CASES:
+        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*bf16", "bias_ptr": "*fp32", "scores_ptr": "*fp32",
+               "ids_ptr": "*i64", "counts_ptr": "*fp32", "T": "i32", "route_scale": "fp32"}
+        cx = dict(D=D, E=E, K=K, K_PAD=next_pow2(K), E_PAD=max(16, next_pow2(E)), BLOCK_T=router.gate_block_t(E),
+                  BLOCK_D=router._GATE_BLOCK_D, SOFTMAX=softmax, HAS_BIAS=bias, ROUTE_NORM=norm,
+                  UNROLL_K=router.UNROLL_K, UPCAST_FP32=False)
+        r = compile_sm90(flavor(router._gate_topk_route_kernel, False), sig, cx, num_warps=router._NUM_WARPS,
+                         num_stages=3)
+        results.append(dict(label=label, **r))
     return results
 
 
-@pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES])
+@pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES + GATE_COMPILE_CASES])
 def test_compiles_for_sm90a(label):
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"

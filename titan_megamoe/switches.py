@@ -60,6 +60,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_WS_GEMM1", "1", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM1"),)),
     Switch("TITAN_MEGAMOE_FUSED_LAYER", "1", attrs=(("titan_megamoe.ops.eager_layer", "ENABLED"),)),
+    Switch("TITAN_MEGAMOE_FUSED_GATE", "1", attrs=(("titan_megamoe.ops.eager_layer", "FUSED_GATE"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM2_DGRAD", "0", attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM2_DGRAD"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", values=("0", "pingpong", "coop"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM1_DGRAD"),)),

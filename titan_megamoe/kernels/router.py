@@ -49,7 +49,7 @@ try:  # triton is a Linux-only dependency: elsewhere the layer keeps its torch r
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
 
-__all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "topk_route", "topk_route_backward", "topk_route_differentiable",
+__all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "gate_block_t", "gate_topk_route", "topk_route", "topk_route_backward", "topk_route_differentiable",
            "TopKRouteFunction"]
 
 #: Largest E the kernel takes (the (BLOCK_T, E_PAD) tiles live in registers).
@@ -111,9 +111,20 @@ if triton is not None:
         cols = tl.arange(0, E_PAD)
         rmask = rows < T
         cmask = cols < E
-        m2 = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)  # T * E may pass 2**31
-        x = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        _route_tile(x, rows64, cols, rmask, cmask, bias_ptr, scores_ptr, ids_ptr, counts_ptr, route_scale, E, K,
+                    K_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, ROUTE_NORM, UNROLL_K)
+
+    @triton.jit
+    def _route_tile(x, rows64, cols, rmask, cmask, bias_ptr, scores_ptr, ids_ptr, counts_ptr, route_scale,
+                    E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr, UNROLL_K: tl.constexpr):
+        """Scores, selection, route_norm / route_scale, stores and counts of one (BLOCK_T, E_PAD) fp32 logits
+        tile (rows64: token ids; padded rows / columns masked by rmask / cmask)."""
+        m2 = rmask[:, None] & cmask[None, :]
+        E_PAD: tl.constexpr = x.shape[1]
         if SOFTMAX:
             x = tl.where(cmask[None, :], x, float("-inf"))
             p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])  # padded columns: exp(-inf) = 0
@@ -150,6 +161,61 @@ if triton is not None:
         taken = (c == float("-inf")) & m2
         hist = tl.reduce(taken.to(tl.float32), 0, _sum_combine)
         tl.atomic_add(counts_ptr + cols, hist, mask=cmask & (hist > 0))
+
+    @triton.jit
+    def _gate_topk_route_kernel(
+        x_ptr,  # (T, D) bf16 / fp16 / fp32 token rows, contiguous
+        w_ptr,  # (E, D) gate weight, x's dtype, contiguous
+        logits_ptr,  # (T, E) out, x's dtype: x @ w.T, fp32 accumulation rounded once
+        bias_ptr,  # (E,) float, read only when HAS_BIAS
+        scores_ptr,  # (T, K) fp32 out
+        ids_ptr,  # (T, K) int64 out
+        counts_ptr,  # (E,) fp32; += selections per expert
+        T,  # i32, tokens
+        route_scale,  # fp32
+        D: tl.constexpr,  # model dim (one build per model, as E)
+        E: tl.constexpr,
+        K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        E_PAD: tl.constexpr,  # next power of two >= max(E, 16) (tl.dot's smallest N)
+        BLOCK_T: tl.constexpr,  # >= 16 (tl.dot's smallest M)
+        BLOCK_D: tl.constexpr,
+        SOFTMAX: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        ROUTE_NORM: tl.constexpr,
+        UNROLL_K: tl.constexpr,
+        UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot (DESIGN 7)
+    ):
+        """Grid (cdiv(T, BLOCK_T),): the gate linear of BLOCK_T tokens (a (BLOCK_T, E_PAD) fp32 tile, the
+        gate weight read from L2 by every program), rounded to x's dtype as F.linear's output is, stored
+        for the backward, then routed by ``_route_tile`` exactly as ``_topk_route_kernel`` routes the
+        logits it loads."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, E_PAD)
+        ks = tl.arange(0, BLOCK_D)
+        rmask = rows < T
+        cmask = cols < E
+        rows64 = rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            kmask = (d0 + ks) < D
+            a = tl.load(x_ptr + rows64[:, None] * D + (d0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + (d0 + ks)[:, None],
+                        mask=cmask[None, :] & kmask[:, None], other=0.0)
+            if UPCAST_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if UPCAST_FP32 and logits_ptr.dtype.element_ty == tl.bfloat16:
+            # the interpreter truncates fp32 -> bf16; round to nearest even first, as cvt.rn does compiled
+            bits = acc.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            acc = bits.to(tl.float32, bitcast=True)
+        logits = acc.to(logits_ptr.dtype.element_ty)
+        tl.store(logits_ptr + rows64[:, None] * E + cols[None, :], logits, mask=rmask[:, None] & cmask[None, :])
+        _route_tile(logits.to(tl.float32), rows64, cols, rmask, cmask, bias_ptr, scores_ptr, ids_ptr, counts_ptr,
+                    route_scale, E, K, K_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, ROUTE_NORM, UNROLL_K)
 
 
 def block_t_for(num_experts: int) -> int:
@@ -257,6 +323,88 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
            SOFTMAX=score_func == "softmax", HAS_BIAS=expert_bias is not None, ROUTE_NORM=bool(route_norm),
            UNROLL_K=UNROLL_K, **opts)
     return top, ids, (counts if counts_into is None else None)
+
+
+#: Gate dim step of ``_gate_topk_route_kernel``.
+_GATE_BLOCK_D = 64
+
+
+def gate_block_t(num_experts: int) -> int | None:
+    """Tokens per program of the fused gate + router kernel for E experts: :func:`block_t_for` of the
+    tile padded to >= 16 columns; None where that is below 16 rows (tl.dot's smallest M: E > 256, or odd
+    E > 128), where the gate linear stays a separate GEMM."""
+    e_pad = max(16, jit.next_pow2(num_experts))
+    budget = _TILE_ELEMS // 2 if num_experts % 2 else _TILE_ELEMS
+    bt = max(1, min(_MAX_BLOCK_T, budget // e_pad))
+    return bt if bt >= 16 else None
+
+
+def gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, *, score_func: str,
+                    expert_bias: Tensor | None = None, route_norm: bool, route_scale: float,
+                    counts_into: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The router's gate linear and :func:`topk_route` in one launch: logits = x @ gate_w.T (fp32
+    accumulation, rounded once to x's dtype, as ``F.linear``'s output is), then the same routing code
+    as :func:`topk_route` on those rounded logits.
+
+    Why: from an idle device the layer's forward waits on the host until GEMM1 is enqueued, and the
+    gate's cuBLAS call costs 70-300 us of host time on the H200 hosts (docs/NOTES.md, sessions 11-12)
+    for ~20 us of device work. The logits may differ from cuBLAS's in the last bit (another
+    summation order), so a near-tie can select differently than the separate GEMM would: the output
+    is the reference routing of the logits it returns (tests compare on those).
+
+    Args:
+        x_TD: (T, D) bf16, fp16 or fp32 contiguous token rows.
+        gate_w_ED: (E, D) gate weight of x's dtype, contiguous (``router.gate.weight``, no bias).
+        top_k, score_func, expert_bias, route_norm, route_scale, counts_into: as :func:`topk_route`.
+
+    Returns:
+        (logits (T, E) in x's dtype, top_scores (T, K) fp32, selected (T, K) int64, counts (E,) fp32 or
+        None with ``counts_into``).
+
+    Raises:
+        ValueError: x / gate_w not 2-D contiguous of one floating dtype and device with matching D, E
+            beyond :func:`gate_block_t`'s reach, and :func:`topk_route`'s errors.
+        RuntimeError: triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed: the fused router cannot run")
+    if x_TD.dim() != 2 or gate_w_ED.dim() != 2 or x_TD.shape[1] != gate_w_ED.shape[1]:
+        raise ValueError(f"gate_topk_route: x must be (T, D) and gate_w (E, D); got {tuple(x_TD.shape)}, "
+                         f"{tuple(gate_w_ED.shape)}")
+    if (x_TD.dtype != gate_w_ED.dtype or x_TD.device != gate_w_ED.device or not x_TD.is_contiguous()
+            or not gate_w_ED.is_contiguous()):
+        raise ValueError(f"gate_topk_route: x ({x_TD.dtype}, {x_TD.device}) and gate_w ({gate_w_ED.dtype}, "
+                         f"{gate_w_ED.device}) must share dtype and device and be contiguous")
+    T, D = x_TD.shape
+    E = gate_w_ED.shape[0]
+    block_t = gate_block_t(E)
+    if block_t is None:
+        raise ValueError(f"gate_topk_route: E={E} experts leave fewer than 16 tokens per program; use torch.mm "
+                         "and topk_route")
+    logits = _empty((T, E), x_TD.dtype, x_TD.device)
+    _check(logits, top_k, score_func, expert_bias)
+    dev = x_TD.device
+    top = _empty((T, top_k), torch.float32, dev)
+    ids = _empty((T, top_k), torch.int64, dev)
+    if counts_into is None:
+        counts = torch.zeros(E, dtype=torch.float32, device=dev)
+    else:
+        if (tuple(counts_into.shape) != (E,) or counts_into.dtype != torch.float32 or counts_into.device != dev
+                or not counts_into.is_contiguous()):
+            raise ValueError(f"counts_into: expected a contiguous float32 ({E},) tensor on {dev}, got "
+                             f"{counts_into.dtype} {tuple(counts_into.shape)} on {counts_into.device}")
+        counts = counts_into
+    if T == 0:
+        return logits, top, ids, (counts if counts_into is None else None)
+    bias = x_TD if expert_bias is None else expert_bias.contiguous()  # unread without a bias
+    interp = jit.interpreting()
+    opts = {} if interp else dict(num_warps=_NUM_WARPS, num_stages=3)
+    launch(_gate_topk_route_kernel, (jit.cdiv(T, block_t),),
+           x_TD, gate_w_ED, logits, bias, top, ids, counts, T, float(route_scale),
+           D=D, E=E, K=top_k, K_PAD=jit.next_pow2(top_k), E_PAD=max(16, jit.next_pow2(E)), BLOCK_T=block_t,
+           BLOCK_D=_GATE_BLOCK_D, SOFTMAX=score_func == "softmax", HAS_BIAS=expert_bias is not None,
+           ROUTE_NORM=bool(route_norm), UNROLL_K=UNROLL_K, UPCAST_FP32=interp, **opts)
+    return logits, top, ids, (counts if counts_into is None else None)
 
 
 def _scores_fp32(logits_TE: Tensor, score_func: str) -> Tensor:

@@ -9,10 +9,16 @@ backward runs the experts' backward, the router's closed-form gradient and the g
 GEMMs, the router's dx added into the experts' by ``torch.addmm`` (one cuBLAS call instead of a GEMM
 and an elementwise add).
 
-Same forward outputs and gradients as the modular path (router module + experts module) bit for bit,
-except dx: the router's part is added in fp32 inside the GEMM and rounded once (the modular path
-rounds the GEMM's output to bf16, then adds). ``TITAN_MEGAMOE_FUSED_LAYER=0`` turns it off (read at
-import; a same-process switch, ``switches.py``).
+With ``FUSED_GATE`` (default; ``TITAN_MEGAMOE_FUSED_GATE=0`` off) the gate linear runs inside the
+router's kernel (``kernels/router.gate_topk_route``): one launch and no cuBLAS call before the routing
+layout. Its logits come from another summation order than cuBLAS's and may differ in the last bf16
+bit, so a near-tie may route differently than the modular path would; everything after the logits
+is the same code.
+
+With ``FUSED_GATE`` off: the same forward outputs and gradients as the modular path (router module +
+experts module) bit for bit, except dx: the router's part is added in fp32 inside the GEMM and rounded
+once (the modular path rounds the GEMM's output to bf16, then adds). ``TITAN_MEGAMOE_FUSED_LAYER=0``
+turns the whole node off (read at import; a same-process switch, ``switches.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from titan_megamoe.kernels import router as fused_router
 from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import triton_backend as tb
 
-__all__ = ["ENABLED", "FusedLayerFunction"]
+__all__ = ["ENABLED", "FUSED_GATE", "FusedLayerFunction"]
 
 #: Run MegaMoE's eager forward through :class:`FusedLayerFunction` where it applies (``MegaMoE._fused_layer_ok``).
 ENABLED = env_flag("TITAN_MEGAMOE_FUSED_LAYER", True)
+#: Inside it, compute the gate linear in the router's kernel (``router.gate_topk_route``: one launch, no
+#: cuBLAS call) where the kernel takes E; off: ``torch.mm`` then ``router.topk_route``.
+FUSED_GATE = env_flag("TITAN_MEGAMOE_FUSED_GATE", True)
 
 
 class FusedLayerFunction(torch.autograd.Function):
@@ -41,9 +50,16 @@ class FusedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func, route_norm, route_scale):
-        logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
-        top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
-                                              route_norm=route_norm, route_scale=route_scale, counts_into=counts_into)
+        if (FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None and x_TD.dtype == gate_w.dtype
+                and x_TD.is_contiguous() and gate_w.is_contiguous()):
+            logits, top, ids, _ = fused_router.gate_topk_route(
+                x_TD, gate_w, top_k, score_func=score_func, expert_bias=expert_bias, route_norm=route_norm,
+                route_scale=route_scale, counts_into=counts_into)
+        else:
+            logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
+            top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
+                                                  route_norm=route_norm, route_scale=route_scale,
+                                                  counts_into=counts_into)
         out, gate_up, L = tb.triton_fwd(x_TD, ids, top, w1, w2, w3)
         ctx.save_for_backward(x_TD, gate_w, logits, ids, top, w1, w2, w3, gate_up, L.counts, L.offsets, L.row_pair,
                               L.pair_row, L.tile_expert)
