@@ -354,8 +354,8 @@ GATE_CASES = [  # (T, D, E, K, score_func, bias, route_norm): the edge each row 
 def test_gate_topk_route_is_topk_route_of_its_logits(monkeypatch, case):
     """router.gate_topk_route: logits = x @ w.T rounded once to bf16 (the round-to-nearest-even of the fp32
     product, up to the summation order: within one bf16 ulp everywhere, equal almost everywhere), then
-    exactly topk_route's routing of those logits: ids and counts equal, scores equal up to the softmax
-    sum's reduction tree (the fused tile has >= 16 columns). Every output is written (poisoned first)."""
+    exactly topk_route's routing of those logits: ids and counts equal, scores equal up to the order of
+    the row reductions. Every output is written (poisoned first)."""
     T, D, E, K, score_func, with_bias, route_norm = case
 
     def poisoned(shape, dtype, device):
@@ -376,8 +376,10 @@ def test_gate_topk_route_is_topk_route_of_its_logits(monkeypatch, case):
         assert (logits == exact.bfloat16()).float().mean() > 0.99, "logits not rounded to nearest"
     top2, ids2, counts2 = router.topk_route(logits, K, **kw)
     assert torch.equal(ids, ids2) and torch.equal(counts_into, counts2 + 3.0)
+    # scores: the same formulas over another reduction tree (the tile has >= 16 columns; compiled, the
+    # dot's output layout is not the load's), so equal up to a few ulps (bitwise in the interpreter for E >= 16)
     torch.testing.assert_close(top, top2, rtol=SCORE_RTOL * 4, atol=0)
-    if E >= 16:
+    if E >= 16 and DEV == "cpu":
         assert torch.equal(top, top2)
     again = router.gate_topk_route(x, w, K, **kw)
     assert torch.equal(again[0], logits) and torch.equal(again[1], top) and torch.equal(again[2], ids)
