@@ -248,6 +248,19 @@ def _check(logits_TE: Tensor, top_k: int, score_func: str, expert_bias: Tensor |
             raise ValueError(f"expert_bias on {expert_bias.device}, logits on {logits_TE.device}")
 
 
+def _route_outputs(T: int, E: int, top_k: int, dev, counts_into: Tensor | None):
+    """(top (T, K) fp32, ids (T, K) int64, counts (E,) fp32: a zeroed new buffer or the checked counts_into)."""
+    top = _empty((T, top_k), torch.float32, dev)
+    ids = _empty((T, top_k), torch.int64, dev)
+    if counts_into is None:
+        return top, ids, torch.zeros(E, dtype=torch.float32, device=dev)
+    if (tuple(counts_into.shape) != (E,) or counts_into.dtype != torch.float32 or counts_into.device != dev
+            or not counts_into.is_contiguous()):
+        raise ValueError(f"counts_into: expected a contiguous float32 ({E},) tensor on {dev}, got "
+                         f"{counts_into.dtype} {tuple(counts_into.shape)} on {counts_into.device}")
+    return top, ids, counts_into
+
+
 def _empty(shape, dtype, device) -> Tensor:
     """torch.empty; a separate function so tests can poison the outputs (the kernel writes every
     element)."""
@@ -301,16 +314,7 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
     _check(logits_TE, top_k, score_func, expert_bias)
     T, E = logits_TE.shape
     dev = logits_TE.device
-    top = _empty((T, top_k), torch.float32, dev)
-    ids = _empty((T, top_k), torch.int64, dev)
-    if counts_into is None:
-        counts = torch.zeros(E, dtype=torch.float32, device=dev)
-    else:
-        if (tuple(counts_into.shape) != (E,) or counts_into.dtype != torch.float32 or counts_into.device != dev
-                or not counts_into.is_contiguous()):
-            raise ValueError(f"counts_into: expected a contiguous float32 ({E},) tensor on {dev}, got "
-                             f"{counts_into.dtype} {tuple(counts_into.shape)} on {counts_into.device}")
-        counts = counts_into
+    top, ids, counts = _route_outputs(T, E, top_k, dev, counts_into)
     if T == 0:
         return top, ids, (counts if counts_into is None else None)
     logits_TE = logits_TE.contiguous()  # no copy for the gate output
@@ -384,16 +388,7 @@ def gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, *, score_func: 
     logits = _empty((T, E), x_TD.dtype, x_TD.device)
     _check(logits, top_k, score_func, expert_bias)
     dev = x_TD.device
-    top = _empty((T, top_k), torch.float32, dev)
-    ids = _empty((T, top_k), torch.int64, dev)
-    if counts_into is None:
-        counts = torch.zeros(E, dtype=torch.float32, device=dev)
-    else:
-        if (tuple(counts_into.shape) != (E,) or counts_into.dtype != torch.float32 or counts_into.device != dev
-                or not counts_into.is_contiguous()):
-            raise ValueError(f"counts_into: expected a contiguous float32 ({E},) tensor on {dev}, got "
-                             f"{counts_into.dtype} {tuple(counts_into.shape)} on {counts_into.device}")
-        counts = counts_into
+    top, ids, counts = _route_outputs(T, E, top_k, dev, counts_into)
     if T == 0:
         return logits, top, ids, (counts if counts_into is None else None)
     bias = x_TD if expert_bias is None else expert_bias.contiguous()  # unread without a bias
