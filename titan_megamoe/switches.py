@@ -50,7 +50,7 @@ _CONFIG_CACHES = (("titan_megamoe.kernels.configs", "config_for"),
 
 SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_FUSED_ROUTER", "1"),
-    Switch("TITAN_MEGAMOE_WGRAD", "auto", values=("auto", "triton", "grouped_mm")),
+    Switch("TITAN_MEGAMOE_WGRAD", "auto", values=("auto", "triton", "grouped_mm", "gluon")),
     Switch("TITAN_MEGAMOE_EAGER_AUTOGRAD", "1", attrs=(("titan_megamoe.ops.eager", "ENABLED"),)),
     Switch("TITAN_MEGAMOE_FAST_LAUNCH", "1", attrs=(("titan_megamoe.kernels.launch", "FAST_LAUNCH"),)),
     Switch("TITAN_MEGAMOE_POINTER_ARGS", "1", attrs=(("titan_megamoe.kernels.launch", "POINTER_ARGS"),)),

@@ -4,7 +4,7 @@ See ``grouped_gemm_bwd.py`` for the shape legend, the data flow of the whole bac
 measurements; this file holds step 3 (``wgrad_w2``, ``wgrad_w13``). Deterministic: each output element
 is written once by one program that reduces over the expert's rows in row order.
 
-Two implementations, picked per call by :func:`wgrad_impl`:
+Three implementations, picked per call by :func:`wgrad_impl`:
 
 * ``"triton"``: our kernels below, gathering token rows inside the K loop (no extra buffer).
 * ``"grouped_mm"`` (default on sm_90): one pass gathers the token-side operand (x, or dout) into the
@@ -16,6 +16,8 @@ Two implementations, picked per call by :func:`wgrad_impl`:
   persistent kernel does. The extra gather pass costs one read and one write of N_cap x D bf16.
   Zero-row experts: empty groups give exact zeros on sm_90 (pytorch/pytorch#172439 reports it wrong
   on sm_100 only, hence the capability test). Not used for fp32 outputs or caller buffers.
+* ``"gluon"`` (``TITAN_MEGAMOE_WGRAD=gluon``, sm_90): ``ws_wgrad``'s warp-specialized K-grouped GEMM with the
+  row gather in its producer (no gathered copy); where it cannot take the shape, "grouped_mm".
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ from titan_megamoe.kernels._bwd_common import (
 )
 from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
+from titan_megamoe.kernels.ws_wgrad import ws_wgrad_supported, ws_wgrad_w2, ws_wgrad_w13
 
 __all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "WGRAD_IMPLS"]
 
 #: Implementations of the wgrads (module docstring). ``TITAN_MEGAMOE_WGRAD`` = one of them forces it
 #: (A/B benchmarks, tests); "auto" (default) picks "grouped_mm" on sm_90 CUDA devices, else "triton".
-WGRAD_IMPLS = ("auto", "triton", "grouped_mm")
+WGRAD_IMPLS = ("auto", "triton", "grouped_mm", "gluon")
 
 
 def wgrad_impl(device: torch.device, out_dtype: torch.dtype | None = None, *, custom: bool = False,
@@ -68,9 +71,9 @@ def wgrad_impl(device: torch.device, out_dtype: torch.dtype | None = None, *, cu
         raise ValueError(f"wgrad implementation {impl!r} is not one of {WGRAD_IMPLS} (TITAN_MEGAMOE_WGRAD)")
     if custom or (out_dtype not in (None, torch.bfloat16)) or not hasattr(torch, "_grouped_mm"):
         return "triton"
-    if impl == "auto":
+    if impl in ("auto", "gluon"):
         ok = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        return "grouped_mm" if ok else "triton"
+        return impl.replace("auto", "grouped_mm") if ok else "triton"
     return impl
 
 
@@ -278,8 +281,8 @@ def wgrad_w2(
         out_dtype: bf16 (default: the weights' dtype of this bf16 operator) or fp32 (FSDP fp32 master
             gradients); accumulation is fp32 either way.
         out: optional (E, D, F) caller buffer of ``out_dtype``.
-        impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
-            needs ``hs_NF``, bf16 output and no config / out).
+        impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" / "gluon" (module docstring; grouped_mm
+            and gluon need ``hs_NF``, bf16 output and no config / out).
 
     Returns:
         (E, D, F) dw2; experts without rows get exact zeros.
@@ -305,7 +308,10 @@ def wgrad_w2(
     if hs_NF is not None:
         _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
     custom = config is not None or out is not None or hs_NF is None
-    if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
+    chosen = wgrad_impl(dev, out_dtype, custom=custom, impl=impl)
+    if chosen == "gluon" and ws_wgrad_supported(D, F, layout, dout_TD) is None:
+        return ws_wgrad_w2(dout_TD.contiguous(), hs_NF, layout)
+    if chosen in ("grouped_mm", "gluon"):
         # dw2[e] = dout_rows[e]^T @ (s h)[e]; padding rows of the gathered dout are zeros
         return _grouped_mm_wgrad(gather_rows(dout_TD, layout).t(), hs_NF, layout)
     cfg = config or default_bwd_config("wgrad_w2", layout, D, F)
@@ -339,8 +345,8 @@ def wgrad_w13(
             (gathered by token); layout: the routing layout (any block_m).
         config: BM x BN tile of dw1[e] / dw3[e] (over F x D), BK rows per reduction step.
         out_dtype: bf16 (default) or fp32; out: optional (dw1, dw3) caller buffers.
-        impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" (module docstring; grouped_mm
-            needs bf16 output and no config / out).
+        impl: None (``wgrad_impl`` picks) or "triton" / "grouped_mm" / "gluon" (module docstring; grouped_mm
+            and gluon need bf16 output and no config / out).
 
     Returns:
         dw1, dw3 (E, F, D); experts without rows get exact zeros.
@@ -363,7 +369,10 @@ def wgrad_w13(
     if out_dtype not in _WGRAD_DTYPES:
         raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
     custom = config is not None or out is not None
-    if wgrad_impl(dev, out_dtype, custom=custom, impl=impl) == "grouped_mm":
+    chosen = wgrad_impl(dev, out_dtype, custom=custom, impl=impl)
+    if chosen == "gluon" and ws_wgrad_supported(D, F, layout, x_TD) is None:
+        return ws_wgrad_w13(dgate_up_N2F, x_TD, layout)
+    if chosen in ("grouped_mm", "gluon"):
         # dw1[e] = dgate[e]^T @ x_rows[e], dw3 likewise: the gate / up halves as strided views, no copy
         x_rows = gather_rows(x_TD, layout)
         return (_grouped_mm_wgrad(dgate_up_N2F[:, :F].t(), x_rows, layout),
