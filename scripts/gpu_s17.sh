@@ -3,10 +3,15 @@
 #   PART=a: the Gluon K-grouped wgrads with the row gather in the producer (kernels/ws_wgrad.py): GPU tests
 #     (tests/test_ws_wgrad.py), do_bench against gather + grouped_mm (scripts/bench_ws_wgrad.py), and
 #     compare.layer with the same-process A/B WGRAD=gluon.
+#   PART=b: v2 (x rows as the gathered A, dw1 / dw3 stored transposed), "gluon" the sm_90 default: the same
+#     tests and bench, compare.layer with the A/B WGRAD=grouped_mm (the previous default).
+#   PART=c: the GPU suite with the new default: test_gpu.py (graph capture, no host sync, real shapes),
+#     test_kernels_bwd.py, test_triton_op.py, test_eager_layer.py.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s17.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
-if [ "$PART" = a ]; then
+if [ "$PART" = a ] || [ "$PART" = b ]; then
+  [ "$PART" = b ] && ALT=grouped_mm || ALT=gluon
   timeout -s KILL 150 python3 -m pytest -q -rA tests/test_ws_wgrad.py > "$OUT/keep/tests_ws_wgrad.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ws_wgrad tests: $(tail -1 "$OUT/keep/tests_ws_wgrad.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/keep/tests_ws_wgrad.log" | head
@@ -15,8 +20,14 @@ if [ "$PART" = a ]; then
   if grep -q " passed" "$OUT/keep/tests_ws_wgrad.log" && ! grep -q "failed" "$OUT/keep/tests_ws_wgrad.log"; then
     timeout -s KILL 270 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
       --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
-      --switches WGRAD=gluon --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
+      --switches WGRAD=$ALT --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
     echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"; tail -3 "$OUT/layer.log" | cut -c1-300
   fi
+elif [ "$PART" = c ]; then
+  timeout -s KILL 540 python3 -m pytest -q -rA tests/test_gpu.py tests/test_kernels_bwd.py tests/test_triton_op.py \
+    tests/test_eager_layer.py -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" \
+    > "$OUT/keep/tests_gpu.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
 fi
 session_pack "s17$PART"

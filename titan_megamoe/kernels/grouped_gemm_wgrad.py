@@ -7,7 +7,7 @@ is written once by one program that reduces over the expert's rows in row order.
 Three implementations, picked per call by :func:`wgrad_impl`:
 
 * ``"triton"``: our kernels below, gathering token rows inside the K loop (no extra buffer).
-* ``"grouped_mm"`` (default on sm_90): one pass gathers the token-side operand (x, or dout) into the
+* ``"grouped_mm"`` (the sm_90 default until session 13; still where "gluon" cannot take the shape): one pass gathers the token-side operand (x, or dout) into the
   layout's row order with zero padding rows (:func:`gather_rows`), then ``torch._grouped_mm`` (PyTorch's
   CUTLASS grouped GEMM, jagged K = each expert's padded segment of the layout). Why: at the 30B shape
   stock TorchTitan's grouped GEMMs run ~615 TF/s on the H200 (``profile_30b_tt-compile_20261130.json``:
@@ -16,8 +16,8 @@ Three implementations, picked per call by :func:`wgrad_impl`:
   persistent kernel does. The extra gather pass costs one read and one write of N_cap x D bf16.
   Zero-row experts: empty groups give exact zeros on sm_90 (pytorch/pytorch#172439 reports it wrong
   on sm_100 only, hence the capability test). Not used for fp32 outputs or caller buffers.
-* ``"gluon"`` (``TITAN_MEGAMOE_WGRAD=gluon``, sm_90): ``ws_wgrad``'s warp-specialized K-grouped GEMM with the
-  row gather in its producer (no gathered copy); where it cannot take the shape, "grouped_mm".
+* ``"gluon"`` (default on sm_90): ``ws_wgrad``'s warp-specialized K-grouped GEMM with the row gather in its
+  producer (no gathered copy); where it cannot take the shape, "grouped_mm".
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from titan_megamoe.kernels.ws_wgrad import ws_wgrad_supported, ws_wgrad_w2, ws_w
 __all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "WGRAD_IMPLS"]
 
 #: Implementations of the wgrads (module docstring). ``TITAN_MEGAMOE_WGRAD`` = one of them forces it
-#: (A/B benchmarks, tests); "auto" (default) picks "grouped_mm" on sm_90 CUDA devices, else "triton".
+#: (A/B benchmarks, tests); "auto" (default) picks "gluon" on sm_90 CUDA devices, else "triton".
 WGRAD_IMPLS = ("auto", "triton", "grouped_mm", "gluon")
 
 
@@ -73,7 +73,7 @@ def wgrad_impl(device: torch.device, out_dtype: torch.dtype | None = None, *, cu
         return "triton"
     if impl in ("auto", "gluon"):
         ok = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        return impl.replace("auto", "grouped_mm") if ok else "triton"
+        return "gluon" if ok else "triton"
     return impl
 
 

@@ -8,17 +8,21 @@ reads back of N_cap x D), then run ``torch._grouped_mm``. At the Qwen3-30B-A3B s
 Here the rows are gathered straight into shared memory by cp.async (TMA cannot gather rows on Hopper), as the
 Gluon GEMM1 forward does (``ws_gemm``); the contiguous operand comes by TMA.
 
-Both wgrads are one kernel: out[e] = A[rows of e]^T @ B[rows of e], a K-grouped GEMM whose reduction runs over
-expert e's padded rows [offsets[e], offsets[e+1]) of the routing layout, in row order (deterministic):
+Both wgrads are one kernel: P[e] = A[rows of e]^T @ B[rows of e], a K-grouped GEMM whose reduction runs over
+expert e's padded rows [offsets[e], offsets[e+1]) of the routing layout, in row order (deterministic). A is
+always the gathered token side (M = D), B the contiguous side by TMA:
 
-* dw1 / dw3 (``ws_wgrad_w13``): A = dgate_up (N_cap, 2F) by TMA, M = 2F split at F between dw1 and dw3;
-  B = x rows gathered (N = D);
-* dw2 (``ws_wgrad_w2``): A = dout rows gathered (M = D); B = s h (N_cap, F) stored by the GEMM2 dgrad, by TMA
-  (N = F).
+* dw2 (``ws_wgrad_w2``): A = dout rows, B = s h (N_cap, F) stored by the GEMM2 dgrad; dw2[e] = P[e] (D x F);
+* dw1 / dw3 (``ws_wgrad_w13``): A = x rows, B = dgate_up (N_cap, 2F); dw1[e] / dw3[e] = the two F-column halves
+  of P[e] (D x 2F), transposed in the epilogue (stored through a permuted staging tile).
+
+Why x is the gathered A and not dgate_up (v1 of this kernel, session 13): with x as the 256-wide gathered B,
+the 4-warp producer issued 32 KB of cp.async per step against 16 KB by TMA, and dw1 / dw3 ran at 501 TF/s
+against dw2's 564 (the same FLOPs per byte, the 16 KB gather on the other side).
 
 Both operands sit in shared memory as [BK rows, width] row-major tiles: B is N-major as loaded, A is read
 MN-major through a permuted view (wgmma takes either for bf16). Tiles of 128 x BN, cooperative (each consumer
-warpgroup 64 rows of the tile, m64nBN wgmma), persistent grid over E x (M / 128) x (N / BN) tiles in expert
+warpgroup 64 rows of the tile, m64nBN wgmma), persistent grid over E x (D / 128) x (N / BN) tiles in expert
 order (an expert's operands stay in L2 while its tiles run). Experts without rows get zeros (empty K loop).
 Padding rows contribute nothing: the gathered side is zero-filled there and the TMA side holds zeros (the
 kernels that write dgate_up and s h zero their padding rows).
@@ -112,11 +116,11 @@ if HAVE_GLUON:
         return ptrs, gl.expand_dims(ok, 1) & gl.expand_dims(cols >= 0, 0)
 
     @gluon.jit
-    def _wg_producer(a_src, b_src, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t, ready_c, empty,
-                     GATHER_A: gl.constexpr, N_SRC: gl.constexpr, TOPK: gl.constexpr, MT: gl.constexpr,
-                     NT: gl.constexpr, STAGES: gl.constexpr):
-        BK: gl.constexpr = b_bufs.type.shape[1]
-        BN: gl.constexpr = b_bufs.type.shape[2]
+    def _wg_producer(a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t, ready_c, empty,
+                     N_SRC: gl.constexpr, TOPK: gl.constexpr, MT: gl.constexpr, NT: gl.constexpr,
+                     STAGES: gl.constexpr):
+        BK: gl.constexpr = b_desc.block_type.shape[0]
+        BN: gl.constexpr = b_desc.block_type.shape[1]
         BMC: gl.constexpr = a0_bufs.type.shape[2]
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
@@ -129,29 +133,23 @@ if HAVE_GLUON:
                 s = idx % STAGES
                 mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
                 bar = ready_t.index(s)
-                if GATHER_A:  # dw2: dout rows gathered (two 64-column halves, one per consumer), s h by TMA
-                    mbarrier.expect(bar, b_src.block_type.nbytes)
-                    tma.async_copy_global_to_shared(b_src, [r0, n0], bar, b_bufs.index(s))
-                    ptrs, mask = _gather_ptrs(a_src, row_pair_ptr, r0, m0, N_SRC, TOPK, BK, BMC)
-                    async_copy.async_copy_global_to_shared(a0_bufs.index(s), ptrs, mask=mask)
-                    async_copy.async_copy_global_to_shared(a1_bufs.index(s), ptrs + BMC, mask=mask)
-                else:  # dw1 / dw3: dgate_up by TMA (two 64-column boxes), x rows gathered
-                    mbarrier.expect(bar, 2 * a_src.block_type.nbytes)
-                    tma.async_copy_global_to_shared(a_src, [r0, m0], bar, a0_bufs.index(s))
-                    tma.async_copy_global_to_shared(a_src, [r0, m0 + BMC], bar, a1_bufs.index(s))
-                    ptrs, mask = _gather_ptrs(b_src, row_pair_ptr, r0, n0, N_SRC, TOPK, BK, BN)
-                    async_copy.async_copy_global_to_shared(b_bufs.index(s), ptrs, mask=mask)
+                mbarrier.expect(bar, b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [r0, n0], bar, b_bufs.index(s))
+                # token rows: two 64-column halves, one per consumer; padding rows zero-filled
+                ptrs, mask = _gather_ptrs(a_ptr, row_pair_ptr, r0, m0, N_SRC, TOPK, BK, BMC)
+                async_copy.async_copy_global_to_shared(a0_bufs.index(s), ptrs, mask=mask)
+                async_copy.async_copy_global_to_shared(a1_bufs.index(s), ptrs + BMC, mask=mask)
                 async_copy.mbarrier_arrive(ready_c.index(s), increment_count=False)  # one arrival per thread
                 idx += 1
 
     @gluon.jit
     def _wg_consumer(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready_t, ready_c, empty, c_smem,
-                     C: gl.constexpr, M_SPLIT: gl.constexpr, MT: gl.constexpr, NT: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     C: gl.constexpr, TRANS_OUT: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
+                     NT: gl.constexpr, STAGES: gl.constexpr):
         # cooperative: both consumers take every tile, C its rows [C * 64, C * 64 + 64)
-        BMC: gl.constexpr = c_smem.type.shape[0]
-        BN: gl.constexpr = c_smem.type.shape[1]
         BK: gl.constexpr = b_bufs.type.shape[1]
+        BN: gl.constexpr = b_bufs.type.shape[2]
+        BMC: gl.constexpr = a_bufs.type.shape[2]
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 16])
         idx = 0
@@ -174,32 +172,39 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if end > start:
                 mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            # epilogue: bf16 through this consumer's staging tile, TMA store into dw1 / dw3 (rows split at F) or dw2
+            # epilogue: bf16 through this consumer's staging tile, TMA store
             row = m * 2 * BMC + C * BMC
+            col = n * BN
             tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-            c_smem.store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            if row < M_SPLIT:
-                tma.async_copy_shared_to_global(out0_desc, [e * M_SPLIT + row, n * BN], c_smem)
-            else:
-                tma.async_copy_shared_to_global(out1_desc, [e * M_SPLIT + row - M_SPLIT, n * BN], c_smem)
+            if TRANS_OUT:  # dw1 / dw3 (E, F, D) from the D x 2F product: transposed, columns split at F
+                c_smem.permute((1, 0)).store(acc.to(gl.bfloat16))
+                fence_async_shared()
+                if col < SPLIT:
+                    tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + col, row], c_smem)
+                else:
+                    tma.async_copy_shared_to_global(out1_desc, [e * SPLIT + col - SPLIT, row], c_smem)
+            else:  # dw2 (E, D, F)
+                c_smem.store(acc.to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + row, col], c_smem)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _wgrad_ws_kernel(a_src, b_src, out0_desc, out1_desc, row_pair_ptr, offsets_ptr, E, GATHER_A: gl.constexpr,
-                         N_SRC: gl.constexpr, TOPK: gl.constexpr, M_SPLIT: gl.constexpr, MT: gl.constexpr,
-                         NT: gl.constexpr, STAGES: gl.constexpr, BK: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    def _wgrad_ws_kernel(a_ptr, b_desc, out0_desc, out1_desc, row_pair_ptr, offsets_ptr, E, TRANS_OUT: gl.constexpr,
+                         N_SRC: gl.constexpr, TOPK: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
+                         NT: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr):
-        """out[e] = A[rows of e]^T @ B[rows of e] (module docstring); out rows [0, M_SPLIT) of each expert go to
-        ``out0_desc``, the rest to ``out1_desc``. Grid: (programs,)."""
-        dtype: gl.constexpr = out0_desc.dtype
-        BMC: gl.constexpr = out0_desc.block_type.shape[0]
-        BN: gl.constexpr = out0_desc.block_type.shape[1]
+        """P[e] = A[rows of e]^T @ B[rows of e] with A = token rows of ``a_ptr`` (T, N_SRC) gathered, B by TMA
+        (module docstring); stored as dw2[e] = P[e] (TRANS_OUT False) or as dw1[e] / dw3[e] = P[e]^T split at
+        column SPLIT = F (TRANS_OUT True). Grid: (programs,)."""
+        dtype: gl.constexpr = b_desc.dtype
+        BK: gl.constexpr = b_desc.block_type.shape[0]
+        BN: gl.constexpr = b_desc.block_type.shape[1]
+        BMC: gl.constexpr = 64
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BMC], gl.bfloat16)
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
         a0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BMC], a_layout)
         a1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BMC], a_layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_desc.layout)
         c0 = gl.allocate_shared_memory(dtype, out0_desc.block_type.shape, out0_desc.layout)
         c1 = gl.allocate_shared_memory(dtype, out0_desc.block_type.shape, out0_desc.layout)
         ready_t = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -211,11 +216,11 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
         gl.warp_specialize([
             (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty, c0,
-                            0, M_SPLIT, MT, NT, STAGES)),
+                            0, TRANS_OUT, SPLIT, MT, NT, STAGES)),
             (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty, c1,
-                            1, M_SPLIT, MT, NT, STAGES)),
-            (_wg_producer, (a_src, b_src, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t, ready_c,
-                            empty, GATHER_A, N_SRC, TOPK, MT, NT, STAGES)),
+                            1, TRANS_OUT, SPLIT, MT, NT, STAGES)),
+            (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t, ready_c,
+                            empty, N_SRC, TOPK, MT, NT, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -226,8 +231,8 @@ def ws_wgrad_supported(D: int, F: int, layout, ref: Tensor, cfg: WgradConfig = W
     if reason:
         return reason
     bn = cfg.block_n
-    if F % _BM or D % _BM or D % bn or F % bn:
-        return f"needs D and F multiples of {_BM} and of block_n {bn} (D={D}, F={F})"
+    if D % _BM or F % bn:
+        return f"needs D a multiple of {_BM} and F of block_n {bn} (D={D}, F={F})"
     if layout.block_m % cfg.block_k:
         return f"needs the routing layout's block_m ({layout.block_m}) a multiple of block_k {cfg.block_k}"
     return None
@@ -252,7 +257,7 @@ def ws_wgrad_w13(dgate_up_N2F: Tensor, x_TD: Tensor, layout, *, out: tuple[Tenso
     """dw1[e] = sum over expert e's rows r of dgate[r]^T x[t], dw3[e] likewise with dup, t = row_pair[r] // K.
 
     Same contract as ``grouped_gemm_wgrad.wgrad_w13`` (bf16 output, fp32 accumulation in row order), x rows
-    gathered in the kernel's producer.
+    gathered in the kernel's producer, the D x 2F product stored transposed.
 
     Args:
         dgate_up_N2F: (N_cap, 2F) bf16 contiguous, zeros on the layout's padding rows (as the GEMM2 dgrad
@@ -283,12 +288,12 @@ def ws_wgrad_w13(dgate_up_N2F: Tensor, x_TD: Tensor, layout, *, out: tuple[Tenso
     dw1 = _out(None if out is None else out[0], (E, F, D), dev, "out[0] (dw1)", fn)
     dw3 = _out(None if out is None else out[1], (E, F, D), dev, "out[1] (dw3)", fn)
     bn, bk = cfg.block_n, cfg.block_k
-    a_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bk, _BM // 2))
-    o1 = _desc(dw1, (E * F, D), (_BM // 2, bn))
-    o3 = _desc(dw3, (E * F, D), (_BM // 2, bn))
-    mt, nt = 2 * F // _BM, D // bn
+    b_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bk, bn))
+    o1 = _desc(dw1, (E * F, D), (bn, _BM // 2))  # transposed stores: [BN rows of F, 64 columns of D]
+    o3 = _desc(dw3, (E * F, D), (bn, _BM // 2))
+    mt, nt = D // _BM, 2 * F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
-           a_desc, x_TD, o1, o3, layout.row_pair, layout.offsets, E, False, D, K, F, mt, nt, cfg.stages, bk,
+           x_TD, b_desc, o1, o3, layout.row_pair, layout.offsets, E, True, D, K, F, mt, nt, cfg.stages,
            cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
     return dw1, dw3
 
@@ -330,27 +335,27 @@ def ws_wgrad_w2(dout_TD: Tensor, hs_NF: Tensor, layout, *, out: Tensor | None = 
     o2 = _desc(dw2, (E * D, F), (_BM // 2, bn))
     mt, nt = D // _BM, F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
-           dout_TD, b_desc, o2, o2, layout.row_pair, layout.offsets, E, True, D, K, D, mt, nt, cfg.stages, bk,
+           dout_TD, b_desc, o2, o2, layout.row_pair, layout.offsets, E, False, D, K, D, mt, nt, cfg.stages,
            cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
     return dw2
 
 
 def wgrad_compile_args(D: int, F: int, kind: str, cfg: WgradConfig = WGRAD_CONFIG, top_k: int = 8):
-    """(signature, constexprs) of ``_wgrad_ws_kernel`` for ``sm90_check.compile_sm90``: ``kind`` "w13" (dgate_up
-    by TMA, x gathered) or "w2" (dout gathered, s h by TMA)."""
+    """(signature, constexprs) of ``_wgrad_ws_kernel`` for ``sm90_check.compile_sm90``: ``kind`` "w13" (x gathered,
+    dgate_up by TMA, transposed stores) or "w2" (dout gathered, s h by TMA)."""
     bn, bk = cfg.block_n, cfg.block_k
 
     def desc(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
 
-    out = desc([_BM // 2, bn])
-    common = {"out0_desc": out, "out1_desc": out, "row_pair_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     if kind == "w13":
-        sig = {"a_src": desc([bk, _BM // 2]), "b_src": "*bf16", **common}
-        cx = dict(GATHER_A=False, N_SRC=D, TOPK=top_k, M_SPLIT=F, MT=2 * F // _BM, NT=D // bn)
+        out = desc([bn, _BM // 2])
+        cx = dict(TRANS_OUT=True, N_SRC=D, TOPK=top_k, SPLIT=F, MT=D // _BM, NT=2 * F // bn)
     else:
-        sig = {"a_src": "*bf16", "b_src": desc([bk, bn]), **common}
-        cx = dict(GATHER_A=True, N_SRC=D, TOPK=top_k, M_SPLIT=D, MT=D // _BM, NT=F // bn)
-    cx.update(STAGES=cfg.stages, BK=bk, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+        out = desc([_BM // 2, bn])
+        cx = dict(TRANS_OUT=False, N_SRC=D, TOPK=top_k, SPLIT=D, MT=D // _BM, NT=F // bn)
+    sig = {"a_ptr": "*bf16", "b_desc": desc([bk, bn]), "out0_desc": out, "out1_desc": out, "row_pair_ptr": "*i32",
+           "offsets_ptr": "*i32", "E": "i32"}
+    cx.update(STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx
