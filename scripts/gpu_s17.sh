@@ -6,7 +6,7 @@
 #   PART=b: v2 (x rows as the gathered A, dw1 / dw3 stored transposed), "gluon" the sm_90 default: the same
 #     tests and bench, compare.layer with the A/B WGRAD=grouped_mm (the previous default).
 #   PART=c: the GPU suite with the new default: test_gpu.py (graph capture, no host sync, real shapes),
-#     test_kernels_bwd.py, test_triton_op.py, test_eager_layer.py.
+#     test_kernels_bwd.py, test_triton_op.py, test_eager_layer.py; before them, the 30B kernel profile.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s17.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -24,7 +24,10 @@ if [ "$PART" = a ] || [ "$PART" = b ]; then
     echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"; tail -3 "$OUT/layer.log" | cut -c1-300
   fi
 elif [ "$PART" = c ]; then
-  timeout -s KILL 540 python3 -m pytest -q -rA tests/test_gpu.py tests/test_kernels_bwd.py tests/test_triton_op.py \
+  timeout -s KILL 120 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --iters 10 \
+    --out "$OUT/keep/profile_30b_megamoe-triton.json" > "$OUT/keep/profile_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile rc $?"; grep -v Warn "$OUT/keep/profile_30b.log" | tail -28 | cut -c1-200
+  timeout -s KILL 420 python3 -m pytest -q -rA tests/test_gpu.py tests/test_kernels_bwd.py tests/test_triton_op.py \
     tests/test_eager_layer.py -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" \
     > "$OUT/keep/tests_gpu.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
