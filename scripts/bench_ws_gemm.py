@@ -287,7 +287,7 @@ def bench_g2d(out_path: str | None, shapes: list[str]) -> int:
                          tflops=flops / ms / 1e9))
         print(json.dumps(rows[-1]), flush=True)
         n = int(lay.offsets[-1])
-        for pp in (PP_CONFIG, WsConfig(block_n=128, stages=3, group_m=8, coop=False, consumer_regs=216,
+        for pp in (PP_CONFIG, WsConfig(block_n=128, stages=4, group_m=1, coop=False, consumer_regs=216,
                                        producer_regs=72)):
             dgu, part, hs = torch.empty_like(tdgu), torch.empty_like(tpart), torch.empty_like(ths)
             launch_gemm2_dgrad_pingpong(dout, w2, gu, sc, lay, dgu, part, hs, pp)
@@ -299,7 +299,8 @@ def bench_g2d(out_path: str | None, shapes: list[str]) -> int:
                              tflops=flops / ms / 1e9, bitwise_triton_dgate_up_hs=same,
                              rel_err_dgate_up=rel_err(dgu[:n], tdgu[:n]), max_abs_diff_dscore_rows=dscore_diff))
             print(json.dumps(rows[-1]), flush=True)
-        for cfg in (G2D_CONFIG,):
+        for cfg in (G2D_CONFIG, WsConfig(block_n=128, stages=6, group_m=1, coop=True, consumer_regs=216,
+                                         producer_regs=72)):
             dgu, part, hs = ws_gemm2_dgrad(dout, w2, gu, sc, lay, cfg=cfg)
             same = bool(torch.equal(dgu[:n], tdgu[:n]) and torch.equal(hs[:n], ths[:n]))
             dscore_diff = float((part[:n].sum(1) - tpart[:n].sum(1)).abs().max())

@@ -7,7 +7,7 @@
 #     tests and bench, compare.layer with the A/B WGRAD=grouped_mm (the previous default).
 #   PART=c: the GPU suite with the new default: test_gpu.py (graph capture, no host sync, real shapes),
 #     test_kernels_bwd.py, test_triton_op.py, test_eager_layer.py; before them, the 30B kernel profile.
-#   PART=d: the ping-pong Gluon GEMM2 dgrad (kernels/ws_gemm2_dgrad.py): GPU tests (test_ws_gemm.py g2d cases),
+#   PART=d (and e: v2, one shared staging tile, 5 stages): the ping-pong Gluon GEMM2 dgrad (kernels/ws_gemm2_dgrad.py): GPU tests (test_ws_gemm.py g2d cases),
 #     bench-g2d, compare.layer with the A/B WS_GEMM2_DGRAD=pingpong.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s17.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
@@ -25,7 +25,7 @@ if [ "$PART" = a ] || [ "$PART" = b ]; then
       --switches WGRAD=$ALT --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
     echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log"; tail -3 "$OUT/layer.log" | cut -c1-300
   fi
-elif [ "$PART" = d ]; then
+elif [ "$PART" = d ] || [ "$PART" = e ]; then
   timeout -s KILL 150 python3 -m pytest -q -rA tests/test_ws_gemm.py -k "gemm2_dgrad" > "$OUT/keep/tests_ws_g2d.log" 2>&1
   echo "[t=$((SECONDS - t0))s] g2d tests: $(tail -1 "$OUT/keep/tests_ws_g2d.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/keep/tests_ws_g2d.log" | head

@@ -17,7 +17,12 @@ consumer's epilogue runs under the other's main loop.
   dh = s g, dgate = dh up silu'(gate), dup = dh silu(gate), s h, and the d score partial sum of g h over the
   tile's 128 columns (h = bf16(silu(gate) up), as GEMM2 consumed it). Direct global stores (16-byte vectors).
 
-Shared memory: a ring of 3 stages of (128 + 128) x 64 bf16 (96 KB) and two 64 KB fp32 staging tiles.
+Shared memory: a ring of 5 stages of (128 + 128) x 64 bf16 (160 KB) and one 64 KB fp32 staging tile, handed from
+one consumer's epilogue to the other's by an mbarrier (epilogues run in tile order). v1 (session 13) had one staging
+tile per consumer and room for 3 stages: bitwise the Triton kernel but 1.46 ms against its 0.91 at the 30B shape.
+Why, as far as the numbers go: a stage is 0.4 us of MMA for one consumer, so 3 stages hide ~1.2 us of the dout row
+gather's latency, less than a random-row read from HBM takes under load (the cooperative kernel gained 6 % from
+4 to 5 stages).
 Same contract and preconditions as ``ws_gemm.ws_gemm2_dgrad``.
 """
 
@@ -39,15 +44,15 @@ if HAVE_GLUON:
 
 __all__ = ["PP_CONFIG", "launch_gemm2_dgrad_pingpong", "pingpong_compile_args"]
 
-#: Ping-pong GEMM2 dgrad: 128 x 128 tiles per consumer, 3 stages (the fp32 staging tiles take 128 KB).
-PP_CONFIG = WsConfig(block_n=128, stages=3, group_m=1, coop=False, consumer_regs=216, producer_regs=72)
+#: Ping-pong GEMM2 dgrad: 128 x 128 tiles per consumer, 5 stages beside the 64 KB fp32 staging tile.
+PP_CONFIG = WsConfig(block_n=128, stages=5, group_m=1, coop=False, consumer_regs=216, producer_regs=72)
 
 
 if HAVE_GLUON:
 
     @gluon.jit
     def _g2p_consumer(gate_up_ptr, scores_ptr, dscore_ptr, dgu_ptr, hs_ptr, row_pair_ptr, offsets_ptr, E, a_bufs,
-                      b_bufs, ready_a, ready_b, empty, order, g_smem, C: gl.constexpr, D: gl.constexpr,
+                      b_bufs, ready_a, ready_b, empty, order, g_smem, g_free, C: gl.constexpr, D: gl.constexpr,
                       F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -80,7 +85,10 @@ if HAVE_GLUON:
             mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
-            # epilogue (under the other consumer's main loop): g to the staging tile, then P x P pieces
+            # epilogue (under the other consumer's main loop): g to the staging tile, then P x P pieces. The
+            # staging tile is shared: tile j's epilogue waits for tile j - 1's (the other consumer's) to release it.
+            if j > 0:
+                mbarrier.wait(g_free, (j - 1) & 1)
             g_smem.store(acc)
             row0 = pid_m * BM
             for rp in gl.static_range(BM // P):
@@ -107,6 +115,8 @@ if HAVE_GLUON:
                     hs_off = gl.expand_dims(rows64 * F, 1) + gl.expand_dims(cols, 0)
                     gl.store(hs_ptr + hs_off, (silu * up * sc).to(gl.bfloat16))
                 gl.store(dscore_ptr + rows64 * NUM_N + pid_n, dscore)
+            gl.thread_barrier()  # every warp of this consumer has read the staging tile
+            mbarrier.arrive(g_free, count=1)
 
     @gluon.jit
     def _gemm2_dgrad_pp_kernel(dout_ptr, w2_desc, dgu_ptr, hs_ptr, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr,
@@ -120,12 +130,13 @@ if HAVE_GLUON:
         g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
-        g0 = gl.allocate_shared_memory(gl.float32, [BM, BN], g_layout)
-        g1 = gl.allocate_shared_memory(gl.float32, [BM, BN], g_layout)
+        g_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], g_layout)
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        g_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(g_free, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(ready_b.index(i), count=1)
@@ -134,9 +145,9 @@ if HAVE_GLUON:
             mbarrier.init(order.index(i), count=1)
         gl.warp_specialize([
             (_g2p_consumer, (gate_up_ptr, scores_ptr, dscore_ptr, dgu_ptr, hs_ptr, row_pair_ptr, offsets_ptr, E,
-                             a_bufs, b_bufs, ready_a, ready_b, empty, order, g0, 0, D, F, NUM_N, GROUP_M, STAGES)),
+                             a_bufs, b_bufs, ready_a, ready_b, empty, order, g_smem, g_free, 0, D, F, NUM_N, GROUP_M, STAGES)),
             (_g2p_consumer, (gate_up_ptr, scores_ptr, dscore_ptr, dgu_ptr, hs_ptr, row_pair_ptr, offsets_ptr, E,
-                             a_bufs, b_bufs, ready_a, ready_b, empty, order, g1, 1, D, F, NUM_N, GROUP_M, STAGES)),
+                             a_bufs, b_bufs, ready_a, ready_b, empty, order, g_smem, g_free, 1, D, F, NUM_N, GROUP_M, STAGES)),
             (_g2d_producer, (dout_ptr, w2_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
                              ready_a, ready_b, empty, D, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
