@@ -7,7 +7,8 @@
 #     tests and bench, compare.layer with the A/B WGRAD=grouped_mm (the previous default).
 #   PART=c: the GPU suite with the new default: test_gpu.py (graph capture, no host sync, real shapes),
 #     test_kernels_bwd.py, test_triton_op.py, test_eager_layer.py; before them, the 30B kernel profile.
-#   PART=d (and e: v2, one shared staging tile, 5 stages): the ping-pong Gluon GEMM2 dgrad (kernels/ws_gemm2_dgrad.py): GPU tests (test_ws_gemm.py g2d cases),
+#   PART=d (and e: v2, one shared staging tile, 5 stages): the ping-pong Gluon GEMM2 dgrad (removed after PART e:
+#     slower than the Triton kernel; run at 7728033 / 68dd907) (kernels/ws_gemm2_dgrad.py): GPU tests (test_ws_gemm.py g2d cases),
 #     bench-g2d, compare.layer with the A/B WS_GEMM2_DGRAD=pingpong.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s17.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import cdiv, env_choice, grouped_tile
+from titan_megamoe.kernels.jit import cdiv, env_choice, env_flag, grouped_tile
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for tests / callers)
     _ACT,
@@ -81,12 +81,11 @@ __all__ = [
 #: (same process, layer_1xh200_ep1_s10b_20261202.json) fwd+bwd device time 7.388 -> 7.192 ms at the 30B shape,
 #: 25.46 -> 24.99 ms at 235B. Read at import (``TITAN_MEGAMOE_WS_GEMM1_DGRAD``); a same-process switch.
 WS_GEMM1_DGRAD = env_choice("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", ("0", "pingpong", "coop"))
-#: GEMM2 dgrad (dout row gather, SwiGLU backward, d score partials, s h for the w2 wgrad) by a warp-specialized
-#: Gluon kernel where it applies (sm_90, BM 128, D >= ``WS_GEMM1_DGRAD_MIN_DIM``, F % 128 == 0, no config, ``hs_out``
-#: given); else the Triton kernel. "1": the cooperative kernel (``ws_gemm.ws_gemm2_dgrad``, slower than Triton's,
-#: session 11), "pingpong": ``ws_gemm2_dgrad``'s ping-pong kernel, "0" (default): the Triton kernel. Read at import
-#: (``TITAN_MEGAMOE_WS_GEMM2_DGRAD``); a same-process switch.
-WS_GEMM2_DGRAD = env_choice("TITAN_MEGAMOE_WS_GEMM2_DGRAD", "0", ("0", "1", "pingpong"))
+#: GEMM2 dgrad (dout row gather, SwiGLU backward, d score partials, s h for the w2 wgrad) by the warp-specialized
+#: Gluon kernel (``ws_gemm.ws_gemm2_dgrad``) where it applies (sm_90, BM 128, D >= ``WS_GEMM1_DGRAD_MIN_DIM``,
+#: F % 128 == 0, no config, ``hs_out`` given); else the Triton kernel. Off by default until the GPU suite has run
+#: with it (``TITAN_MEGAMOE_WS_GEMM2_DGRAD=1``). Read at import; a same-process switch.
+WS_GEMM2_DGRAD = env_flag("TITAN_MEGAMOE_WS_GEMM2_DGRAD", False)
 #: Model dims from which the Gluon GEMM1 dgrad applies: measured at D = 2048 and 4096 only (small, host-bound
 #: layers such as the debug model's D = 256 keep the Triton kernel and its cheaper launch path).
 WS_GEMM1_DGRAD_MIN_DIM = 2048
@@ -317,10 +316,9 @@ def gemm2_dgrad_swiglu_bwd(
 
     Grid: n_tiles_cap * NB programs (grouped order); each owns a BM x BN tile of dgate and of dup and
     one column of dscore_partial for its BM rows. No host sync, no atomics. With ``WS_GEMM2_DGRAD`` on
-    (``TITAN_MEGAMOE_WS_GEMM2_DGRAD=1`` or ``pingpong``), no ``config``, ``hs_out`` given, sm_90, BM 128,
-    D >= 2048 and F % 128 == 0, a warp-specialized Gluon kernel (``ws_gemm.ws_gemm2_dgrad``, or
-    ``ws_gemm2_dgrad.launch_gemm2_dgrad_pingpong``) computes the same outputs (NB = F / 128; d score partials
-    summed in another order within a column block).
+    (``TITAN_MEGAMOE_WS_GEMM2_DGRAD=1``), no ``config``, ``hs_out`` given, sm_90, BM 128, D >= 2048 and
+    F % 128 == 0, the warp-specialized Gluon kernel (``ws_gemm.ws_gemm2_dgrad``) computes the same outputs
+    (NB = F / 128; d score partials summed in another order within a column block).
 
     Raises:
         ValueError: shape / dtype / device / contiguity mismatch, or config.block_m != layout.block_m.
@@ -340,7 +338,7 @@ def gemm2_dgrad_swiglu_bwd(
         raise ValueError(f"layout was built for {layout.pair_row.shape[0]} pairs, dout/scores give T*K={T * K}")
     if hs_out is not None:
         _check(hs_out, "hs_out", (layout.n_cap, F), _ACT, dev)
-    if (WS_GEMM2_DGRAD not in ("0", False) and config is None and hs_out is not None and layout.block_m == 128
+    if (WS_GEMM2_DGRAD and config is None and hs_out is not None and layout.block_m == 128
             and D >= WS_GEMM1_DGRAD_MIN_DIM and (out is None or out[1].shape[1:] == (F // 128,))):
         from titan_megamoe.kernels import ws_gemm
 
@@ -351,11 +349,6 @@ def gemm2_dgrad_swiglu_bwd(
             else:
                 _check(out[0], "out[0] (dgate_up)", (layout.n_cap, 2 * F), _ACT, dev)
                 _check(out[1], "out[1] (dscore_partial)", (layout.n_cap, F // 128), torch.float32, dev)
-            if WS_GEMM2_DGRAD == "pingpong":
-                from titan_megamoe.kernels.ws_gemm2_dgrad import launch_gemm2_dgrad_pingpong
-
-                return launch_gemm2_dgrad_pingpong(dout_TD, w2_EDF, gate_up_N2F, scores_TK, layout, out[0], out[1],
-                                                   hs_out)
             return ws_gemm.launch_gemm2_dgrad(dout_TD, w2_EDF, gate_up_N2F, scores_TK, layout, out[0], out[1], hs_out)
     cfg = config or default_bwd_config("gemm2_dgrad", layout, D, F)
     _check_row_config(cfg, layout)
