@@ -10,8 +10,6 @@
 #   PART=d (and e: v2, one shared staging tile, 5 stages): the ping-pong Gluon GEMM2 dgrad (removed after PART e:
 #     slower than the Triton kernel; run at 7728033 / 68dd907) (kernels/ws_gemm2_dgrad.py): GPU tests (test_ws_gemm.py g2d cases),
 #     bench-g2d, compare.layer with the A/B WS_GEMM2_DGRAD=pingpong.
-#   PART=f: HEAD after the host-side trims (interpreting(), descriptor checks): the forward's launch timeline
-#     (scripts/host_profile.py, fused layer on) and compare.layer, both shapes, defaults only.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s17.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -43,13 +41,6 @@ elif [ "$PART" = d ] || [ "$PART" = e ]; then
       --switches WS_GEMM2_DGRAD=pingpong --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
     echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log" | head -20; tail -2 "$OUT/layer.log" | cut -c1-300
   fi
-elif [ "$PART" = f ]; then
-  timeout -s KILL 100 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_30b.json" > "$OUT/host_profile.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] host_profile rc $?"; head -c 400 "$OUT/host_profile.log"; echo
-  timeout -s KILL 150 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
-    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
-    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/layer.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/layer.log" | head -14
 elif [ "$PART" = c ]; then
   timeout -s KILL 120 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --iters 10 \
     --out "$OUT/keep/profile_30b_megamoe-triton.json" > "$OUT/keep/profile_30b.log" 2>&1
