@@ -7,9 +7,9 @@ is written once by one program that reduces over the expert's rows in row order.
 Three implementations, picked per call by :func:`wgrad_impl`:
 
 * ``"triton"``: our kernels below, gathering token rows inside the K loop (no extra buffer).
-* ``"grouped_mm"`` (the sm_90 default until session 13; still where "gluon" cannot take the shape): one pass gathers the token-side operand (x, or dout) into the
-  layout's row order with zero padding rows (:func:`gather_rows`), then ``torch._grouped_mm`` (PyTorch's
-  CUTLASS grouped GEMM, jagged K = each expert's padded segment of the layout). Why: at the 30B shape
+* ``"grouped_mm"`` (the sm_90 default until session 13; still where "gluon" cannot take the shape): one
+  pass gathers the token-side operand (x, or dout) into the layout's row order with zero padding rows
+  (:func:`gather_rows`), then ``torch._grouped_mm`` (PyTorch's CUTLASS grouped GEMM, jagged K = each expert's padded segment of the layout). Why: at the 30B shape
   stock TorchTitan's grouped GEMMs run ~615 TF/s on the H200 (``profile_30b_tt-compile_20261130.json``:
   0.67 ms per 0.41 TFLOP call) while our K-grouped kernels reach 370-410 TF/s: each expert's K loop is
   short (~1024 rows) and nothing overlaps its pipeline fill and epilogue; CUTLASS's warp-specialized

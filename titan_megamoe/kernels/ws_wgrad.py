@@ -163,7 +163,7 @@ if HAVE_GLUON:
                 ph = (idx // STAGES) & 1
                 mbarrier.wait(ready_t.index(s), ph)
                 mbarrier.wait(ready_c.index(s), ph)
-                fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads via the async one
+                fence_async_shared()  # cp.async rows: generic proxy; wgmma reads through the async one
                 acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if r0 > start:  # the previous step's MMA is done: its buffers may be refilled
