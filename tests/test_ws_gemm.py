@@ -124,6 +124,36 @@ def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
         assert ws_gemm.WsConfig(stages=4).smem_bytes() <= 232448
 
 
+def test_descriptor_fast_path_builds_the_same_descriptor():
+    """``ws_gemm._desc``: after the first (checked) descriptor of a key, the unchecked construction gives the same
+    fields; a misaligned base still goes through TensorDescriptor's checks and fails there."""
+    from titan_megamoe.kernels import ws_gemm
+
+    if not ws_gemm.HAVE_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    t = torch.zeros(512 * 256 + 8, dtype=torch.bfloat16)
+    v = t[:512 * 256]
+    first = ws_gemm._desc(v, (512, 256), (64, 128))
+    again = ws_gemm._desc(v, (512, 256), (64, 128))
+    assert type(again) is type(first)
+    for f in ("base", "shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(again, f) == getattr(first, f) if f != "base" else again.base is first.base, f
+    assert again.strides == [256, 1]
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        ws_gemm._desc(t[1:512 * 256 + 1], (512, 256), (64, 128))
+
+
+def test_interpreting_reads_the_environment_at_call_time(monkeypatch):
+    from titan_megamoe.kernels import jit
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert jit.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not jit.interpreting()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not jit.interpreting()
+
+
 def test_gemm1_dgrad_switch_falls_back_to_triton_where_ws_cannot_run(monkeypatch):
     """With the switch on, a case the Gluon kernel does not take (here: no GPU, D below its minimum) runs the
     Triton kernel."""

@@ -682,12 +682,28 @@ def _smem_layout(block: tuple[int, ...]):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
 
 
+_CHECKED_DESCS: set = set()  # (shape, block, dtype) that TensorDescriptor's own checks have passed
+
+
 def _desc(t: Tensor, shape, block) -> "TensorDescriptor":
-    """Host TMA descriptor of the contiguous bf16 ``t`` viewed as ``shape``, tiles of ``block``."""
+    """Host TMA descriptor of the contiguous bf16 ``t`` viewed as ``shape``, tiles of ``block``.
+
+    The first descriptor of each (shape, block, dtype) is built by ``TensorDescriptor`` with its checks (rank,
+    16-byte strides and base, block shape, layout); later ones of the same key only re-check the base address
+    (the one input that changes) and skip ``__post_init__``: 0.3 instead of 1.6 us on the CPU machine, four
+    descriptors per GEMM1 launch, before GEMM1 is enqueued (the forward is host-bound until then)."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
-    return TensorDescriptor(t, list(shape), strides, list(block), _smem_layout(tuple(block)))
+    key = (tuple(shape), tuple(block), t.dtype)
+    if key not in _CHECKED_DESCS or t.data_ptr() % 16:
+        d = TensorDescriptor(t, list(shape), strides, list(block), _smem_layout(tuple(block)))
+        _CHECKED_DESCS.add(key)
+        return d
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape = t, list(shape), strides, list(block)
+    d.layout, d.padding = _smem_layout(tuple(block)), "zero"
+    return d
 
 
 def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, out: Tensor | None = None,
