@@ -1,0 +1,152 @@
+"""The MegaMoE layer forward's launch timeline on a CPU machine: when, after the layer call, the host reaches
+each kernel launch (the CPU counterpart of ``scripts/host_profile.py``'s timeline on the GPU machine).
+
+    TRITON_INTERPRET=0 python scripts/host_timeline_cpu.py [--iters 300] [--rounds 5] [--baseline-tree DIR]
+
+The layer runs through the host-only sm_90a driver (``kernels/host_driver.py``): Triton binds, specializes and
+calls the launcher of the real compiled kernels, which records nothing and launches nothing. The GPU machine's
+dispatch is emulated: the Gluon warp-specialized kernels (GEMM1, GEMM1 dgrad, wgrads) are taken as on an
+sm_90 GPU with 132 SMs, the fused router and the Triton routing layout as on CUDA tensors, so the launches are
+the GPU path's (``_gate_topk_route_kernel``, ``_count_kernel``, ``_layout_kernel``, ``_gemm1_fwd_ws_kernel``, ...).
+
+Protocol, as compare.layer times the forward: each timed forward follows the previous step's backward (also
+host-only), so the forward starts with the caches the backward left, not with a hot loop of forwards. The
+30B layer dims (D 2048, F 768, top-8) with few tokens and experts (T 64, E 8: CPU tensors stay small; the host
+path does not depend on T or E).
+
+``--baseline-tree DIR`` (a checkout of another revision, e.g. ``git worktree add /tmp/base REV``): the same
+timeline of DIR's package, in subprocesses alternating with this tree's, rounds of ``--iters`` forwards each;
+prints both, the medians over rounds and the least round (other processes on a shared machine only add time).
+
+The microseconds are this CPU's; the GPU machine's host took ~3-7x longer per step from idle (docs/NOTES.md,
+session 13). What carries over is which steps cost and the before / after of a host-side change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+#: Run in a subprocess: argv = [tree, this tree's host_driver.py, iters]; prints one JSON line.
+_TIMER = r"""
+import importlib.util, json, os, statistics, sys, time
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])
+spec = importlib.util.spec_from_file_location("host_driver", sys.argv[2])
+hd = importlib.util.module_from_spec(spec); sys.modules["host_driver"] = hd; spec.loader.exec_module(hd)
+import torch
+torch.set_num_threads(1)
+import titan_megamoe
+from titan_megamoe.kernels import launch as L, routing
+routing._use_triton = lambda ids, E: True
+try:  # the Gluon kernels as on an sm_90 GPU with 132 SMs
+    from titan_megamoe.kernels import ws_gemm
+    ws_gemm._platform_reason = lambda t: None
+    ws_gemm._sm_count = lambda index: 132
+    torch.cuda.current_device = lambda: 0
+except ImportError:
+    pass
+iters = int(sys.argv[3])
+T, K, E, D, F = 64, 8, 8, 2048, 768
+from titan_megamoe.kernels import router as fr
+_route_bwd = fr.topk_route_backward  # nothing runs, so the ids hold whatever was in memory: the backward's
+fr.topk_route_backward = lambda logits, ids, *a: _route_bwd(logits, ids.clamp(0, E - 1), *a)  # torch ops index
+with hd.host_only_driver(record=False):
+    from torchtitan.models.moe.moe import MoEArgs
+    from titan_megamoe.config import MegaMoEConfig
+    from titan_megamoe.layer import MegaMoE
+    layer = MegaMoE(MoEArgs(num_experts=E, top_k=K, score_func="softmax", route_norm=True, num_shared_experts=0,
+                            score_before_experts=False), D, F, config=MegaMoEConfig(backend="triton"))
+    with torch.no_grad():
+        layer.init_weights(0.02, torch.device("cpu"))
+    layer = layer.to(torch.bfloat16)
+    layer.tokens_per_expert = layer.tokens_per_expert.float()  # .to(bf16) cast the fp32 buffer
+    layer.router._fused_ok = lambda *args: True  # the fused router's CUDA-only condition
+    x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    stamps = []
+    real = L.launch
+    def stamped(kernel, grid, *a, **k):
+        stamps.append((getattr(getattr(kernel, "fn", kernel), "__name__", "?"), time.perf_counter()))
+        return real(kernel, grid, *a, **k)
+    for _ in range(50):
+        layer(x).backward(dy)
+    mods = [m for m in list(sys.modules.values())
+            if getattr(m, "__name__", "").startswith("titan_megamoe.") and getattr(m, "launch", None) is real]
+    for m in mods:
+        m.launch = stamped
+    fwd, per = [], {}
+    params = list(layer.parameters())
+    for _ in range(iters):
+        for q in params:  # as compare.layer before each step (and no 25 MB grad accumulation on this CPU)
+            q.grad = None
+        x.grad = None
+        stamps.clear()
+        t0 = time.perf_counter()
+        y = layer(x)
+        fwd.append((time.perf_counter() - t0) * 1e6)
+        for i, (n, t) in enumerate(stamps):
+            per.setdefault(f"{i}:{n}", []).append((t - t0) * 1e6)
+        y.backward(dy)
+    for m in mods:
+        m.launch = real
+print(json.dumps({"package": os.path.dirname(titan_megamoe.__file__), "fwd_us": statistics.median(fwd),
+                  "launch_at_us": {k: statistics.median(v) for k, v in per.items()}}))
+"""
+
+
+def _run(tree: str, iters: int) -> dict:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    drv = os.path.join(here, "titan_megamoe", "kernels", "host_driver.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", _TIMER, tree, drv, str(iters)], capture_output=True, text=True,
+                         env=env)
+    if out.returncode:
+        raise RuntimeError(f"timeline of {tree} failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if os.path.realpath(os.path.dirname(got["package"])) != os.path.realpath(tree):
+        raise RuntimeError(f"the subprocess imported {got['package']}, not {tree}'s package")
+    return got
+
+
+def _summary(runs: list[dict]) -> dict:
+    keys = runs[0]["launch_at_us"].keys()
+    return {"fwd_us": round(statistics.median(r["fwd_us"] for r in runs), 1),
+            "fwd_min_us": round(min(r["fwd_us"] for r in runs), 1),
+            "launch_at_us": {k: round(statistics.median(r["launch_at_us"].get(k, float("nan")) for r in runs), 1)
+                             for k in keys}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--baseline-tree", default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = ([a.baseline_tree] if a.baseline_tree else []) + [here]
+    runs: dict[str, list] = {t: [] for t in trees}
+    for _ in range(a.rounds):
+        for t in trees:
+            runs[t].append(_run(t, a.iters))
+    result = {t: _summary(r) for t, r in runs.items()}
+    for t, s in result.items():
+        print(json.dumps({"tree": t, **s}))
+    if a.baseline_tree:
+        b, h = result[a.baseline_tree], result[here]
+        print(json.dumps({"fwd_ratio": round(h["fwd_us"] / b["fwd_us"], 3),
+                          "fwd_ratio_of_min": round(h["fwd_min_us"] / b["fwd_min_us"], 3)}))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"bench": "host_timeline_cpu", "iters": a.iters, "rounds": a.rounds, "trees": result}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
