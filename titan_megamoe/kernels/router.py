@@ -37,6 +37,8 @@ result does not depend on the order of the atomics (deterministic).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -49,8 +51,8 @@ try:  # triton is a Linux-only dependency: elsewhere the layer keeps its torch r
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
 
-__all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "gate_block_t", "gate_topk_route", "topk_route", "topk_route_backward", "topk_route_differentiable",
-           "TopKRouteFunction"]
+__all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "gate_block_t", "gate_topk_route", "launch_gate_topk_route",
+           "topk_route", "topk_route_backward", "topk_route_differentiable", "TopKRouteFunction"]
 
 #: Largest E the kernel takes (the (BLOCK_T, E_PAD) tiles live in registers).
 MAX_EXPERTS = 1024
@@ -333,6 +335,7 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
 _GATE_BLOCK_D = 64
 
 
+@functools.lru_cache(maxsize=None)
 def gate_block_t(num_experts: int) -> int | None:
     """Tokens per program of the fused gate + router kernel for E experts: :func:`block_t_for` of the
     tile padded to >= 16 columns; None where that is below 16 rows (tl.dot's smallest M: E > 256, or odd
@@ -381,25 +384,47 @@ def gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, *, score_func: 
                          f"{gate_w_ED.device}) must share dtype and device and be contiguous")
     T, D = x_TD.shape
     E = gate_w_ED.shape[0]
-    block_t = gate_block_t(E)
-    if block_t is None:
+    if gate_block_t(E) is None:
         raise ValueError(f"gate_topk_route: E={E} experts leave fewer than 16 tokens per program; use torch.mm "
                          "and topk_route")
-    logits = _empty((T, E), x_TD.dtype, x_TD.device)
-    _check(logits, top_k, score_func, expert_bias)
+    _check(x_TD.new_empty((0, E)), top_k, score_func, expert_bias)
     dev = x_TD.device
-    top, ids, counts = _route_outputs(T, E, top_k, dev, counts_into)
+    if counts_into is None:
+        counts = torch.zeros(E, dtype=torch.float32, device=dev)
+    else:
+        counts = _route_outputs(0, E, top_k, dev, counts_into)[2]  # checks it
+    logits, top, ids = launch_gate_topk_route(x_TD, gate_w_ED, top_k, score_func, expert_bias, route_norm,
+                                              route_scale, counts)
+    return logits, top, ids, (counts if counts_into is None else None)
+
+
+def launch_gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, score_func: str, expert_bias: Tensor | None,
+                           route_norm: bool, route_scale: float, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`gate_topk_route` without its checks, for a caller that has made them (the fused eager layer,
+    ``layer.MegaMoE._fused_layer_ok``): the forward is host-bound until GEMM1 is enqueued. ``counts``: the
+    (E,) fp32 tensor the counts are added into. Returns (logits, top_scores, selected)."""
+    T, D = x_TD.shape
+    E = gate_w_ED.shape[0]
+    dev = x_TD.device
+    logits = _empty((T, E), x_TD.dtype, dev)
+    top = _empty((T, top_k), torch.float32, dev)
+    ids = _empty((T, top_k), torch.int64, dev)
     if T == 0:
-        return logits, top, ids, (counts if counts_into is None else None)
+        return logits, top, ids
+    block_t = gate_block_t(E)
     bias = x_TD if expert_bias is None else expert_bias.contiguous()  # unread without a bias
     interp = jit.interpreting()
-    opts = {} if interp else dict(num_warps=_NUM_WARPS, num_stages=3)
-    launch(_gate_topk_route_kernel, (jit.cdiv(T, block_t),),
+    opts = _GATE_OPTS_INTERP if interp else _GATE_OPTS
+    launch(_gate_topk_route_kernel, (-(-T // block_t),),
            x_TD, gate_w_ED, logits, bias, top, ids, counts, T, float(route_scale),
            D=D, E=E, K=top_k, K_PAD=jit.next_pow2(top_k), E_PAD=max(16, jit.next_pow2(E)), BLOCK_T=block_t,
            BLOCK_D=_GATE_BLOCK_D, SOFTMAX=score_func == "softmax", HAS_BIAS=expert_bias is not None,
            ROUTE_NORM=bool(route_norm), UNROLL_K=UNROLL_K, UPCAST_FP32=interp, **opts)
-    return logits, top, ids, (counts if counts_into is None else None)
+    return logits, top, ids
+
+
+_GATE_OPTS = dict(num_warps=_NUM_WARPS, num_stages=3)
+_GATE_OPTS_INTERP: dict = {}
 
 
 def _scores_fp32(logits_TE: Tensor, score_func: str) -> Tensor:
