@@ -199,6 +199,33 @@ def test_two_launches_no_other_op(monkeypatch):
         build_routing_layout_triton(ids, 8, 16, block=16, chunk=64)
     assert [(n, g) for n, g in launches] == [("_count_kernel", (8, 3)), ("_layout_kernel", (9, 3))]
     assert set(ops) <= {"aten.view.default", "aten.empty.memory_format"}, ops
+    launches.clear(), ops.clear()
+    with Record():
+        build_routing_layout_triton(ids, 8, 16, block=16, chunk=64, one_allocation=True)
+    assert [(n, g) for n, g in launches] == [("_count_kernel", (8, 3)), ("_layout_kernel", (9, 3))]
+    assert set(ops) <= {"aten.view.default", "aten.empty.memory_format", "aten.split_with_sizes.default"}, ops
+    assert ops.count("aten.empty.memory_format") == 1, ops  # one allocation for the six arrays and the hist
+
+
+@pytest.mark.parametrize("T,K,E,BM,block,chunk", [(29, 3, 5, 16, None, None), (300, 2, 6, 16, 16, 64),
+                                                   (0, 2, 4, 16, None, None)], ids=["odd", "splits", "empty"])
+def test_one_allocation_matches_torch_bitwise(poisoned, T, K, E, BM, block, chunk):
+    """``one_allocation``: the same layout (poisoned buffer, every element written), several splits, no pair."""
+    ids = _ids("hot", T, K, E, torch.int64, seed=T + E)
+    got = build_routing_layout_triton(ids, E, BM, block=block, chunk=chunk, one_allocation=True)
+    assert_same_layout(got, build_routing_layout_torch(ids, E, BM))
+
+
+def test_layout_arrays_share_one_allocation_each_128_byte_aligned():
+    """The arrays are views of one buffer, each starting on a 128-byte boundary (the alignment of a separate
+    allocation: the kernels get the same 16-byte-aligned specialization), none overlapping another."""
+    L = build_routing_layout_triton(torch.randint(0, 5, (29, 3)), 5, 16, one_allocation=True)
+    arrays = [L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert]
+    assert len({a.untyped_storage().data_ptr() for a in arrays}) == 1
+    spans = sorted((a.storage_offset(), a.storage_offset() + a.numel()) for a in arrays)
+    assert all(a.storage_offset() % 32 == 0 and a.is_contiguous() for a in arrays)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), spans
+    assert [a.numel() for a in arrays] == [5, 6, L.n_cap, 29 * 3, L.n_tiles_cap]
 
 
 def test_dispatch(monkeypatch):

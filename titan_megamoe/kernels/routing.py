@@ -37,6 +37,7 @@ every pair against every expert (E * P compares, spread over E * S programs, ids
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +259,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
 def _split_plan(P: int, E: int, block: int, chunk: int | None) -> tuple[int, int]:
     """(S, CHUNK): P pairs cut into S splits of CHUNK (a multiple of ``block``) pairs, static from P.
 
@@ -282,8 +284,30 @@ def _empty_i32(n: int, device) -> Tensor:
     return torch.empty(n, dtype=torch.int32, device=device)
 
 
+#: Each array of one allocation starts on a 128-byte boundary (32 int32): the alignment separate allocations
+#: have, so the kernels get the same specialization (16-byte aligned pointers) and aligned vector accesses.
+_PART_ALIGN = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _parts_split(sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    split: list[int] = []
+    for n in sizes:
+        split += [n, -n % _PART_ALIGN]
+    return sum(split), tuple(split)
+
+
+def _empty_i32_parts(sizes: tuple[int, ...], device) -> tuple[Tensor, ...]:
+    """Uninitialized int32 arrays of ``sizes`` as views of one allocation: one ``torch.empty`` and one
+    ``split_with_sizes`` instead of an allocation each (the forward is host-bound until GEMM1 is enqueued,
+    and a CUDA allocation costs ~11 us of host time on the H200 machines, docs/NOTES.md session 13)."""
+    total, split = _parts_split(sizes)
+    return _empty_i32(total, device).split_with_sizes(split)[::2]
+
+
 def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: int, *, block: int | None = None,
-                                chunk: int | None = None, max_rows: int | None = None) -> RoutingLayout:
+                                chunk: int | None = None, max_rows: int | None = None,
+                                one_allocation: bool = False) -> RoutingLayout:
     """Build the layout with two Triton kernels (two launches, no host sync, no atomics).
 
     Same contract and bitwise the same result as ``build_routing_layout_torch``.
@@ -300,6 +324,8 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
             ``_split_plan``), one split in the interpreter. Tests set both small to cover several
             steps and several splits.
         max_rows: cap on placed pairs (see ``layout_caps``); None: T*K.
+        one_allocation: the arrays as 128-byte-aligned views of one ``torch.empty`` (one allocation instead of
+            six: host time before GEMM1). Not for a custom op's outputs, which must not alias each other.
 
     Returns:
         RoutingLayout (see its attributes).
@@ -326,12 +352,12 @@ def build_routing_layout_triton(topk_ids_TK: Tensor, num_experts: int, block_m: 
         raise ValueError(f"block={block} is not a power of two")
     S, chunk = _split_plan(P, E, block, chunk)
     # Uninitialized (an allocation, no launch): the kernels write every element.
-    hist = _empty_i32(E * S, dev)
-    counts = _empty_i32(E, dev)
-    offsets = _empty_i32(E + 1, dev)
-    row_pair = _empty_i32(n_cap, dev)
-    pair_row = _empty_i32(P, dev)
-    tile_expert = _empty_i32(n_tiles, dev)
+    if one_allocation:
+        hist, counts, offsets, row_pair, pair_row, tile_expert = _empty_i32_parts(
+            (E * S, E, E + 1, n_cap, P, n_tiles), dev)
+    else:
+        hist, counts, offsets = _empty_i32(E * S, dev), _empty_i32(E, dev), _empty_i32(E + 1, dev)
+        row_pair, pair_row, tile_expert = _empty_i32(n_cap, dev), _empty_i32(P, dev), _empty_i32(n_tiles, dev)
     opts = {} if interp else dict(num_warps=4)
     launch(_count_kernel, (E, S), ids_P, hist, P, chunk, S, BLOCK=block, **opts)
     launch(_layout_kernel, (E + 1, S),
@@ -349,7 +375,7 @@ def _use_triton(topk_ids_TK: Tensor, num_experts: int) -> bool:
 
 
 def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int,
-                         max_rows: int | None = None) -> RoutingLayout:
+                         max_rows: int | None = None, *, one_allocation: bool = False) -> RoutingLayout:
     """Build the padded expert-major layout from top-k ids with device work only (no host sync).
 
     Dispatches to ``build_routing_layout_triton`` (two launches) for CUDA tensors, and for CPU tensors
@@ -361,12 +387,14 @@ def build_routing_layout(topk_ids_TK: Tensor, num_experts: int, block_m: int,
             the op checks them up front).
         num_experts: E.
         block_m: BM, the row block of the grouped GEMMs (a power of two).
+        one_allocation: see ``build_routing_layout_triton`` (the torch build ignores it).
 
     Returns:
         RoutingLayout (see its attributes).
     """
     if _use_triton(topk_ids_TK, num_experts):
-        return build_routing_layout_triton(topk_ids_TK, num_experts, block_m, max_rows=max_rows)
+        return build_routing_layout_triton(topk_ids_TK, num_experts, block_m, max_rows=max_rows,
+                                           one_allocation=one_allocation)
     return build_routing_layout_torch(topk_ids_TK, num_experts, block_m, max_rows=max_rows)
 
 
