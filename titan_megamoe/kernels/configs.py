@@ -170,6 +170,13 @@ def config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig:
     if interpret:
         return interpreter_config()
     base = HOPPER_GEMM1 if kind == "gemm1" else (HOPPER_GEMM2_PERSISTENT if PERSISTENT_GEMM2 else HOPPER_GEMM2)
+    return _sized(base, kind, D, F)
+
+
+@functools.lru_cache(maxsize=None)
+def _sized(base: GemmConfig, kind: str, D: int, F: int) -> GemmConfig:
+    """``base`` with its column / reduction blocks shrunk to the dims; cached (a frozen dataclass built on
+    every launch cost ~3 us of host time before GEMM1, which the forward waits on)."""
     n_dim, k_dim = (F, D) if kind == "gemm1" else (D, F)
     block_n = _pow2_at_most(n_dim, base.block_n)
     block_k = _pow2_at_most(k_dim, base.block_k)
