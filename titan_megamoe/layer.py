@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.nn import Parameter
 
 from torchtitan.models.moe.moe import MoE, MoEArgs, TokenChoiceTopKRouter
 
@@ -206,46 +206,82 @@ class MegaMoE(MoE):
         return new
 
     def _fused_layer_ok(self, x: Tensor) -> bool:
-        """Whether ``forward`` runs the gate, router and experts as one autograd node
-        (``ops/eager_layer.py``): eager mode, ``TITAN_MEGAMOE_FUSED_LAYER`` on, the fused router's conditions,
-        a gate without bias, the triton backend in bf16 at EP = 1 (plain tensors, not DTensors) with scores
-        after the experts, no module hooks on router, gate or experts (FSDP's all-gather, profilers) and no
-        global ones, and the tokens within ``max_tokens_per_rank``. Otherwise the modular path runs."""
-        router, experts = self.router, self.experts
-        if not (eager_layer.ENABLED and type(router) is MegaMoERouter and "forward" not in vars(router)
-                and router.gate.bias is None and type(x) is Tensor and x.dtype == torch.bfloat16):
-            return False
+        """Whether ``forward`` runs the gate, router and experts as one autograd node (``ops/eager_layer.py``);
+        see :meth:`_fused_layer_operands`."""
+        return self._fused_layer_operands(x) is not None
+
+    def _fused_layer_operands(self, x: Tensor):
+        """(router, gate weight, expert_bias, tokens_per_expert, w1, w2, w3) when ``forward`` runs the gate, router
+        and experts as one autograd node (``ops/eager_layer.py``), else None (the modular path runs).
+
+        It runs when all hold: eager mode, ``TITAN_MEGAMOE_FUSED_LAYER`` on, the fused router's conditions, a gate
+        without bias, the triton backend in bf16 at EP = 1 with scores after the experts, x (T, D) and the gate,
+        w1, w2, w3 weights (plain tensors, not DTensors) bf16, contiguous, of matching shapes on one device,
+        tokens_per_expert a contiguous fp32 (E,) tensor there, expert_bias None or an (E,) floating tensor there,
+        no module hooks on the layer's router, gate or experts (FSDP's all-gather, profilers) and no global ones,
+        and the tokens within ``max_tokens_per_rank``. These are every precondition of the kernels' unchecked
+        launch halves the node calls (the forward is host-bound until GEMM1 is enqueued, so nothing is checked
+        twice); where one fails, the modular path's checked calls raise or run.
+
+        Raises:
+            ValueError: D or F not a multiple of 16 (the triton backend's requirement, as the modular path raises).
+        """
+        # _modules / _parameters / _buffers read directly: each nn.Module.__getattr__ is a Python call
+        mods = self._modules
+        router, experts = mods["router"], mods["experts"]
+        if not (eager_layer.ENABLED and type(x) is Tensor and x.dtype is torch.bfloat16 and x.is_contiguous()
+                and type(router) is MegaMoERouter and "forward" not in router.__dict__):
+            return None
         cfg = experts.config
         if cfg.backend != "triton" or cfg.precision != "bf16" or experts.score_before_experts:
-            return False
-        w = (router.gate.weight, experts.w1, experts.w2, experts.w3)
-        if any(isinstance(t, DTensor) or t.dtype != torch.bfloat16 for t in w):
-            return False
-        counts = self.tokens_per_expert
-        if (type(counts) is not Tensor or counts.dtype != torch.float32 or counts.device != x.device
-                or not counts.is_contiguous()):
-            return False
-        if 0 < experts.max_tokens_per_rank < x.shape[0]:
-            return False  # the modular path raises CapacityError
-        for m in (router, router.gate, experts):
+            return None
+        gate = router._modules["gate"]
+        gp, ep = gate._parameters, experts._parameters
+        gate_w, w1, w2, w3 = gp.get("weight"), ep.get("w1"), ep.get("w2"), ep.get("w3")
+        if gp.get("bias") is not None or any(type(w) is not Parameter and type(w) is not Tensor
+                                             for w in (gate_w, w1, w2, w3)):
+            return None  # a bias, a missing weight, or DTensors (FSDP / EP sharding)
+        if not all(w.dtype is torch.bfloat16 and w.is_contiguous() for w in (gate_w, w1, w2, w3)):
+            return None
+        T, D = x.shape
+        E, F = w1.shape[0], w1.shape[1]
+        if (gate_w.shape != (E, D) or w1.shape != (E, F, D) or w3.shape != (E, F, D) or w2.shape != (E, D, F)):
+            return None
+        dev = x.get_device()
+        if not (gate_w.get_device() == w1.get_device() == w2.get_device() == w3.get_device() == dev):
+            return None
+        counts = self._buffers.get("tokens_per_expert")
+        if (type(counts) is not Tensor or counts.dtype is not torch.float32 or counts.get_device() != dev
+                or counts.shape != (E,) or not counts.is_contiguous()):
+            return None
+        bias = self.expert_bias
+        if bias is not None and (type(bias) is not Tensor or bias.shape != (E,) or not bias.dtype.is_floating_point
+                                 or bias.get_device() != dev):
+            return None
+        if 0 < experts.max_tokens_per_rank < T:
+            return None  # the modular path raises CapacityError
+        for m in (router, gate, experts):
             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                return False
-        if _has_global_module_hooks():
-            return False
-        return router._fused_ok(x, self.expert_bias)
+                return None
+        if _has_global_module_hooks() or not router._fused_ok(x, bias):
+            return None
+        if D % 16 or F % 16:
+            tb.check_triton_inputs(x, None, None, w1, w2, w3, self.layer_name)  # raises, naming the fix
+        return router, gate_w, bias, counts, w1, w2, w3
 
     def forward(self, x: Tensor) -> Tensor:
         """x (bs, slen, dim) -> (bs, slen, dim)."""
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
-        # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
-        strip_torchtitan_ep_hooks(self.experts)
-        if self._fused_layer_ok(x):
-            r, ex = self.router, self.experts
-            tb.check_triton_inputs(x, None, None, ex.w1, ex.w2, ex.w3, self.layer_name)
-            out = eager_layer.FusedLayerFunction.apply(
-                x, r.gate.weight, self.expert_bias, self.tokens_per_expert, ex.w1, ex.w2, ex.w3, r.top_k,
-                r.score_func, r.route_norm, r.route_scale)
+        experts = self._modules["experts"]
+        if experts._forward_pre_hooks or experts._forward_hooks:
+            # TorchTitan's parallelize installs all-to-all hooks after conversion; drop them.
+            strip_torchtitan_ep_hooks(experts)
+        fused = self._fused_layer_operands(x)
+        if fused is not None:
+            r = fused[0]
+            out = eager_layer.FusedLayerFunction.apply(x, *fused[1:], r.top_k, r.score_func, r.route_norm,
+                                                       r.route_scale)
             if self.shared_experts is not None:
                 out = self.shared_experts(x) + out
             return out.reshape(bs, slen, dim)

@@ -53,8 +53,10 @@ from titan_megamoe.kernels.jit import cdiv, env_flag, flavor, grouped_tile, inte
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.configs import GemmConfig, config_for, persistent_programs
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
+from titan_megamoe.kernels import ws_gemm
 
-__all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_mode"]
+__all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_mode", "launch_gemm1_swiglu_fwd",
+           "launch_gemm2_scatter_fwd", "launch_combine_topk"]
 
 #: GEMM1 by the warp-specialized Gluon kernel (``kernels/ws_gemm.py``: x rows gathered by cp.async in 4 producer
 #: warps, weights by TMA, two cooperative consumer warpgroups) where it applies (sm_90, BM 128, D >= 2048,
@@ -494,9 +496,32 @@ def gemm1_swiglu_fwd(
     _check_bf16_2d_or_3d("h_out", h_out, (N, F), dev)
     if layout.n_tiles_cap == 0:
         return gate_up_out, h_out
-    if WS_GEMM1 and config is None and wait is None and layout.block_m == 128 and D >= 2048:
-        from titan_megamoe.kernels import ws_gemm
+    return _launch_gemm1(x_TD, w1_EFD, w3_EFD, layout, gate_up_out, h_out, cfg, config is None, wait, interpret)
 
+
+def launch_gemm1_swiglu_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor,
+                            layout: RoutingLayout) -> tuple[Tensor, Tensor]:
+    """:func:`gemm1_swiglu_fwd` with the default config and new outputs, without its checks, for a caller that
+    has made them (``ops/triton_backend.triton_fwd_unchecked``: x (T, D), w1 / w3 (E, F, D) bf16 contiguous on
+    one device, D and F multiples of 16, a layout it has just built for them). The forward is host-bound until
+    GEMM1 is enqueued. Returns (gate_up, h)."""
+    E, F, D = w1_EFD.shape
+    dev = x_TD.device
+    N = layout.n_cap
+    gate_up = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev)
+    h = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
+    if layout.n_tiles_cap == 0:
+        return gate_up, h
+    interpret = interpret_mode()
+    return _launch_gemm1(x_TD, w1_EFD, w3_EFD, layout, gate_up, h, config_for("gemm1", D, F, interpret), True, None,
+                         interpret)
+
+
+def _launch_gemm1(x_TD, w1_EFD, w3_EFD, layout, gate_up_out, h_out, cfg, default_config, wait, interpret):
+    """The launch half of :func:`gemm1_swiglu_fwd` (operands, outputs and layout checked)."""
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    if WS_GEMM1 and default_config and wait is None and layout.block_m == 128 and D >= 2048:
         if ws_gemm.ws_gemm1_fwd_supported(x_TD, w1_EFD) is None:  # operands, outputs and layout checked above
             return ws_gemm.launch_gemm1_fwd(x_TD, w1_EFD, w3_EFD, layout, gate_up_out, h_out)
     use_tma = _tma_usable(cfg, w1_EFD, w3_EFD)  # else the pointer path (same results)
@@ -584,6 +609,28 @@ def gemm2_scatter_fwd(
     _check_bf16_2d_or_3d("out_pairs", out_pairs, (rows_out, D), dev)
     if layout.n_tiles_cap == 0:
         return out_pairs
+    return _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, cfg, by_row, interpret)
+
+
+def launch_gemm2_scatter_fwd(h_NF: Tensor, w2_EDF: Tensor, scores_TK: Tensor, layout: RoutingLayout) -> Tensor:
+    """:func:`gemm2_scatter_fwd` with the default config, a new (P, D) output and token-major rows, without its
+    checks, for a caller that has made them (``ops/triton_backend.triton_fwd_unchecked``: h from
+    :func:`launch_gemm1_swiglu_fwd` on the same layout, w2 (E, D, F) bf16 contiguous, scores (T, K) fp32
+    contiguous, all on one device). Returns y_PD."""
+    E, D, F = w2_EDF.shape
+    T, K = scores_TK.shape
+    out_pairs = torch.empty((T * K, D), dtype=torch.bfloat16, device=h_NF.device)
+    if layout.n_tiles_cap == 0:
+        return out_pairs
+    interpret = interpret_mode()
+    return _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, config_for("gemm2", D, F, interpret), False,
+                         interpret)
+
+
+def _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, cfg, by_row, interpret):
+    """The launch half of :func:`gemm2_scatter_fwd` (operands, output and layout checked)."""
+    E, D, F = w2_EDF.shape
+    N, dev = layout.n_cap, h_NF.device
     use_tma = _tma_usable(cfg, h_NF, w2_EDF)  # else the pointer path (same results)
     if use_tma and not interpret:
         _ensure_tma_allocator()
@@ -625,6 +672,12 @@ def combine_topk(y_PD: Tensor, T: int, K: int) -> Tensor:
         raise ValueError(f"y must be a contiguous bf16 tensor, got {y_PD.dtype}, strides {y_PD.stride()}")
     if K < 1:
         raise ValueError(f"K={K} must be >= 1")
+    return launch_combine_topk(y_PD, T, K)
+
+
+def launch_combine_topk(y_PD: Tensor, T: int, K: int) -> Tensor:
+    """:func:`combine_topk` without its checks, for a caller that has made them (y (T*K, D) bf16 contiguous,
+    K >= 1)."""
     D = y_PD.shape[1]
     out_TD = torch.empty((T, D), dtype=torch.bfloat16, device=y_PD.device)
     if T == 0 or D == 0:

@@ -68,6 +68,7 @@ from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for 
 )
 from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
+from titan_megamoe.kernels import ws_gemm
 
 __all__ = [
     "gemm2_dgrad_swiglu_bwd", "reduce_dscore", "gemm1_dgrad", "scatter_dx", "wgrad_w2", "wgrad_w13",
@@ -340,8 +341,6 @@ def gemm2_dgrad_swiglu_bwd(
         _check(hs_out, "hs_out", (layout.n_cap, F), _ACT, dev)
     if (WS_GEMM2_DGRAD and config is None and hs_out is not None and layout.block_m == 128
             and D >= WS_GEMM1_DGRAD_MIN_DIM and (out is None or out[1].shape[1:] == (F // 128,))):
-        from titan_megamoe.kernels import ws_gemm
-
         if ws_gemm.ws_gemm2_dgrad_supported(dout_TD, w2_EDF) is None:  # operands checked above
             if out is None:
                 out = (torch.empty((layout.n_cap, 2 * F), dtype=_ACT, device=dev),
@@ -436,8 +435,6 @@ def gemm1_dgrad(
     if out is not None:
         _check(out, "out (dx_rows)", (layout.n_cap, D), _ACT, dev)
     if config is None and WS_GEMM1_DGRAD != "0" and layout.block_m == 128 and D >= WS_GEMM1_DGRAD_MIN_DIM:
-        from titan_megamoe.kernels import ws_gemm
-
         ws_cfg = ws_gemm.CONFIGS[WS_GEMM1_DGRAD]
         if ws_gemm.ws_gemm1_dgrad_supported(dgate_up_N2F, w1_EFD, ws_cfg) is None:  # operands checked above
             dx_rows = torch.empty((layout.n_cap, D), dtype=_ACT, device=dev) if out is None else out

@@ -50,17 +50,16 @@ class FusedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func, route_norm, route_scale):
-        if (FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None and x_TD.dtype == gate_w.dtype
-                and x_TD.is_contiguous() and gate_w.is_contiguous()):
-            logits, top, ids, _ = fused_router.gate_topk_route(
-                x_TD, gate_w, top_k, score_func=score_func, expert_bias=expert_bias, route_norm=route_norm,
-                route_scale=route_scale, counts_into=counts_into)
+        # The operands meet every precondition of the unchecked launches (MegaMoE._fused_layer_operands).
+        if FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None:
+            logits, top, ids = fused_router.launch_gate_topk_route(
+                x_TD, gate_w, top_k, score_func, expert_bias, route_norm, route_scale, counts_into)
         else:
             logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
             top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
                                                   route_norm=route_norm, route_scale=route_scale,
                                                   counts_into=counts_into)
-        out, gate_up, L = tb.triton_fwd(x_TD, ids, top, w1, w2, w3)
+        out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
         ctx.save_for_backward(x_TD, gate_w, logits, ids, top, w1, w2, w3, gate_up, L.counts, L.offsets, L.row_pair,
                               L.pair_row, L.tile_expert)
         ctx.cfg = (top_k, score_func, bool(route_norm), float(route_scale), L.block_m)

@@ -25,19 +25,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from titan_megamoe.kernels.jit import interpreting
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
-__all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_bwd", "layout_from_tensors"]
+try:  # the kernels need triton (Linux); the reference backend does not
+    from titan_megamoe.kernels import grouped_gemm as _gg
+except ImportError:  # pragma: no cover - machines without triton
+    _gg = None
+
+__all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_fwd_unchecked", "triton_bwd", "layout_from_tensors"]
 
 #: Row block of the grouped GEMMs (and of the routing layout).
 BLOCK_M = 128
 
 
 def _block_m() -> int:
-    import os
-
     # the interpreter runs tiny shapes: a small block keeps the CPU tests fast
-    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else BLOCK_M
+    return 16 if interpreting() else BLOCK_M
 
 
 def check_triton_inputs(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
@@ -61,15 +65,27 @@ def layout_from_tensors(counts, offsets, row_pair, pair_row, tile_expert, block_
 
 def triton_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor):
     """Forward: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout)."""
-    from titan_megamoe.kernels.grouped_gemm import combine_topk, gemm1_swiglu_fwd, gemm2_scatter_fwd
-
     T, K = topk_ids_TK.shape
     E = w1.shape[0]
     layout = build_routing_layout(topk_ids_TK, E, _block_m())
-    gate_up, h = gemm1_swiglu_fwd(x_TD.contiguous(), w1.contiguous(), w3.contiguous(), layout)
-    y_PD = gemm2_scatter_fwd(h, w2.contiguous(), topk_scores_TK.contiguous(), layout)
-    out = combine_topk(y_PD, T, K)
+    gate_up, h = _gg.gemm1_swiglu_fwd(x_TD.contiguous(), w1.contiguous(), w3.contiguous(), layout)
+    y_PD = _gg.gemm2_scatter_fwd(h, w2.contiguous(), topk_scores_TK.contiguous(), layout)
+    out = _gg.combine_topk(y_PD, T, K)
     return out, gate_up, layout
+
+
+def triton_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor,
+                         w3: Tensor):
+    """:func:`triton_fwd` through the kernels' launch halves, which skip the per-kernel checks, for a caller
+    that has made them: x (T, D), w1 / w3 (E, F, D), w2 (E, D, F) bf16 contiguous on one device with D and F
+    multiples of 16; ids (T, K) int64 in [0, E) and scores (T, K) fp32 contiguous, as the fused router writes
+    them (``ops/eager_layer.py``, after ``layer.MegaMoE._fused_layer_ok``). Same launches, same results: the
+    from-idle forward is host-bound until GEMM1 is enqueued (docs/NOTES.md, session 14)."""
+    T, K = topk_ids_TK.shape
+    layout = build_routing_layout(topk_ids_TK, w1.shape[0], _block_m(), one_allocation=True)
+    gate_up, h = _gg.launch_gemm1_swiglu_fwd(x_TD, w1, w3, layout)
+    y_PD = _gg.launch_gemm2_scatter_fwd(h, w2, topk_scores_TK, layout)
+    return _gg.launch_combine_topk(y_PD, T, K), gate_up, layout
 
 
 def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
