@@ -166,3 +166,34 @@ def test_fused_layer_falls_back_where_it_does_not_apply(monkeypatch):
     assert not _layer(128, 128, 4, 2, precision="fp8")._fused_layer_ok(torch.zeros(4, 128).bfloat16().to(DEV))
     layer(x)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("fused_gate", [False, True])
+def test_kernels_launch_before_the_node_and_record_one_node(fused_gate, monkeypatch):
+    """MegaMoE.forward launches the kernels (eager_layer.fused_forward) before FusedLayerFunction.apply and hands
+    them in: the forward's graph is that one node (with the torch.mm gate too: no MmBackward recorded outside
+    it), and the node's forward launches nothing again."""
+    monkeypatch.setattr(eager_layer, "FUSED_GATE", fused_gate)
+    layer = _layer(32, 48, 4, 2)
+    x = torch.randn(1, 24, 32).bfloat16().to(DEV).requires_grad_()
+    order = []
+    real_fwd, real_apply = eager_layer.fused_forward, eager_layer.FusedLayerFunction.apply
+    monkeypatch.setattr(eager_layer, "fused_forward", lambda *a: order.append("launch") or real_fwd(*a))
+    monkeypatch.setattr(eager_layer.FusedLayerFunction, "apply", lambda *a: order.append("apply") or real_apply(*a))
+    out = layer(x)
+    assert order == ["launch", "apply"]
+    names, todo = [], [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None:
+            names.append(fn.name())
+            todo += [f for f, _ in fn.next_functions]
+    assert sum("FusedLayerFunction" in n for n in names) == 1, names
+    assert not any("Mm" in n or "Linear" in n or "Topk" in n for n in names), names
+    fn = out.grad_fn
+    while "FusedLayerFunction" not in fn.name():
+        fn = fn.next_functions[0][0]
+    logits = fn.saved_tensors[2]  # made outside the node: no graph of their own
+    assert logits.shape == (24, 4) and logits.grad_fn is None and not logits.requires_grad
+    out.backward(torch.randn_like(out))
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all() and x.grad.abs().sum() > 0

@@ -280,8 +280,9 @@ class MegaMoE(MoE):
         fused = self._fused_layer_operands(x)
         if fused is not None:
             r = fused[0]
-            out = eager_layer.FusedLayerFunction.apply(x, *fused[1:], r.top_k, r.score_func, r.route_norm,
-                                                       r.route_scale)
+            args = (x, *fused[1:], r.top_k, r.score_func, r.route_norm, r.route_scale)
+            # the kernels first, then the autograd node: its host time after GEMM1 is enqueued
+            out = eager_layer.FusedLayerFunction.apply(*args, eager_layer.fused_forward(*args))
             if self.shared_experts is not None:
                 out = self.shared_experts(x) + out
             return out.reshape(bs, slen, dim)

@@ -30,7 +30,7 @@ from titan_megamoe.kernels import router as fused_router
 from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import triton_backend as tb
 
-__all__ = ["ENABLED", "FUSED_GATE", "FusedLayerFunction"]
+__all__ = ["ENABLED", "FUSED_GATE", "FusedLayerFunction", "fused_forward"]
 
 #: Run MegaMoE's eager forward through :class:`FusedLayerFunction` where it applies (``MegaMoE._fused_layer_ok``).
 ENABLED = env_flag("TITAN_MEGAMOE_FUSED_LAYER", True)
@@ -39,30 +39,52 @@ ENABLED = env_flag("TITAN_MEGAMOE_FUSED_LAYER", True)
 FUSED_GATE = env_flag("TITAN_MEGAMOE_FUSED_GATE", True)
 
 
+def fused_forward(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, w1: Tensor,
+                  w2: Tensor, w3: Tensor, top_k: int, score_func: str, route_norm: bool, route_scale: float):
+    """Launch the layer's forward kernels (gate + router, routing layout, GEMM1 + SwiGLU, GEMM2, combine) for
+    operands that meet every precondition of the unchecked launches (``MegaMoE._fused_layer_operands``).
+
+    ``MegaMoE.forward`` calls it before :meth:`FusedLayerFunction.apply` and hands the result in: the node's
+    own host time (``Function.apply`` before its forward runs: ~20 us on the CPU machine, more on the H200
+    host) then comes after GEMM1 is enqueued instead of before the first launch (the forward from an idle
+    device waits on the host until then, docs/NOTES.md session 15). Same launches, same results.
+
+    Shapes as :class:`FusedLayerFunction`. Returns (out (T, D) bf16, the tensors the backward keeps, its
+    constants).
+    """
+    if FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None:
+        logits, top, ids = fused_router.launch_gate_topk_route(
+            x_TD, gate_w, top_k, score_func, expert_bias, route_norm, route_scale, counts_into)
+    else:
+        with torch.no_grad():  # outside the node, x may require grad: no graph for these
+            logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
+            top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
+                                                  route_norm=route_norm, route_scale=route_scale,
+                                                  counts_into=counts_into)
+    out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
+    saved = (x_TD, gate_w, logits, ids, top, w1, w2, w3, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row,
+             L.tile_expert)
+    return out, saved, (top_k, score_func, bool(route_norm), float(route_scale), L.block_m)
+
+
 class FusedLayerFunction(torch.autograd.Function):
     """x (T, D) bf16 -> routed-experts output (T, D) bf16, through gate linear, fused top-k router and
     fused experts (EP = 1, bf16, scores applied after the experts).
 
     forward(x_TD, gate_w (E, D), expert_bias (E,) or None, counts_into (E,) fp32, w1 (E, F, D), w2 (E, D, F),
-    w3 (E, F, D), top_k, score_func, route_norm, route_scale); the per-expert counts are added into
-    ``counts_into`` by the router kernel. Gradients to x, gate_w, w1, w2, w3.
+    w3 (E, F, D), top_k, score_func, route_norm, route_scale, launched=None); the per-expert counts are added
+    into ``counts_into`` by the router kernel. ``launched``: what :func:`fused_forward` returned for these
+    operands (its kernels already enqueued), else the forward calls it. Gradients to x, gate_w, w1, w2, w3.
     """
 
     @staticmethod
-    def forward(ctx, x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func, route_norm, route_scale):
-        # The operands meet every precondition of the unchecked launches (MegaMoE._fused_layer_operands).
-        if FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None:
-            logits, top, ids = fused_router.launch_gate_topk_route(
-                x_TD, gate_w, top_k, score_func, expert_bias, route_norm, route_scale, counts_into)
-        else:
-            logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
-            top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
-                                                  route_norm=route_norm, route_scale=route_scale,
-                                                  counts_into=counts_into)
-        out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
-        ctx.save_for_backward(x_TD, gate_w, logits, ids, top, w1, w2, w3, gate_up, L.counts, L.offsets, L.row_pair,
-                              L.pair_row, L.tile_expert)
-        ctx.cfg = (top_k, score_func, bool(route_norm), float(route_scale), L.block_m)
+    def forward(ctx, x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func, route_norm, route_scale,
+                launched=None):
+        if launched is None:
+            launched = fused_forward(x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func,
+                                     route_norm, route_scale)
+        out, saved, ctx.cfg = launched
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
@@ -75,4 +97,4 @@ class FusedLayerFunction(torch.autograd.Function):
         dlogits = fused_router.topk_route_backward(logits, ids, dscores, score_func, route_norm, route_scale)
         dgate_w = dlogits.t().mm(x) if ctx.needs_input_grad[1] else None
         dx = torch.addmm(dx, dlogits, gate_w)
-        return dx, dgate_w, None, None, dw1, dw2, dw3, None, None, None, None
+        return dx, dgate_w, None, None, dw1, dw2, dw3, None, None, None, None, None
