@@ -562,6 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("shapes", "tokens", "iters", "warmup", "profile_iters"):
         if getattr(args, k) is None:
             setattr(args, k, base[k])
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    use_cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if device.type == "cpu":
+        # Triton fixes its library's flavor (tl.max, ...) when it is imported: the flag goes first, before
+        # anything below imports titan_megamoe (the shape parsing does)
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("on a CPU this harness runs the kernels in Triton's interpreter, but triton was imported "
+                         "before TRITON_INTERPRET=1 could be set: export TRITON_INTERPRET=1 first")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         shapes = [parse_shape(s) for s in _split_shapes(args.shapes)]
     except ValueError as err:
@@ -583,12 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.profile_iters < 0:
         parser.error("--tokens >= 1, --iters >= 1, --warmup >= 0, --profile-iters >= 0 are required")
 
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    use_cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
-    elif not under_torchrun:
+    if device.type != "cpu" and not under_torchrun:
         parser.error("on GPUs run under torchrun --nproc_per_node R (R >= 2 GPUs: symmetric memory)")
     own_pg = False
     if under_torchrun and not dist.is_initialized():

@@ -102,3 +102,19 @@ def test_precision_errors(capsys):
     with pytest.raises(SystemExit):  # the tiny default shape has D = 16: no 128-wide scale block
         main(["--tiny", "--precisions", "fp8"])
     assert "multiples of 128" in capsys.readouterr().err
+
+
+def test_tiny_run_as_a_user_types_it(tmp_path):
+    """``python -m compare.ep_overlap --tiny`` in a fresh process without TRITON_INTERPRET (README's CPU command;
+    the test session's conftest sets the flag, which hid that the harness set it after triton was imported)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "tiny.json"
+    run = subprocess.run([sys.executable, "-m", "compare.ep_overlap", "--tiny", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = json.loads(out.read_text())["records"]
+    assert records and all(r.get("status") != "error" for r in records), [r.get("reason") for r in records]
