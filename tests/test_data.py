@@ -338,3 +338,20 @@ def test_launch_refuses_more_ranks_than_gpus_before_any_work(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert "--ngpu 99" in err and "CUDA GPU" in err
     assert not (tmp_path / "data").exists()  # refused before building the corpus
+
+
+@pytest.mark.parametrize("table, message", [
+    ('backend = "tritn"', "megamoe.backend = 'tritn' is not valid; allowed values: 'reference', 'triton'"),
+    ("capacity_factor = 0.5", "megamoe.capacity_factor must be a finite number >= 1.0"),
+    ("capacity_fator = 2.0", "unknown [megamoe] key(s) capacity_fator"),
+])
+def test_launch_rejects_a_bad_megamoe_table_before_anything_runs(tmp_path, capsys, table, message):
+    """A typo in [megamoe] stops the launcher, a dry run too, naming the key and the allowed values."""
+    cfg = _write_toml(tmp_path / "job.toml", "c4_test", "./tests/assets/tokenizer")
+    cfg.write_text(cfg.read_text() + f"\n[megamoe]\n{table}\n")
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--config", str(cfg), "--ngpu", "1", "--dry-run"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    cfg.write_text(cfg.read_text().replace(table, 'backend = "triton"'))
+    assert launch.main(["--config", str(cfg), "--ngpu", "1", "--dry-run"]) == 0

@@ -104,6 +104,33 @@ def build_command(
     return cmd + list(extra)
 
 
+def check_megamoe_table(toml: dict) -> str | None:
+    """The error in the config's ``[megamoe]`` table (unknown key, bad value), or None when it is valid or
+    absent; checked before anything runs (a dry run included), so a typo does not wait for a GPU machine.
+
+    Same checks as the trainer's (``titan_megamoe.config.MegaMoEConfig``); model converters and parallelism
+    are checked by TorchTitan and the converter at start-up.
+    """
+    import dataclasses
+
+    from titan_megamoe.config import MegaMoEConfig, MegaMoEConfigError
+
+    table = toml.get("megamoe")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        return f"[megamoe] must be a table, got {table!r}"
+    known = {f.name for f in dataclasses.fields(MegaMoEConfig)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        return f"unknown [megamoe] key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+    try:
+        MegaMoEConfig(**table)
+    except MegaMoEConfigError as e:
+        return str(e)
+    return None
+
+
 def _visible_gpus() -> int:
     import torch
 
@@ -151,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         toml = _read_toml(config)
     except Exception as e:  # tomllib.TOMLDecodeError or tomli's, whichever was imported
         parser.error(f"config file {config} is not valid TOML: {e}")
+    bad = check_megamoe_table(toml)
+    if bad:
+        parser.error(f"config file {config}: {bad}")
     if args.ngpu is not None and args.ngpu < 1:
         parser.error(f"--ngpu must be >= 1, got {args.ngpu}")
     ngpu = args.ngpu if args.ngpu is not None else _default_ngpu()
