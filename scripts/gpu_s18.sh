@@ -4,6 +4,8 @@
 #     last GPU-measured tree (.ab/base, a `git archive` of it, git-ignored and carried), three rounds each.
 #   PART=b: compare.layer 30B / 235B, tt-compile and megamoe-triton, then the base tree's megamoe-triton in
 #     the same script (back to back, same machine).
+#   PART=ab: one call (device loans were scarce): GPU tests, compare.layer, host_profile A/B (two rounds), the
+#     base tree's compare.layer, in that order of priority.
 # Call as: REV=<hash> BASE=<hash> PART=a bash scripts/gpu_s18.sh   (carry .whl and .ab; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -22,6 +24,26 @@ if [ "$PART" = a ]; then
       --out "$OUT/keep/host_profile_base_r$r.json" 2>/dev/null | head -1)
     echo "[t=$((SECONDS - t0))s] base r$r"
   done
+elif [ "$PART" = ab ]; then
+  timeout -s KILL 240 python3 -m pytest -q -rA tests/test_gpu.py tests/test_eager_layer.py tests/test_routing.py \
+    tests/test_router_kernel.py tests/test_triton_op.py -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" \
+    > "$OUT/keep/tests_gpu.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
+  timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/keep/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"
+  for r in 1 2; do
+    timeout 60 python3 scripts/host_profile.py --iters 30 --out "$OUT/keep/host_profile_new_r$r.json" 2>/dev/null | head -1
+    (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 60 python3 scripts/host_profile.py --iters 30 \
+      --out "$OUT/keep/host_profile_base_r$r.json" 2>/dev/null | head -1)
+    echo "[t=$((SECONDS - t0))s] host_profile round $r"
+  done
+  (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 170 python3 -m compare.layer \
+    --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls megamoe-triton --precisions bf16 --routings random --iters 20 \
+    --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_base.json" > "$OUT/keep/layer_base.log" 2>&1)
+  echo "[t=$((SECONDS - t0))s] base layer rc $?"; grep "^|" "$OUT/keep/layer_base.log"
 elif [ "$PART" = b ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
