@@ -113,6 +113,12 @@ def _run(tree: str, iters: int) -> dict:
     return got
 
 
+def _tree_rev(tree: str) -> str | None:
+    """The checkout's short git revision (None outside a git work tree, e.g. a ``git archive``)."""
+    out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def _summary(runs: list[dict]) -> dict:
     keys = runs[0]["launch_at_us"].keys()
     return {"fwd_us": round(statistics.median(r["fwd_us"] for r in runs), 1),
@@ -142,9 +148,16 @@ def main(argv=None) -> int:
         print(json.dumps({"fwd_ratio": round(h["fwd_us"] / b["fwd_us"], 3),
                           "fwd_ratio_of_min": round(h["fwd_min_us"] / b["fwd_min_us"], 3)}))
     if a.out:
+        import torch
+
+        from compare.records import provenance
+
+        revs = {t: _tree_rev(t) for t in trees}
+        run = provenance(device=torch.device("cpu"), world_size=1, dist_backend=None, hostnames=[],
+                         argv=sys.argv[1:], options=vars(a), module="scripts.host_timeline_cpu")
         with open(a.out, "w") as f:
-            json.dump({"bench": "host_timeline_cpu", "iters": a.iters, "rounds": a.rounds, "trees": result}, f,
-                      indent=1)
+            json.dump({"bench": "host_timeline_cpu", "run": run, "iters": a.iters, "rounds": a.rounds,
+                       "tree_revs": revs, "trees": result}, f, indent=1)
     return 0
 
 
