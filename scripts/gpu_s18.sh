@@ -4,6 +4,8 @@
 #     last GPU-measured tree (.ab/base, a `git archive` of it, git-ignored and carried), three rounds each.
 #   PART=b: compare.layer 30B / 235B, tt-compile and megamoe-triton, then the base tree's megamoe-triton in
 #     the same script (back to back, same machine).
+#   PART=c (session 16): scripts/step_gaps.py on the 30B layer (where a from-idle step leaves the GPU idle),
+#     then the GPU tests PART ab's 240 s limit cut off (test_routing.py on).
 #   PART=ab: one call (device loans were scarce): GPU tests, compare.layer, host_profile A/B (two rounds), the
 #     base tree's compare.layer, in that order of priority.
 # Call as: REV=<hash> BASE=<hash> PART=a bash scripts/gpu_s18.sh   (carry .whl and .ab; see scripts/gpu_env.sh)
@@ -44,6 +46,13 @@ elif [ "$PART" = ab ]; then
     --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls megamoe-triton --precisions bf16 --routings random --iters 20 \
     --warmup 5 --device-time --no-plot --out "$OUT/keep/layer_1xh200_ep1_base.json" > "$OUT/keep/layer_base.log" 2>&1)
   echo "[t=$((SECONDS - t0))s] base layer rc $?"; grep "^|" "$OUT/keep/layer_base.log"
+elif [ "$PART" = c ]; then
+  timeout 120 python3 scripts/step_gaps.py --iters 10 --out "$OUT/keep/step_gaps_30b.json" > "$OUT/keep/step_gaps_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] step_gaps rc $?"; cat "$OUT/keep/step_gaps_30b.log" | tail -80
+  timeout -s KILL 280 python3 -m pytest -q -rA tests/test_routing.py tests/test_router_kernel.py tests/test_triton_op.py \
+    -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" > "$OUT/keep/tests_gpu_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head
 elif [ "$PART" = b ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \

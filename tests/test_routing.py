@@ -219,7 +219,7 @@ def test_one_allocation_matches_torch_bitwise(poisoned, T, K, E, BM, block, chun
 def test_layout_arrays_share_one_allocation_each_128_byte_aligned():
     """The arrays are views of one buffer, each starting on a 128-byte boundary (the alignment of a separate
     allocation: the kernels get the same 16-byte-aligned specialization), none overlapping another."""
-    L = build_routing_layout_triton(torch.randint(0, 5, (29, 3)), 5, 16, one_allocation=True)
+    L = build_routing_layout_triton(_ids("random", 29, 3, 5, torch.int64, seed=3), 5, 16, one_allocation=True)
     arrays = [L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert]
     assert len({a.untyped_storage().data_ptr() for a in arrays}) == 1
     spans = sorted((a.storage_offset(), a.storage_offset() + a.numel()) for a in arrays)
