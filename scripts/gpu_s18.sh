@@ -49,6 +49,9 @@ elif [ "$PART" = ab ]; then
 elif [ "$PART" = c ]; then
   timeout 120 python3 scripts/step_gaps.py --iters 10 --out "$OUT/keep/step_gaps_30b.json" > "$OUT/keep/step_gaps_30b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] step_gaps rc $?"; cat "$OUT/keep/step_gaps_30b.log" | tail -80
+  timeout 150 python3 scripts/step_gaps.py --shape qwen3-235b-a22b --iters 8 --out "$OUT/keep/step_gaps_235b.json" \
+    > "$OUT/keep/step_gaps_235b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] step_gaps 235b rc $?"; cat "$OUT/keep/step_gaps_235b.log" | tail -60
   timeout -s KILL 280 python3 -m pytest -q -rA tests/test_routing.py tests/test_router_kernel.py tests/test_triton_op.py \
     -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" > "$OUT/keep/tests_gpu_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"
