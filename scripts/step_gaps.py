@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             trace = json.load(fh)
     steps = _phases(trace)
     if not steps:
-        print("step_gaps.py: no steps found in the trace", file=sys.stderr)
+        names = sorted({e["name"][:80] for e in trace["traceEvents"] if e.get("cat") == "kernel"})
+        print(f"step_gaps.py: no steps found in the trace; its kernels: {names[:60]}", file=sys.stderr)
         return 1
     fwd_rows = _rows([s[0] for s in steps], [s[2] for s in steps])
     # the backward's first gap: from the mark kernel's end, i.e. the forward's last kernel
