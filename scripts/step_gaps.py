@@ -56,20 +56,24 @@ def _phases(trace: dict) -> list[tuple[list[dict], list[dict], float]]:
     return out
 
 
-def _rows(steps: list[list[dict]], starts: list[float]) -> list[dict]:
+def _rows(steps: list[list[dict]], starts: list[float], host_starts: list[float]) -> list[dict]:
     """Per kernel position: median duration, median idle gap before it (the first kernel's from ``starts``),
-    and in how many steps it was launched after the previous kernel had finished (host-bound)."""
+    in how many steps it was launched after the previous kernel had finished (host-bound), and the median
+    times its launch call ended and it started, from ``host_starts`` (the step's host start)."""
     rows = []
     for i in range(min(len(s) for s in steps)):
-        durs, gaps, late = [], [], 0
-        for s, t0 in zip(steps, starts):
+        durs, gaps, late, launched, started = [], [], 0, [], []
+        for s, t0, h0 in zip(steps, starts, host_starts):
             k = s[i]
             prev_end = s[i - 1]["ts"] + s[i - 1]["dur"] if i else t0
             gaps.append(max(0.0, k["ts"] - prev_end))
             durs.append(k["dur"])
             late += k["launch_end"] is not None and k["launch_end"] > prev_end
+            launched.append(k["launch_end"] - h0 if k["launch_end"] is not None else float("nan"))
+            started.append(k["ts"] - h0)
         rows.append({"i": i, "name": steps[0][i]["name"][:90], "dur_us": statistics.median(durs),
-                     "gap_before_us": statistics.median(gaps), "launched_late": late})
+                     "gap_before_us": statistics.median(gaps), "launched_late": late,
+                     "launched_at_us": statistics.median(launched), "started_at_us": statistics.median(started)})
     return rows
 
 
@@ -121,19 +125,21 @@ def main(argv: list[str] | None = None) -> int:
         names = sorted({e["name"][:80] for e in trace["traceEvents"] if e.get("cat") == "kernel"})
         print(f"step_gaps.py: no steps found in the trace; its kernels: {names[:60]}", file=sys.stderr)
         return 1
-    fwd_rows = _rows([s[0] for s in steps], [s[2] for s in steps])
+    host0 = [s[2] for s in steps]
+    fwd_rows = _rows([s[0] for s in steps], host0, host0)
     # the backward's first gap: from the mark kernel's end, i.e. the forward's last kernel
-    bwd_rows = _rows([s[1] for s in steps], [s[0][-1]["ts"] + s[0][-1]["dur"] for s in steps])
+    bwd_rows = _rows([s[1] for s in steps], [s[0][-1]["ts"] + s[0][-1]["dur"] for s in steps], host0)
     summary = {}
     for phase, rows in (("fwd", fwd_rows), ("bwd", bwd_rows)):
         busy, idle = sum(r["dur_us"] for r in rows), sum(r["gap_before_us"] for r in rows)
         summary[phase] = {"kernel_us": busy, "gap_us": idle, "kernels": len(rows)}
         print(f"\n{args.impl} {shape.name} T={args.tokens} {phase}: {len(steps)} steps, {len(rows)} kernels, "
               f"kernel time {busy:.0f} us, idle gaps {idle:.0f} us (medians per position)")
-        print("| i | kernel | dur us | gap before us | launched late |\n|---:|---|---:|---:|---:|")
+        print("| i | kernel | dur us | gap before us | launched late | launch ends at us | starts at us |\n"
+              "|---:|---|---:|---:|---:|---:|---:|")
         for r in rows:
             print(f"| {r['i']} | {r['name'][:70]} | {r['dur_us']:.1f} | {r['gap_before_us']:.1f} | "
-                  f"{r['launched_late']}/{len(steps)} |")
+                  f"{r['launched_late']}/{len(steps)} | {r['launched_at_us']:.0f} | {r['started_at_us']:.0f} |")
     if args.out:
         rev, dirty = git_revision()
         rec = {"script": "scripts/step_gaps.py", "argv": sys.argv[1:], "git_revision": os.environ.get(
