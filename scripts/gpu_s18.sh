@@ -20,10 +20,10 @@ if [ "$PART" = a ]; then
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu.log" | head
   for r in 1 2 3; do
-    timeout 90 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_new_r$r.json" 2>/dev/null | head -1
+    timeout 90 python3 scripts/host_profile.py --iters 40 --out "$OUT/keep/host_profile_new_r$r.json" > "$OUT/hp.log" 2>&1; head -1 "$OUT/hp.log"
     echo "[t=$((SECONDS - t0))s] new r$r"
     (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 90 python3 scripts/host_profile.py --iters 40 \
-      --out "$OUT/keep/host_profile_base_r$r.json" 2>/dev/null | head -1)
+      --out "$OUT/keep/host_profile_base_r$r.json" > "$OUT/hp.log" 2>&1; head -1 "$OUT/hp.log")
     echo "[t=$((SECONDS - t0))s] base r$r"
   done
 elif [ "$PART" = ab ]; then
@@ -37,9 +37,9 @@ elif [ "$PART" = ab ]; then
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/keep/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"
   for r in 1 2; do
-    timeout 60 python3 scripts/host_profile.py --iters 30 --out "$OUT/keep/host_profile_new_r$r.json" 2>/dev/null | head -1
+    timeout 60 python3 scripts/host_profile.py --iters 30 --out "$OUT/keep/host_profile_new_r$r.json" > "$OUT/hp.log" 2>&1; head -1 "$OUT/hp.log"
     (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 60 python3 scripts/host_profile.py --iters 30 \
-      --out "$OUT/keep/host_profile_base_r$r.json" 2>/dev/null | head -1)
+      --out "$OUT/keep/host_profile_base_r$r.json" > "$OUT/hp.log" 2>&1; head -1 "$OUT/hp.log")
     echo "[t=$((SECONDS - t0))s] host_profile round $r"
   done
   (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 170 python3 -m compare.layer \
