@@ -9,6 +9,11 @@ the step in order: its median duration, the median idle gap before it, and how o
 time). The forward's first gap is measured from the end of the device sync that starts the step (the
 host's start), the backward's from the forward's last kernel.
 
+With ``--head-start-ms`` (default 40, as compare.layer --device-time) a second pass records the same
+steps behind a device sleep queued after the L2 flush, so the host has enqueued the step before the
+device starts it; each kernel's from-idle duration is printed beside its head-start duration. A
+from-idle excess that is not idle gaps is then slower kernels (clocks, cold caches), not the host.
+
     python scripts/step_gaps.py [--shape qwen3-30b-a3b] [--impl megamoe-triton] [--iters 10] [--out f.json]
 """
 
@@ -28,13 +33,14 @@ import torch  # noqa: E402
 from compare.builders import build_layer  # noqa: E402
 from compare.records import git_revision  # noqa: E402
 from compare.shapes import parse_shape  # noqa: E402
-from compare.timing import barrier, flush_l2  # noqa: E402
+from compare.timing import _sleep_cycles, barrier, flush_l2  # noqa: E402
 
-def _phases(trace: dict) -> list[tuple[list[dict], list[dict], float]]:
+def _phases(trace: dict, head_start: bool = False) -> list[tuple[list[dict], list[dict], float]]:
     """(forward kernels, backward kernels, host start us) of each step, split at the ``spin`` kernels of
-    ``torch.cuda._sleep`` (one before each step's L2 flush, one between forward and backward); the flush
-    kernel is dropped. Each kernel carries the end of its launch call (``launch_end``, us, the kernels'
-    clock); the host start is the end of the last device sync before the forward."""
+    ``torch.cuda._sleep`` (one before each step's L2 flush, one between forward and backward, and with
+    ``head_start`` one between the flush and the forward); the flush kernel is dropped. Each kernel
+    carries the end of its launch call (``launch_end``, us, the kernels' clock); the host start is the
+    end of the last device sync before the forward."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     runtime = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in runtime
@@ -48,7 +54,11 @@ def _phases(trace: dict) -> list[tuple[list[dict], list[dict], float]]:
             segments[-1].append({"name": e["name"], "ts": e["ts"], "dur": e["dur"],
                                  "launch_end": launch_end.get(e.get("args", {}).get("correlation"))})
     out = []
-    for fwd, bwd in zip(segments[0::2], segments[1::2]):
+    if head_start:  # (flush), (forward), (backward)
+        segments = [[None] + f for f in segments[1::3]], segments[2::3]
+    else:
+        segments = segments[0::2], segments[1::2]
+    for fwd, bwd in zip(*segments):
         fwd = fwd[1:]  # the L2 flush
         if fwd and bwd:
             start = max((t for t in sync_ends if t < fwd[0]["ts"]), default=fwd[0]["ts"])
@@ -77,6 +87,34 @@ def _rows(steps: list[list[dict]], starts: list[float], host_starts: list[float]
     return rows
 
 
+def _pair(rows: list[dict], head_start_rows: list[dict]) -> None:
+    """Adds each head-start kernel's median duration to the from-idle row at the same position, when the
+    two passes ran the same kernel sequence (else the pairing would be meaningless: left out)."""
+    if [r["name"] for r in rows] != [r["name"] for r in head_start_rows]:
+        print("step_gaps.py: the head-start pass ran other kernels; durations not paired", file=sys.stderr)
+        return
+    for r, h in zip(rows, head_start_rows):
+        r["head_start_dur_us"] = h["dur_us"]
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Sums over kernel positions: from-idle kernel time, head-start kernel time (nan if unpaired), gaps."""
+    return {"kernel_us": sum(r["dur_us"] for r in rows),
+            "head_start_kernel_us": sum(r.get("head_start_dur_us", float("nan")) for r in rows),
+            "gap_us": sum(r["gap_before_us"] for r in rows), "kernels": len(rows)}
+
+
+def _profile(step, iters: int) -> dict:
+    """The chrome trace (as a dict) of ``iters`` calls of ``step`` under the profiler, CUDA activity only."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as fh:
+            return json.load(fh)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/step_gaps.py", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -84,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--head-start-ms", type=float, default=40.0,
+                   help="second pass with a device sleep before each step (0: skip it)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -97,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.randn(1, args.tokens, shape.dim, device=device, generator=gen).to(torch.bfloat16)
     params = list(moe.parameters())
 
-    def step(mark: bool):
+    def step(mark: bool, head_cycles: int = 0):
         for q in params:
             q.grad = None
         x.grad = None
@@ -105,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda._sleep(1)
         flush_l2(device)
         barrier(device)
+        if head_cycles:
+            torch.cuda._sleep(head_cycles)
         y = moe(x)
         if mark:  # a tiny kernel between the phases
             torch.cuda._sleep(1)
@@ -113,13 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for _ in range(args.warmup):
         step(False)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.iters):
-            step(True)
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as fh:
-            trace = json.load(fh)
+    trace = _profile(lambda: step(True), args.iters)
     steps = _phases(trace)
     if not steps:
         names = sorted({e["name"][:80] for e in trace["traceEvents"] if e.get("cat") == "kernel"})
@@ -129,17 +165,30 @@ def main(argv: list[str] | None = None) -> int:
     fwd_rows = _rows([s[0] for s in steps], host0, host0)
     # the backward's first gap: from the mark kernel's end, i.e. the forward's last kernel
     bwd_rows = _rows([s[1] for s in steps], [s[0][-1]["ts"] + s[0][-1]["dur"] for s in steps], host0)
+    if args.head_start_ms > 0:
+        cycles = _sleep_cycles(device, args.head_start_ms)
+        hs = _phases(_profile(lambda: step(True, cycles), args.iters), head_start=True)
+        if hs:
+            hs_rows = {"fwd": _rows([s[0] for s in hs], [s[0][0]["ts"] for s in hs], [s[2] for s in hs]),
+                       "bwd": _rows([s[1] for s in hs], [s[0][-1]["ts"] + s[0][-1]["dur"] for s in hs],
+                                    [s[2] for s in hs])}
+            for phase, rows in (("fwd", fwd_rows), ("bwd", bwd_rows)):
+                _pair(rows, hs_rows[phase])
+        else:
+            print("step_gaps.py: no head-start steps found in the trace", file=sys.stderr)
     summary = {}
     for phase, rows in (("fwd", fwd_rows), ("bwd", bwd_rows)):
-        busy, idle = sum(r["dur_us"] for r in rows), sum(r["gap_before_us"] for r in rows)
-        summary[phase] = {"kernel_us": busy, "gap_us": idle, "kernels": len(rows)}
+        summary[phase] = _summary(rows)
+        s = summary[phase]
         print(f"\n{args.impl} {shape.name} T={args.tokens} {phase}: {len(steps)} steps, {len(rows)} kernels, "
-              f"kernel time {busy:.0f} us, idle gaps {idle:.0f} us (medians per position)")
-        print("| i | kernel | dur us | gap before us | launched late | launch ends at us | starts at us |\n"
-              "|---:|---|---:|---:|---:|---:|---:|")
+              f"kernel time {s['kernel_us']:.0f} us from idle, {s['head_start_kernel_us']:.0f} us with a head "
+              f"start; idle gaps {s['gap_us']:.0f} us (medians per position)")
+        print("| i | kernel | dur us | head-start dur us | gap before us | launched late | launch ends at us "
+              "| starts at us |\n|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['i']} | {r['name'][:70]} | {r['dur_us']:.1f} | {r['gap_before_us']:.1f} | "
-                  f"{r['launched_late']}/{len(steps)} | {r['launched_at_us']:.0f} | {r['started_at_us']:.0f} |")
+            print(f"| {r['i']} | {r['name'][:70]} | {r['dur_us']:.1f} | {r.get('head_start_dur_us', float('nan')):.1f} "
+                  f"| {r['gap_before_us']:.1f} | {r['launched_late']}/{len(steps)} | {r['launched_at_us']:.0f} "
+                  f"| {r['started_at_us']:.0f} |")
     if args.out:
         rev, dirty = git_revision()
         rec = {"script": "scripts/step_gaps.py", "argv": sys.argv[1:], "git_revision": os.environ.get(
