@@ -6,6 +6,8 @@
 #     the same script (back to back, same machine).
 #   PART=c (session 16): scripts/step_gaps.py on the 30B layer (where a from-idle step leaves the GPU idle),
 #     then the GPU tests PART ab's 240 s limit cut off (test_routing.py on).
+#   PART=d (session 17): GPU tests of the router backward kernel and scatter_dx with the router's dx; compare.layer
+#     30B / 235B with both switched off, and with only the router dx in scatter off, in the same process; step_gaps 30B.
 #   PART=ab: one call (device loans were scarce): GPU tests, compare.layer, host_profile A/B (two rounds), the
 #     base tree's compare.layer, in that order of priority.
 # Call as: REV=<hash> BASE=<hash> PART=a bash scripts/gpu_s18.sh   (carry .whl and .ab; see scripts/gpu_env.sh)
@@ -56,6 +58,18 @@ elif [ "$PART" = c ]; then
     -k "not ep_triton and not reference_ep2 and not compiles_for_sm90a" > "$OUT/keep/tests_gpu_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head
+elif [ "$PART" = d ]; then
+  timeout -s KILL 200 python3 -m pytest -q -rA tests/test_router_kernel.py tests/test_kernels_bwd.py tests/test_eager_layer.py \
+    -k "route_backward or gradients or scatter or modular_path or worked" > "$OUT/keep/tests_gpu_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_d.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_d.log" | head
+  timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches ROUTER_BWD_KERNEL=0,ROUTER_DX_IN_SCATTER=0 ROUTER_DX_IN_SCATTER=0 \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/keep/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"; tail -2 "$OUT/keep/layer.log" | cut -c1-300
+  timeout 60 python3 scripts/step_gaps.py --iters 10 --out "$OUT/keep/step_gaps_30b.json" > "$OUT/keep/step_gaps_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] step_gaps rc $?"; grep -E "kernels, kernel time|^\| [0-9]+ \| _" "$OUT/keep/step_gaps_30b.log"
 elif [ "$PART" = b ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \

@@ -1,6 +1,7 @@
 """ops/eager_layer.py: MegaMoE's eager forward as one autograd node (gate linear, fused router, fused experts)
 gives the modular path's output, expert-weight gradients and per-expert counts bitwise (router module + experts
-module), dx and the gate's gradient within bf16 error (dx: the router's part added inside one GEMM, rounded once);
+module), dx and the gate's gradient within bf16 error (dx: the router's part added in fp32 inside scatter_dx or
+one GEMM, rounded once);
 and every case it does not cover falls back to the modular path."""
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ CASES = [  # (T, D, F, E, K, score_func, route_norm, shared): the edge each row 
 ]
 
 
+@pytest.mark.parametrize("dx_in_scatter", [True, False], ids=["router-dx-in-scatter", "router-dx-addmm"])
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-K{c[4]}-{c[5]}-shared{c[7]}" for c in CASES])
-def test_fused_layer_matches_the_modular_path(case, monkeypatch):
+def test_fused_layer_matches_the_modular_path(case, dx_in_scatter, monkeypatch):
     T, D, F, E, K, score_func, route_norm, shared = case
+    monkeypatch.setattr(eager_layer, "ROUTER_DX_IN_SCATTER", dx_in_scatter)
     layer = _layer(D, F, E, K, score_func=score_func, route_norm=route_norm, shared=shared)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, T, D, generator=g).bfloat16().to(DEV)
@@ -69,8 +72,13 @@ def test_fused_layer_matches_the_modular_path(case, monkeypatch):
     ref = _step(layer, x, dy)
     assert not calls
     monkeypatch.setattr(eager_layer, "ENABLED", True)
+    scatters = []
+    real_scatter = eager_layer.scatter_dx
+    monkeypatch.setattr(eager_layer, "scatter_dx", lambda *a, **k: scatters.append("router_dlogits" in k)
+                        or real_scatter(*a, **k))
     got = _step(layer, x, dy)
     assert calls, "the fused layer path did not run"
+    assert scatters == [dx_in_scatter], "router dx path"
     assert torch.equal(got[0], ref[0]), "forward output"
     assert torch.equal(got[3], ref[3]), "tokens_per_expert"
     assert got[2].keys() == ref[2].keys() and "router.gate.weight" in got[2]

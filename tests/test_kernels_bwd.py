@@ -319,6 +319,61 @@ def test_worked_example():
     assert ds.tolist() == [[444.0, 0.0], [111.0, 222.0]]
 
 
+SCATTER_ROUTER_CASES = [  # (routing, T, E, K, D): T not a multiple of BT=32, D not a multiple of BD=128, E < 16
+    ("uniform", 37, 8, 2, 200),
+    ("one_expert", 70, 16, 4, 128),
+    ("zero_expert", 33, 5, 1, 64),  # top_k = 1, E not a power of two
+    ("skewed", 64, 128, 8, 96),  # Qwen3's E and K
+]
+
+
+@pytest.mark.parametrize("case", SCATTER_ROUTER_CASES, ids=[f"{c[0]}-T{c[1]}-E{c[2]}-K{c[3]}-D{c[4]}"
+                                                            for c in SCATTER_ROUTER_CASES])
+def test_scatter_dx_adds_router_dx(case):
+    """scatter_dx with the router's dx: sum_k dx_rows[pair_row] + d logits @ gate_w in fp32, one bf16
+    rounding; poisoned output, every element written, bitwise the same twice; padding rows never read."""
+    from titan_megamoe.kernels.routing import build_routing_layout
+
+    B = _bwd_module()
+    dev = _device()
+    routing, T, E, K, D = case
+    g = torch.Generator().manual_seed(T + E)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=1).to(dev), E, 16)
+    rows = torch.randn(lay.n_cap, D, generator=g).bfloat16().to(dev)
+    rows[lay.row_pair < 0] = float("nan")  # padding rows: a read shows
+    dl = (torch.randn(T, E, generator=g) * 0.1).bfloat16().to(dev)
+    gw = (torch.randn(E, D, generator=g) / E**0.5).bfloat16().to(dev)
+    outs = [torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    for o in outs:
+        B.scatter_dx(rows, lay, T, K, out=o, router_dlogits=dl, gate_w=gw)
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    pr = lay.pair_row.long().view(T, K)
+    ref = rows.float()[pr].sum(1) + dl.float() @ gw.float()
+    assert_close_rel(outs[0], ref, TOL, "dx with the router's dx")
+    plain = B.scatter_dx(rows, lay, T, K)
+    assert (outs[0].float() - plain.float()).abs().max() > 0  # the router's part is there
+
+
+def test_scatter_dx_router_preconditions():
+    from titan_megamoe.kernels.routing import build_routing_layout
+
+    B = _bwd_module()
+    dev = _device()
+    lay = build_routing_layout(make_routing("uniform", 8, 4, 2, seed=0).to(dev), 4, 16)
+    rows = torch.randn(lay.n_cap, 32).bfloat16().to(dev)
+    dl, gw = torch.randn(8, 4).bfloat16().to(dev), torch.randn(4, 32).bfloat16().to(dev)
+    with pytest.raises(ValueError, match="together"):
+        B.scatter_dx(rows, lay, 8, 2, router_dlogits=dl)
+    with pytest.raises(ValueError, match="router_dlogits must have shape"):
+        B.scatter_dx(rows, lay, 8, 2, router_dlogits=dl[:7], gate_w=gw)
+    with pytest.raises(ValueError, match="gate_w must be"):
+        B.scatter_dx(rows, lay, 8, 2, router_dlogits=dl, gate_w=gw.float())
+    big = B.SCATTER_ROUTER_MAX_E + 1
+    with pytest.raises(ValueError, match="addmm_"):
+        B.scatter_dx(rows, lay, 8, 2, router_dlogits=torch.zeros(8, big, dtype=torch.bfloat16, device=dev),
+                     gate_w=torch.zeros(big, 32, dtype=torch.bfloat16, device=dev))
+
+
 def test_preconditions_raise():
     B = _bwd_module()
     c = Case("uniform", 20, 4, 2, 32, 32)
@@ -362,6 +417,7 @@ COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D
     ("wgrad_w13_ptr", "wgrad_w13", False),
     ("reduce_dscore", "reduce_dscore", False),
     ("scatter_dx", "scatter_dx", False),
+    ("scatter_dx_router", "scatter_dx_router", False),  # + the router's dx (E = 128: Qwen3)
     ("gather_rows", "gather_rows", False),
 ]
 
@@ -379,7 +435,7 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
 
     results = []
     for label, kind, tma in COMPILE_CASES:
-        if kind in ("reduce_dscore", "scatter_dx", "gather_rows"):
+        if kind in ("reduce_dscore", "scatter_dx", "scatter_dx_router", "gather_rows"):
             opts = dict(num_warps=4, num_stages=1)
             if kind == "gather_rows":
                 from titan_megamoe.kernels import grouped_gemm_wgrad as W
@@ -390,8 +446,10 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                 kern, sig, cx = B._reduce_dscore_kernel, {"dscore_part_NB": "*fp32", "pair_row_P": "*i32",
                                                           "dscore_P": "*fp32", "P": "i32"}, dict(NB=6, BLOCK=128)
             else:
+                router = dict(E=128, E_PAD=128, ROUTER=True) if kind == "scatter_dx_router" else {}
                 kern, sig, cx = B._scatter_dx_kernel, {"dx_rows_ND": "*bf16", "pair_row_P": "*i32", "dx_TD": "*bf16",
-                                                       "T": "i32"}, dict(D=D, K=K, BT=32, BD=128)
+                                                       "dl_TE": "*bf16", "gw_ED": "*bf16", "T": "i32"}, dict(
+                    D=D, K=K, BT=32, BD=128, **router)
         else:
             cfg = dataclasses.replace(B.default_bwd_config(kind.replace("_hs", "").replace("_1cta", ""), _Lay, D, F),
                                       use_tma=tma)
@@ -434,7 +492,7 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
 def test_compiles_for_sm90a(label):
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
-    if label not in ("reduce_dscore", "scatter_dx", "gather_rows"):  # no GEMM in those
+    if label not in ("reduce_dscore", "scatter_dx", "scatter_dx_router", "gather_rows"):  # no GEMM in those
         assert r["wgmma"] > 0, f"{label}: no wgmma (Hopper tensor core) instruction in the PTX"
         assert (r["tma"] > 0) == label.endswith("_tma"), f"{label}: TMA loads {r['tma']}"
         if label != "gemm1_dgrad_tma":  # every other variant has a pointer-loaded (gathered) operand

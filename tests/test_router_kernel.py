@@ -290,6 +290,54 @@ def test_every_output_written_and_deterministic(monkeypatch, poison):
     assert torch.equal(a[2], torch.bincount(a[1].reshape(-1), minlength=E).float())
 
 
+BWD_CASES = [  # (T, E, K, score_func, route_norm, logits dtype)
+    (37, 60, 8, "softmax", True, torch.float32),  # E not a power of two, T not a multiple of BLOCK_T
+    (37, 60, 8, "sigmoid", False, torch.bfloat16),
+    (70, 128, 8, "softmax", True, torch.bfloat16),  # Qwen3's E and K
+    (5, 8, 1, "softmax", False, torch.float32),  # top_k = 1
+    (5, 8, 1, "sigmoid", True, torch.bfloat16),  # route_norm with K=1
+    (33, 61, 20, "sigmoid", True, torch.float32),  # odd E, K > 16
+    (1, 3, 3, "softmax", True, torch.float16),  # K = E, one token
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=[f"T{c[0]}-E{c[1]}-K{c[2]}-{c[3]}-norm{int(c[4])}-{str(c[5])[6:]}"
+                                                 for c in BWD_CASES])
+def test_route_backward_kernel_matches_torch_form(monkeypatch, case):
+    """``topk_route_backward`` (the Triton kernel) against ``topk_route_backward_torch`` on random logits, ids
+    and top-score gradients: poisoned output, every element written, bitwise the same on a second call."""
+    from titan_megamoe.testing import rel_err
+
+    T, E, K, score_func, norm, dtype = case
+    monkeypatch.setattr(router, "_empty", lambda shape, dt, device: torch.full(shape, float("nan"), dtype=dt,
+                                                                               device=device))
+    gen = torch.Generator().manual_seed(T * E + K)
+    logits = (torch.randn(T, E, generator=gen) * 2).to(dtype).to(DEV)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(DEV)
+    g = torch.randn(T, K, generator=gen).to(DEV)
+    got = router.topk_route_backward(logits, ids, g, score_func, norm, 2.5)
+    ref = router.topk_route_backward_torch(logits, ids, g, score_func, norm, 2.5)
+    assert got.dtype == dtype and got.shape == (T, E) and torch.isfinite(got).all()
+    assert torch.equal(got, router.topk_route_backward(logits, ids, g, score_func, norm, 2.5))
+    if norm and K == 1:  # d logits is rounding noise only (y = v / v)
+        assert got.float().abs().max() < 1e-6 and ref.float().abs().max() < 1e-6
+        return
+    # one bf16 / fp16 rounding of values whose fp32 sums were taken in another order
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ref.float().abs().max() > 0
+    assert rel_err(got.float(), ref.float()) <= bound
+    # the columns no slot selected carry only the softmax coupling term (sigmoid: exactly zero)
+    unselected = torch.ones(T, E, dtype=torch.bool, device=DEV).scatter_(1, ids, False)
+    if score_func == "sigmoid":
+        assert (got[unselected] == 0).all()
+
+
+def test_route_backward_no_tokens():
+    out = router.topk_route_backward(torch.randn(0, 16).to(DEV), torch.zeros(0, 4, dtype=torch.int64, device=DEV),
+                                     torch.randn(0, 4).to(DEV), "softmax", True, 1.0)
+    assert out.shape == (0, 16)
+
+
 def test_counts_added_into_a_given_buffer():
     """counts_into (the layer's tokens_per_expert): the kernel adds the exact counts into the buffer's
     earlier values and returns None for them; the scores and ids are those of the plain call; a buffer
@@ -480,8 +528,23 @@ GATE_COMPILE_CASES = [
 ]
 
 
+BWD_COMPILE_CASES = [
+    # (label, logits type, E, K, softmax, route_norm): topk_route_backward's kernel
+    ("bwd_bf16_e128_k8_softmax_norm", "*bf16", 128, 8, True, True),  # Qwen3-30B/235B
+    ("bwd_bf16_e256_k8_sigmoid_norm", "*bf16", 256, 8, False, True),  # DeepSeek-V3 sized
+    ("bwd_fp32_e127_k8_softmax", "*fp32", 127, 8, True, False),  # odd E
+]
+
+
 def _compile_sm90_all() -> list[dict]:
     results = []
+    for label, logits_ty, E, K, softmax, norm in BWD_COMPILE_CASES:
+        sig = {"logits_ptr": logits_ty, "ids_ptr": "*i64", "g_ptr": "*fp32", "dlogits_ptr": logits_ty, "T": "i32",
+               "route_scale": "fp32"}
+        cx = dict(E=E, K=K, E_PAD=next_pow2(E), BLOCK_T=router.block_t_for(E), SOFTMAX=softmax, ROUTE_NORM=norm)
+        r = compile_sm90(flavor(router._topk_route_bwd_kernel, False), sig, cx, num_warps=router._NUM_WARPS,
+                         num_stages=1)
+        results.append(dict(label=label, **r))
     for label, logits_ty, E, K, softmax, bias, norm in COMPILE_CASES:
         sig = {"logits_ptr": logits_ty, "bias_ptr": "*fp32", "scores_ptr": "*fp32", "ids_ptr": "*i64",
                "counts_ptr": "*fp32", "T": "i32", "route_scale": "fp32"}
@@ -503,7 +566,7 @@ def _compile_sm90_all() -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES + GATE_COMPILE_CASES])
+@pytest.mark.parametrize("label", [c[0] for c in COMPILE_CASES + GATE_COMPILE_CASES + BWD_COMPILE_CASES])
 def test_compiles_for_sm90a(label):
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"

@@ -262,11 +262,15 @@ def _scatter_dx_kernel(
     dx_rows_ND,       # (N_cap, D) bf16
     pair_row_P,       # (P,) int32
     dx_TD,            # (T, D) bf16 out
+    dl_TE,            # (T, E) bf16 router d logits (read when ROUTER)
+    gw_ED,            # (E, D) bf16 gate weight (read when ROUTER)
     T,                # i32 tokens
     D: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
+    E: tl.constexpr = 1, E_PAD: tl.constexpr = 16,
+    ROUTER: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
-    """dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k ascending, then cast.
+    """dx[t] = sum_k dx_rows[pair_row[t*K + k]] (+ dl[t] @ gw with ROUTER) in fp32, k ascending, then cast.
 
     Grid: (cdiv(T, BT), cdiv(D, BD)); each program owns dx[BT tokens, BD columns].
     """
@@ -275,6 +279,18 @@ def _scatter_dx_kernel(
     t_ok = t < T
     m = t_ok[:, None] & (d[None, :] < D)
     acc = tl.zeros((BT, BD), dtype=tl.float32)
+    if ROUTER:  # the router's dx (a K = E GEMM), added before the rows and rounded once with them
+        EC: tl.constexpr = 32 if E_PAD > 32 else E_PAD  # E in chunks: 10 KB of shared memory, not 40 (occupancy)
+        for e0 in tl.static_range(0, E_PAD, EC):
+            e = e0 + tl.arange(0, EC)
+            e_ok = e < E
+            a = tl.load(dl_TE + t.to(tl.int64)[:, None] * E + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
+                        other=0.0)
+            b = tl.load(gw_ED + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d[None, :] < D), other=0.0)
+            if INTERPRET:  # interpreter: bf16 tl.dot returns garbage there
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
     for k in range(0, K):  # fixed order: deterministic
         r64 = tl.load(pair_row_P + t * K + k, mask=t_ok, other=0).to(tl.int64)  # int64: N_cap * D
         acc += tl.load(dx_rows_ND + r64[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
@@ -460,8 +476,17 @@ def gemm1_dgrad(
     return dx_rows
 
 
-def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out: Tensor | None = None) -> Tensor:
-    """dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k ascending, cast to bf16.
+#: Largest E whose router dx ``scatter_dx`` adds in its kernel (a (BT, E) @ (E, BD) tl.dot in chunks of 32
+#: experts); above, the caller adds it by cuBLAS.
+SCATTER_ROUTER_MAX_E = 128
+
+
+def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out: Tensor | None = None,
+               router_dlogits: Tensor | None = None, gate_w: Tensor | None = None) -> Tensor:
+    """dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k ascending, cast to bf16; with ``router_dlogits`` and
+    ``gate_w``, the router's dx ``router_dlogits[t] @ gate_w`` is added in the same fp32 sum first (one
+    rounding; saves the separate cuBLAS ``addmm_`` over dx: 52 us at the 30B shape on an H200, docs/NOTES.md
+    session 17).
 
     This gather-sum is where the EP combine of dx will push rows to the source rank.
 
@@ -469,9 +494,15 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
         dx_rows_ND: (N_cap, D) bf16 from ``gemm1_dgrad``.
         layout: the routing layout; T, K: tokens and top_k.
         out: optional (T, D) bf16 caller buffer.
+        router_dlogits: optional (T, E) bf16 gradient of the router logits, E <= ``SCATTER_ROUTER_MAX_E``.
+        gate_w: (E, D) bf16 gate weight, with ``router_dlogits``.
 
     Returns:
         (T, D) bf16. Grid: (cdiv(T, 32), cdiv(D, 128)); each program owns a 32 x 128 tile of dx.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match the layout, or only one of
+            ``router_dlogits`` / ``gate_w``, or E above ``SCATTER_ROUTER_MAX_E``.
     """
     dev = dx_rows_ND.device
     _check_layout(layout, dev)
@@ -482,12 +513,24 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
         raise ValueError(f"dx_rows must be (N_cap, D), got {tuple(dx_rows_ND.shape)}")
     D = dx_rows_ND.shape[1]
     _check(dx_rows_ND, "dx_rows", (layout.n_cap, D), _ACT, dev)
+    router = {}
+    if (router_dlogits is None) != (gate_w is None):
+        raise ValueError("scatter_dx: pass router_dlogits and gate_w together")
+    if router_dlogits is not None:
+        E = gate_w.shape[0] if gate_w.dim() == 2 else -1
+        if not 1 <= E <= SCATTER_ROUTER_MAX_E:
+            raise ValueError(f"scatter_dx: gate_w {tuple(gate_w.shape)}: expected (E, {D}) with E <= "
+                             f"{SCATTER_ROUTER_MAX_E} (add the router's dx by torch.addmm_ above that)")
+        _check(router_dlogits, "router_dlogits", (T, E), _ACT, dev)
+        _check(gate_w, "gate_w", (E, D), _ACT, dev)
+        router = dict(E=E, E_PAD=max(16, 1 << (E - 1).bit_length()), ROUTER=True, INTERPRET=_interpreting())
     dx = torch.empty((T, D), dtype=_ACT, device=dev) if out is None else out
     _check(dx, "out (dx)", (T, D), _ACT, dev)
     bt, bd = 32, 128
     if T * D:
         launch(_scatter_dx_kernel, (cdiv(T, bt), cdiv(D, bd)),
-            dx_rows_ND, layout.pair_row, dx, T, D, K, BT=bt, BD=bd, num_warps=4,
+            dx_rows_ND, layout.pair_row, dx, router_dlogits if router else dx, gate_w if router else dx, T, D, K,
+            BT=bt, BD=bd, num_warps=4, **router,
         )
     return dx
 

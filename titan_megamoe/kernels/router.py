@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
 
 __all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "gate_block_t", "gate_topk_route", "launch_gate_topk_route",
-           "topk_route", "topk_route_backward", "topk_route_differentiable", "TopKRouteFunction"]
+           "topk_route", "topk_route_backward", "topk_route_backward_torch", "topk_route_differentiable", "TopKRouteFunction"]
 
 #: Largest E the kernel takes (the (BLOCK_T, E_PAD) tiles live in registers).
 MAX_EXPERTS = 1024
@@ -63,6 +63,8 @@ _MAX_BLOCK_T = 64
 _NUM_WARPS = 4
 #: Top-k rounds unrolled up to this K (kernel comment).
 UNROLL_K = 16
+#: The router's backward (``topk_route_backward``) in one Triton launch; False: its torch form (~20 launches).
+BWD_KERNEL = jit.env_flag("TITAN_MEGAMOE_ROUTER_BWD_KERNEL", True)
 
 if triton is not None:
     # tl.max / tl.sum / tl.argmax are @jit library functions that the interpreter re-patches on every
@@ -218,6 +220,70 @@ if triton is not None:
         tl.store(logits_ptr + rows64[:, None] * E + cols[None, :], logits, mask=rmask[:, None] & cmask[None, :])
         _route_tile(logits.to(tl.float32), rows64, cols, rmask, cmask, bias_ptr, scores_ptr, ids_ptr, counts_ptr,
                     route_scale, E, K, K_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, ROUTE_NORM, UNROLL_K)
+
+
+    @triton.jit
+    def _route_bwd_slot(ids_ptr, g_ptr, rows64, rmask, k, K: tl.constexpr, route_scale):
+        """Slot k of BLOCK_T tokens: (expert ids (BLOCK_T,) int32, d top_scores * route_scale (BLOCK_T,) fp32)."""
+        j = tl.load(ids_ptr + rows64 * K + k, mask=rmask, other=0).to(tl.int32)
+        g = tl.load(g_ptr + rows64 * K + k, mask=rmask, other=0.0).to(tl.float32) * route_scale
+        return j, g
+
+    @triton.jit
+    def _topk_route_bwd_kernel(
+        logits_ptr,  # (T, E) bf16 / fp16 / fp32, contiguous (the forward's logits)
+        ids_ptr,  # (T, K) int64 selected experts
+        g_ptr,  # (T, K) d top_scores, fp32 / bf16, contiguous
+        dlogits_ptr,  # (T, E) out, logits' dtype
+        T,  # i32, tokens
+        route_scale,  # fp32
+        E: tl.constexpr,
+        K: tl.constexpr,
+        E_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        SOFTMAX: tl.constexpr,
+        ROUTE_NORM: tl.constexpr,
+    ):
+        """Grid (cdiv(T, BLOCK_T),): d logits of BLOCK_T tokens from d top_scores, recomputing the fp32 scores
+        as ``_route_tile`` does; the K slots' gradients land in the (BLOCK_T, E_PAD) tile through a
+        compare with each slot's expert id (the scatter-add of the torch form, no atomics)."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, E_PAD)
+        rmask = rows < T
+        cmask = cols < E
+        rows64 = rows.to(tl.int64)
+        m2 = rmask[:, None] & cmask[None, :]
+        x = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if SOFTMAX:
+            x = tl.where(cmask[None, :], x, float("-inf"))
+            p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])
+            s = p / tl.reduce(p, 1, _sum_combine)[:, None]
+        else:
+            s = 1.0 / (1.0 + tl.exp(-x))
+        s = tl.where(m2, s, 0.0)
+        col2 = tl.broadcast_to(cols[None, :], (BLOCK_T, E_PAD))
+        denom = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+        gy = tl.zeros([BLOCK_T], dtype=tl.float32)
+        if ROUTE_NORM:  # y = v / (sum v + eps): dv = (g - sum(g * v) / (sum v + eps)) / (sum v + eps)
+            vsum = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for k in range(K):
+                j, g = _route_bwd_slot(ids_ptr, g_ptr, rows64, rmask, k, K, route_scale)
+                v = tl.reduce(tl.where(col2 == j[:, None], s, 0.0), 1, _sum_combine)  # one nonzero term: exact
+                vsum += v
+                gy += g * v
+            denom = vsum + 1e-20
+            gy = gy / denom
+        ds = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+        for k in range(K):
+            j, g = _route_bwd_slot(ids_ptr, g_ptr, rows64, rmask, k, K, route_scale)
+            if ROUTE_NORM:
+                g = (g - gy) / denom
+            ds += tl.where(col2 == j[:, None], g[:, None], 0.0)
+        if SOFTMAX:
+            dl = s * (ds - tl.reduce(ds * s, 1, _sum_combine)[:, None])
+        else:
+            dl = ds * s * (1.0 - s)
+        tl.store(dlogits_ptr + rows64[:, None] * E + cols[None, :], dl.to(dlogits_ptr.dtype.element_ty), mask=m2)
 
 
 def block_t_for(num_experts: int) -> int:
@@ -455,7 +521,42 @@ class TopKRouteFunction(torch.autograd.Function):
 def topk_route_backward(logits_TE: Tensor, ids_TK: Tensor, g_top_TK: Tensor, score_func: str, route_norm: bool,
                         route_scale: float) -> Tensor:
     """d logits (T, E) in logits' dtype from d top_scores (T, K): the closed form of :func:`topk_route`'s
-    gradient, recomputing the fp32 scores from the logits (device-bound torch ops, no host sync)."""
+    gradient, recomputing the fp32 scores from the logits (no host sync).
+
+    One Triton launch (``_topk_route_bwd_kernel``) on CUDA tensors, or on CPU tensors under
+    ``TRITON_INTERPRET=1``; elsewhere, or with ``TITAN_MEGAMOE_ROUTER_BWD_KERNEL=0``, :func:`topk_route_backward_torch`, its reference (~20 torch launches:
+    ~95 us of device time per layer at the 30B shape on an H200, docs/NOTES.md session 17). The kernel sums
+    in another order than the torch form: results agree to fp32 rounding before the final cast.
+
+    Args:
+        logits_TE: (T, E) bf16, fp16 or fp32 logits of the forward (1 <= E <= ``MAX_EXPERTS``).
+        ids_TK: (T, K) integer expert ids in [0, E), distinct per row (as :func:`topk_route` selects).
+        g_top_TK: (T, K) floating gradient of the top scores.
+        score_func, route_norm, route_scale: as the forward.
+
+    Returns:
+        (T, E) gradient of the logits, in logits' dtype.
+    """
+    if (triton is None or not BWD_KERNEL
+            or not (logits_TE.is_cuda or (logits_TE.device.type == "cpu" and jit.interpreting()))):
+        return topk_route_backward_torch(logits_TE, ids_TK, g_top_TK, score_func, route_norm, route_scale)
+    T, E = logits_TE.shape
+    K = ids_TK.shape[1]
+    dl = _empty((T, E), logits_TE.dtype, logits_TE.device)
+    if T == 0:
+        return dl
+    block_t = block_t_for(E)
+    opts = {} if jit.interpreting() else dict(num_warps=_NUM_WARPS)
+    launch(_topk_route_bwd_kernel, (jit.cdiv(T, block_t),),
+           logits_TE.contiguous(), ids_TK.contiguous(), g_top_TK.contiguous(), dl, T, float(route_scale),
+           E=E, K=K, E_PAD=jit.next_pow2(E), BLOCK_T=block_t, SOFTMAX=score_func == "softmax",
+           ROUTE_NORM=bool(route_norm), **opts)
+    return dl
+
+
+def topk_route_backward_torch(logits_TE: Tensor, ids_TK: Tensor, g_top_TK: Tensor, score_func: str,
+                              route_norm: bool, route_scale: float) -> Tensor:
+    """The reference of :func:`topk_route_backward` in torch ops (same arguments and result)."""
     s = _scores_fp32(logits_TE, score_func)
     g = g_top_TK.to(torch.float32) * route_scale
     if route_norm:  # y = v / (sum v + eps): dv = (g - sum(g * y)) / (sum v + eps)

@@ -6,8 +6,10 @@ the router's autograd node, the experts module, ``mega_moe``'s checks and casts,
 node, then the launches. Here the layer's forward makes the same kernel launches from one
 ``torch.autograd.Function``, after checks made once per layer call in ``MegaMoE.forward``; the
 backward runs the experts' backward, the router's closed-form gradient and the gate linear's two
-GEMMs, the router's dx added into the experts' by ``torch.addmm`` (one cuBLAS call instead of a GEMM
-and an elementwise add).
+GEMMs. The router's dx is added into the experts' inside ``scatter_dx`` (``ROUTER_DX_IN_SCATTER``, E <= 128:
+a small tl.dot per dx tile, one rounding), else by an in-place ``Tensor.addmm_`` (one cuBLAS call; the
+out-of-place ``torch.addmm`` first copied its (T, D) input: 36 us at the 30B shape on an H200, docs/NOTES.md
+session 17).
 
 With ``FUSED_GATE`` (default; ``TITAN_MEGAMOE_FUSED_GATE=0`` off) the gate linear runs inside the
 router's kernel (``kernels/router.gate_topk_route``): one launch and no cuBLAS call before the routing
@@ -16,8 +18,8 @@ bit, so a near-tie may route differently than the modular path would; everything
 is the same code.
 
 With ``FUSED_GATE`` off: the same forward outputs and gradients as the modular path (router module +
-experts module) bit for bit, except dx: the router's part is added in fp32 inside the GEMM and rounded
-once (the modular path rounds the GEMM's output to bf16, then adds). ``TITAN_MEGAMOE_FUSED_LAYER=0``
+experts module) bit for bit, except dx: the router's part is added in fp32 (inside ``scatter_dx``'s sum, or
+the cuBLAS GEMM) and rounded once (the modular path rounds the GEMM's output to bf16, then adds). ``TITAN_MEGAMOE_FUSED_LAYER=0``
 turns the whole node off (read at import; a same-process switch, ``switches.py``).
 """
 
@@ -27,16 +29,20 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.kernels import router as fused_router
+from titan_megamoe.kernels.grouped_gemm_bwd import SCATTER_ROUTER_MAX_E, scatter_dx
 from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import triton_backend as tb
 
-__all__ = ["ENABLED", "FUSED_GATE", "FusedLayerFunction", "fused_forward"]
+__all__ = ["ENABLED", "FUSED_GATE", "ROUTER_DX_IN_SCATTER", "FusedLayerFunction", "fused_forward"]
 
 #: Run MegaMoE's eager forward through :class:`FusedLayerFunction` where it applies (``MegaMoE._fused_layer_ok``).
 ENABLED = env_flag("TITAN_MEGAMOE_FUSED_LAYER", True)
 #: Inside it, compute the gate linear in the router's kernel (``router.gate_topk_route``: one launch, no
 #: cuBLAS call) where the kernel takes E; off: ``torch.mm`` then ``router.topk_route``.
 FUSED_GATE = env_flag("TITAN_MEGAMOE_FUSED_GATE", True)
+#: In the backward, add the router's dx (d logits @ gate weight) inside the experts' ``scatter_dx`` kernel
+#: (E <= 128, bf16) instead of a cuBLAS ``addmm_`` over dx afterwards (docs/NOTES.md session 17).
+ROUTER_DX_IN_SCATTER = env_flag("TITAN_MEGAMOE_ROUTER_DX_IN_SCATTER", True)
 
 
 def fused_forward(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, w1: Tensor,
@@ -93,8 +99,13 @@ class FusedLayerFunction(torch.autograd.Function):
         x, gate_w, logits, ids, top, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
         top_k, score_func, route_norm, route_scale, block_m = ctx.cfg
         L = tb.layout_from_tensors(*layout, block_m, w1.shape[0], top_k)
-        dx, dscores, dw1, dw2, dw3 = tb.triton_bwd(dout, x, top, w1, w2, w3, gate_up, L)
+        dx_rows, dscores, dw1, dw2, dw3 = tb.triton_bwd_rows(dout, x, top, w1, w2, w3, gate_up, L)
         dlogits = fused_router.topk_route_backward(logits, ids, dscores, score_func, route_norm, route_scale)
         dgate_w = dlogits.t().mm(x) if ctx.needs_input_grad[1] else None
-        dx = torch.addmm(dx, dlogits, gate_w)
+        T, K = top.shape
+        if ROUTER_DX_IN_SCATTER and gate_w.shape[0] <= SCATTER_ROUTER_MAX_E and dlogits.dtype == torch.bfloat16:
+            dx = scatter_dx(dx_rows, L, T, K, router_dlogits=dlogits, gate_w=gate_w)
+        else:
+            dx = scatter_dx(dx_rows, L, T, K)
+            dx.addmm_(dlogits, gate_w)  # dx: scatter_dx's fresh (T, D) output, no other reader
         return dx, dgate_w, None, None, dw1, dw2, dw3, None, None, None, None, None

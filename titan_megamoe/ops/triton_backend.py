@@ -33,7 +33,7 @@ try:  # the kernels need triton (Linux); the reference backend does not
 except ImportError:  # pragma: no cover - machines without triton
     _gg = None
 
-__all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_fwd_unchecked", "triton_bwd", "layout_from_tensors"]
+__all__ = ["BLOCK_M", "check_triton_inputs", "triton_fwd", "triton_fwd_unchecked", "triton_bwd", "triton_bwd_rows", "layout_from_tensors"]
 
 #: Row block of the grouped GEMMs (and of the routing layout).
 BLOCK_M = 128
@@ -91,11 +91,22 @@ def triton_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tens
 def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                gate_up: Tensor, layout: RoutingLayout):
     """Backward: returns (dx (T, D), dscores (T, K) fp32, dw1, dw2, dw3) in the weights' dtype."""
+    from titan_megamoe.kernels.grouped_gemm_bwd import scatter_dx
+
+    dx_rows, dscores, dw1, dw2, dw3 = triton_bwd_rows(dout_TD, x_TD, topk_scores_TK, w1, w2, w3, gate_up, layout)
+    T, K = topk_scores_TK.shape
+    return scatter_dx(dx_rows, layout, T, K), dscores, dw1, dw2, dw3
+
+
+def triton_bwd_rows(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                    gate_up: Tensor, layout: RoutingLayout):
+    """:func:`triton_bwd` up to GEMM1's dgrad: returns (dx_rows (N_cap, D) in layout order, dscores, dw1, dw2,
+    dw3); ``grouped_gemm_bwd.scatter_dx(dx_rows, layout, T, K)`` sums the rows into dx. Split so the fused layer
+    can add the router's dx inside that kernel (it needs dscores first)."""
     from titan_megamoe.kernels.grouped_gemm_bwd import (
         gemm1_dgrad,
         gemm2_dgrad_swiglu_bwd,
         reduce_dscore,
-        scatter_dx,
         wgrad_w2,
         wgrad_w13,
     )
@@ -112,5 +123,4 @@ def triton_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, w1: Tensor
     del hs  # 0.2 GiB at 30B back to the allocator before wgrad_w13's gathered x rows (peak memory)
     dw1, dw3 = wgrad_w13(dgate_up, x_TD.contiguous(), layout)
     dx_rows = gemm1_dgrad(dgate_up, w1.contiguous(), w3.contiguous(), layout)
-    dx = scatter_dx(dx_rows, layout, T, K)
-    return dx, dscores, dw1, dw2, dw3
+    return dx_rows, dscores, dw1, dw2, dw3
