@@ -8,6 +8,8 @@
 #     then the GPU tests PART ab's 240 s limit cut off (test_routing.py on).
 #   PART=d (session 17): GPU tests of the router backward kernel and scatter_dx with the router's dx; compare.layer
 #     30B / 235B with both switched off, and with only the router dx in scatter off, in the same process; step_gaps 30B.
+#   PART=e (session 17): scripts/sweep_scatter_dx.py (scatter_dx's program tile, with and without the router's dx),
+#     then the scatter_dx GPU tests.
 #   PART=ab: one call (device loans were scarce): GPU tests, compare.layer, host_profile A/B (two rounds), the
 #     base tree's compare.layer, in that order of priority.
 # Call as: REV=<hash> BASE=<hash> PART=a bash scripts/gpu_s18.sh   (carry .whl and .ab; see scripts/gpu_env.sh)
@@ -70,6 +72,12 @@ elif [ "$PART" = d ]; then
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"; tail -2 "$OUT/keep/layer.log" | cut -c1-300
   timeout 60 python3 scripts/step_gaps.py --iters 10 --out "$OUT/keep/step_gaps_30b.json" > "$OUT/keep/step_gaps_30b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] step_gaps rc $?"; grep -E "kernels, kernel time|^\| [0-9]+ \| _" "$OUT/keep/step_gaps_30b.log"
+elif [ "$PART" = e ]; then
+  timeout 200 python3 scripts/sweep_scatter_dx.py --out "$OUT/keep/sweep_scatter_dx.json" > "$OUT/keep/sweep_scatter_dx.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] sweep rc $?"; cat "$OUT/keep/sweep_scatter_dx.log" | tail -50
+  timeout -s KILL 120 python3 -m pytest -q -rA tests/test_kernels_bwd.py -k "scatter" > "$OUT/keep/tests_gpu_e.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_e.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_e.log" | head
 elif [ "$PART" = b ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \

@@ -352,6 +352,9 @@ def test_scatter_dx_adds_router_dx(case):
     assert_close_rel(outs[0], ref, TOL, "dx with the router's dx")
     plain = B.scatter_dx(rows, lay, T, K)
     assert (outs[0].float() - plain.float()).abs().max() > 0  # the router's part is there
+    other = B.scatter_dx(rows, lay, T, K, router_dlogits=dl, gate_w=gw, tile=(16, 256, 8))  # another tile
+    assert_close_rel(other, ref, TOL, "dx, tile 16 x 256")
+    assert torch.equal(B.scatter_dx(rows, lay, T, K, tile=(8, 512, 4)), plain)  # no dot: the same sums exactly
 
 
 def test_scatter_dx_router_preconditions():
@@ -368,6 +371,8 @@ def test_scatter_dx_router_preconditions():
         B.scatter_dx(rows, lay, 8, 2, router_dlogits=dl[:7], gate_w=gw)
     with pytest.raises(ValueError, match="gate_w must be"):
         B.scatter_dx(rows, lay, 8, 2, router_dlogits=dl, gate_w=gw.float())
+    with pytest.raises(ValueError, match="BT=8"):
+        B.scatter_dx(rows, lay, 8, 2, router_dlogits=dl, gate_w=gw, tile=(8, 128, 4))
     big = B.SCATTER_ROUTER_MAX_E + 1
     with pytest.raises(ValueError, match="addmm_"):
         B.scatter_dx(rows, lay, 8, 2, router_dlogits=torch.zeros(8, big, dtype=torch.bfloat16, device=dev),

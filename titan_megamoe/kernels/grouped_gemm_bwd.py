@@ -481,8 +481,13 @@ def gemm1_dgrad(
 SCATTER_ROUTER_MAX_E = 128
 
 
+#: ``scatter_dx``'s (tokens, columns, warps) per program; ``scripts/sweep_scatter_dx.py`` times the others.
+SCATTER_DX_TILE = (32, 128, 4)
+
+
 def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out: Tensor | None = None,
-               router_dlogits: Tensor | None = None, gate_w: Tensor | None = None) -> Tensor:
+               router_dlogits: Tensor | None = None, gate_w: Tensor | None = None,
+               tile: tuple[int, int, int] | None = None) -> Tensor:
     """dx[t] = sum_k dx_rows[pair_row[t*K + k]] in fp32, k ascending, cast to bf16; with ``router_dlogits`` and
     ``gate_w``, the router's dx ``router_dlogits[t] @ gate_w`` is added in the same fp32 sum first (one
     rounding; saves the separate cuBLAS ``addmm_`` over dx: 52 us at the 30B shape on an H200, docs/NOTES.md
@@ -496,9 +501,11 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
         out: optional (T, D) bf16 caller buffer.
         router_dlogits: optional (T, E) bf16 gradient of the router logits, E <= ``SCATTER_ROUTER_MAX_E``.
         gate_w: (E, D) bf16 gate weight, with ``router_dlogits``.
+        tile: (BT tokens, BD columns, warps) per program, powers of two (BT >= 16 with the router's dx: the
+            tl.dot's smallest M); default ``SCATTER_DX_TILE``. Every tile gives the same sum order per element.
 
     Returns:
-        (T, D) bf16. Grid: (cdiv(T, 32), cdiv(D, 128)); each program owns a 32 x 128 tile of dx.
+        (T, D) bf16. Grid: (cdiv(T, BT), cdiv(D, BD)); each program owns a BT x BD tile of dx.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not match the layout, or only one of
@@ -526,11 +533,13 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
         router = dict(E=E, E_PAD=max(16, 1 << (E - 1).bit_length()), ROUTER=True, INTERPRET=_interpreting())
     dx = torch.empty((T, D), dtype=_ACT, device=dev) if out is None else out
     _check(dx, "out (dx)", (T, D), _ACT, dev)
-    bt, bd = 32, 128
+    bt, bd, warps = SCATTER_DX_TILE if tile is None else tile
+    if router and bt < 16:
+        raise ValueError(f"scatter_dx: tile {tile} has BT={bt} < 16 rows, too few for the router's dx tl.dot")
     if T * D:
         launch(_scatter_dx_kernel, (cdiv(T, bt), cdiv(D, bd)),
             dx_rows_ND, layout.pair_row, dx, router_dlogits if router else dx, gate_w if router else dx, T, D, K,
-            BT=bt, BD=bd, num_warps=4, **router,
+            BT=bt, BD=bd, num_warps=warps, **router,
         )
     return dx
 
