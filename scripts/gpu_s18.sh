@@ -10,6 +10,7 @@
 #     30B / 235B with both switched off, and with only the router dx in scatter off, in the same process; step_gaps 30B.
 #   PART=e (session 17): scripts/sweep_scatter_dx.py (scatter_dx's program tile, with and without the router's dx),
 #     then the scatter_dx GPU tests.
+#   PART=f (session 17): one more 30B compare.layer sample, 50 timed steps (the from-idle ratio moves between runs).
 #   PART=ab: one call (device loans were scarce): GPU tests, compare.layer, host_profile A/B (two rounds), the
 #     base tree's compare.layer, in that order of priority.
 # Call as: REV=<hash> BASE=<hash> PART=a bash scripts/gpu_s18.sh   (carry .whl and .ab; see scripts/gpu_env.sh)
@@ -78,6 +79,11 @@ elif [ "$PART" = e ]; then
   timeout -s KILL 120 python3 -m pytest -q -rA tests/test_kernels_bwd.py -k "scatter" > "$OUT/keep/tests_gpu_e.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_e.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_e.log" | head
+elif [ "$PART" = f ]; then
+  timeout 200 python3 -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 50 --warmup 10 --device-time --no-plot \
+    --out "$OUT/keep/layer_1xh200_ep1_30b.json" > "$OUT/keep/layer_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_30b.log" | head -12
 elif [ "$PART" = b ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 20 --warmup 5 --device-time --no-plot \
