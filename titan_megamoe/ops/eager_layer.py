@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.kernels import router as fused_router
-from titan_megamoe.kernels.grouped_gemm_bwd import SCATTER_ROUTER_MAX_E, scatter_dx
 from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import triton_backend as tb
 
@@ -96,6 +95,8 @@ class FusedLayerFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        from titan_megamoe.kernels.grouped_gemm_bwd import SCATTER_ROUTER_MAX_E, scatter_dx  # needs triton
+
         x, gate_w, logits, ids, top, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
         top_k, score_func, route_norm, route_scale, block_m = ctx.cfg
         L = tb.layout_from_tensors(*layout, block_m, w1.shape[0], top_k)
