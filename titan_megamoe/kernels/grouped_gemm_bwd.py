@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import cdiv, env_choice, env_flag, grouped_tile
+from titan_megamoe.kernels.jit import cdiv, env_choice, env_flag, grouped_tile, next_pow2
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for tests / callers)
     _ACT,
@@ -530,7 +530,7 @@ def scatter_dx(dx_rows_ND: Tensor, layout: RoutingLayout, T: int, K: int, *, out
                              f"{SCATTER_ROUTER_MAX_E} (add the router's dx by torch.addmm_ above that)")
         _check(router_dlogits, "router_dlogits", (T, E), _ACT, dev)
         _check(gate_w, "gate_w", (E, D), _ACT, dev)
-        router = dict(E=E, E_PAD=max(16, 1 << (E - 1).bit_length()), ROUTER=True, INTERPRET=_interpreting())
+        router = dict(E=E, E_PAD=max(16, next_pow2(E)), ROUTER=True, INTERPRET=_interpreting())
     dx = torch.empty((T, D), dtype=_ACT, device=dev) if out is None else out
     _check(dx, "out (dx)", (T, D), _ACT, dev)
     bt, bd, warps = SCATTER_DX_TILE if tile is None else tile

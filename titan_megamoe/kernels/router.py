@@ -52,7 +52,8 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
 
 __all__ = ["MAX_EXPERTS", "SCORE_FUNCS", "block_t_for", "gate_block_t", "gate_topk_route", "launch_gate_topk_route",
-           "topk_route", "topk_route_backward", "topk_route_backward_torch", "topk_route_differentiable", "TopKRouteFunction"]
+           "topk_route", "topk_route_backward", "topk_route_backward_torch", "topk_route_differentiable",
+           "TopKRouteFunction"]
 
 #: Largest E the kernel takes (the (BLOCK_T, E_PAD) tiles live in registers).
 MAX_EXPERTS = 1024
@@ -122,6 +123,18 @@ if triton is not None:
                     K_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, ROUTE_NORM, UNROLL_K)
 
     @triton.jit
+    def _scores_tile(x, cmask, SOFTMAX: tl.constexpr):
+        """fp32 scores of a (BLOCK_T, E_PAD) fp32 logits tile: softmax over the real columns (padded ones get
+        exp(-inf) = 0) or sigmoid; the forward's selection and the backward's recomputation share it."""
+        if SOFTMAX:
+            x = tl.where(cmask[None, :], x, float("-inf"))
+            p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])
+            s = p / tl.reduce(p, 1, _sum_combine)[:, None]
+        else:
+            s = 1.0 / (1.0 + tl.exp(-x))
+        return s
+
+    @triton.jit
     def _route_tile(x, rows64, cols, rmask, cmask, bias_ptr, scores_ptr, ids_ptr, counts_ptr, route_scale,
                     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr, UNROLL_K: tl.constexpr):
@@ -129,12 +142,7 @@ if triton is not None:
         tile (rows64: token ids; padded rows / columns masked by rmask / cmask)."""
         m2 = rmask[:, None] & cmask[None, :]
         E_PAD: tl.constexpr = x.shape[1]
-        if SOFTMAX:
-            x = tl.where(cmask[None, :], x, float("-inf"))
-            p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])  # padded columns: exp(-inf) = 0
-            s = p / tl.reduce(p, 1, _sum_combine)[:, None]
-        else:
-            s = 1.0 / (1.0 + tl.exp(-x))
+        s = _scores_tile(x, cmask, SOFTMAX)
         c = s
         if HAS_BIAS:
             c = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -254,13 +262,7 @@ if triton is not None:
         rows64 = rows.to(tl.int64)
         m2 = rmask[:, None] & cmask[None, :]
         x = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        if SOFTMAX:
-            x = tl.where(cmask[None, :], x, float("-inf"))
-            p = tl.exp(x - tl.reduce(x, 1, _max_combine)[:, None])
-            s = p / tl.reduce(p, 1, _sum_combine)[:, None]
-        else:
-            s = 1.0 / (1.0 + tl.exp(-x))
-        s = tl.where(m2, s, 0.0)
+        s = tl.where(m2, _scores_tile(x, cmask, SOFTMAX), 0.0)
         col2 = tl.broadcast_to(cols[None, :], (BLOCK_T, E_PAD))
         denom = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
         gy = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -524,8 +526,9 @@ def topk_route_backward(logits_TE: Tensor, ids_TK: Tensor, g_top_TK: Tensor, sco
     gradient, recomputing the fp32 scores from the logits (no host sync).
 
     One Triton launch (``_topk_route_bwd_kernel``) on CUDA tensors, or on CPU tensors under
-    ``TRITON_INTERPRET=1``; elsewhere, or with ``TITAN_MEGAMOE_ROUTER_BWD_KERNEL=0``, :func:`topk_route_backward_torch`, its reference (~20 torch launches:
-    ~95 us of device time per layer at the 30B shape on an H200, docs/NOTES.md session 17). The kernel sums
+    ``TRITON_INTERPRET=1``; elsewhere, or with ``TITAN_MEGAMOE_ROUTER_BWD_KERNEL=0``,
+    :func:`topk_route_backward_torch`, its reference (~20 torch launches: ~95 us of device time per layer at
+    the 30B shape on an H200, docs/NOTES.md session 17). The kernel sums
     in another order than the torch form: results agree to fp32 rounding before the final cast.
 
     Args:
