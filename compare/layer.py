@@ -6,7 +6,8 @@
 
 For every (shape, routing, implementation, precision) it builds the layer (see compare/builders.py),
 times training steps (compare/timing.py: warm-up, barrier, CUDA events, median / p20 / p80 of the
-per-step max over ranks), and records times, peak memory, TFLOP/s and the ratio to the compute
+per-step max over ranks; Python's automatic garbage collection off during the timed steps as in
+TorchTitan's trainer, NVML sampled from a child process: neither runs in the timed process), and records times, peak memory, TFLOP/s and the ratio to the compute
 floor (compare/flops.py) against the dense GEMM rate measured at the start of the same run, and
 the speedup against every stock TorchTitan variant of the same run. Output: a JSON file (schema
 in compare/records.py), a markdown table on stdout, a PNG chart (compare/plots.py). Combinations
@@ -104,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: also time --iters steps from an idle device after the host sleeps this many ms "
                         "before each (lower duty cycle: a power-capped layer runs at a higher clock); "
                         "*_cool_ms fields, shown beside the default times (0: off)")
+    p.add_argument("--gc", choices=("titan", "python"), default="titan",
+                   help="titan (default): Python's automatic garbage collection off during each timing pass "
+                        "(collected before it), as TorchTitan's trainer runs its steps (training.gc_freq); "
+                        "python: left on (the harness's protocol before 2026-12-05)")
+    p.add_argument("--power-sampler", choices=("process", "thread", "off"), default="process",
+                   help="CUDA: where NVML clock / power samples are taken: a child process (default), a thread "
+                        "of the timed process (the protocol before 2026-12-05; it competes for the GIL with the "
+                        "thread that launches the kernels), or off")
     p.add_argument("--tiny", action="store_true",
                    help=f"CPU smoke run: defaults {TINY} (explicit options still win)")
     p.add_argument("--switches", nargs="+", default=[], metavar="NAME=V[,NAME=V]",
@@ -136,6 +145,10 @@ class Plan:
     cooldown_ms: float = 0.0
     #: switch settings of the megamoe rows: {} (as the process runs) first, then one per --switches entry
     variants: list[dict] = field(default_factory=lambda: [{}])
+    #: automatic garbage collection off during the timing passes (--gc titan)
+    gc_off: bool = True
+    #: compare.power.PowerSampler mode (--power-sampler)
+    power_sampler: str = "process"
 
 
 def _split(s: str) -> list[str]:
@@ -275,7 +288,8 @@ def parse_options(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
         except ValueError as err:
             parser.error(f"argument --switches: {err}")
     return args, Plan(shapes, impls, precisions, routings, args.tokens, args.iters, args.warmup,
-                      device, ws, args.device_time, args.cooldown_ms if use_cuda else 0.0, variants)
+                      device, ws, args.device_time, args.cooldown_ms if use_cuda else 0.0, variants,
+                      gc_off=args.gc == "titan", power_sampler=args.power_sampler)
 
 
 #: Device sleep queued before each step of the --device-time pass (ms): above the host's enqueue time of
@@ -350,7 +364,8 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank, sample
 
             def timed(name, **kw):
                 t_start = time.time()
-                out = time_fwd_bwd(fwd, bwd, device=device, iters=plan.iters, before_step=before_step, **kw)
+                out = time_fwd_bwd(fwd, bwd, device=device, iters=plan.iters, before_step=before_step,
+                                   gc_off=plan.gc_off, **kw)
                 if sampler is not None and sampler.active:
                     power[name] = sampler.window(t_start, time.time())
                 return out
@@ -490,7 +505,7 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
     all_rates = _gather({k: v[0] for k, v in local_rates.items()}, ws)
     rates = {k: (min(r[k] for r in all_rates) if all(r[k] for r in all_rates) else None) for k in kinds}
     hostnames = _gather(socket.gethostname(), ws)
-    sampler = PowerSampler(device.index or 0) if device.type == "cuda" else None
+    sampler = PowerSampler(device.index or 0, mode=plan.power_sampler) if device.type == "cuda" else None
     flush_l2(device)  # allocate the L2-flush buffer before any peak-memory window opens
 
     records: list[dict] = []
@@ -509,8 +524,10 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
         run["gemm_rate_method"] = {k: v[1] for k, v in local_rates.items()}
         run["timer"] = timer_name(device)
         run["cpu_threads"] = torch.get_num_threads()
+        run["gc_during_timing"] = ("off (TorchTitan trainer's protocol), collected before each pass" if plan.gc_off
+                                   else "python default (automatic)")
         if sampler is not None:
-            run["power_sampling"] = ("nvml every 20 ms" if sampler.active else f"unavailable: {sampler.unavailable}")
+            run["power_sampling"] = sampler.describe()
             run["power_limit_w"] = sampler.power_limit_w()
         _report(args, plan, run, records, rates, ws, device)
     if ws > 1:

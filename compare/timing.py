@@ -21,6 +21,7 @@ CPU from ``time.perf_counter`` (CPU execution is synchronous).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Callable
@@ -131,6 +132,7 @@ def time_fwd_bwd(
     l2_flush: bool = True,
     head_start_ms: float = 0.0,
     cooldown_ms: float = 0.0,
+    gc_off: bool = False,
 ) -> dict[str, list[float]]:
     """Time ``iters`` training steps of one layer after ``warmup`` untimed ones (warm-up also
     triggers torch.compile and any autotuning). See the module docstring for what is timed.
@@ -146,11 +148,28 @@ def time_fwd_bwd(
     layer (lower SM clock in back-to-back steps, compare/power.py) runs at the clock it gets after a
     pause. Not a substitute for the default protocol: both are reported (compare.layer --cooldown-ms).
 
+    ``gc_off``: Python's automatic garbage collection is disabled for the pass (a full collection first,
+    the previous state restored after), as TorchTitan's trainer runs its steps (``tools/utils.py``
+    ``GarbageCollection``: ``gc.disable()``, then a collection every ``training.gc_freq`` steps): a
+    generation-0 collection inside a host-bound step otherwise lands in its time at random.
+
     Returns:
         this rank's per-step samples in ms: {"fwd": [...], "bwd": [...], "fwdbwd": [...],
         "host_fwd": [...], "host_fwdbwd": [...]} (host_*: ``time.perf_counter`` around the calls,
         the host's time to enqueue the forward and the whole step).
     """
+    was_enabled = gc.isenabled()
+    if gc_off:
+        gc.collect()
+        gc.disable()
+    try:
+        return _timed_steps(fwd, bwd, device, iters, warmup, before_step, l2_flush, head_start_ms, cooldown_ms)
+    finally:
+        if gc_off and was_enabled:
+            gc.enable()
+
+
+def _timed_steps(fwd, bwd, device, iters, warmup, before_step, l2_flush, head_start_ms, cooldown_ms):
     for _ in range(warmup):
         if before_step is not None:
             before_step()

@@ -113,6 +113,8 @@ INVALID = [
     (["--switches", "COMBINE_DTYPE=fp32"], ["--switches", "cannot be flipped inside a process", "FUSED_ROUTER"]),
     (["--switches", "FUSED_ROUTER=2"], ["--switches", "expected one of 0, 1"]),
     (["--switches", "FUSED_ROUTER"], ["--switches", "NAME=VALUE"]),
+    (["--gc", "off"], ["--gc", "titan", "python"]),
+    (["--power-sampler", "nvidia-smi"], ["--power-sampler", "process", "thread", "off"]),
 ]
 
 
@@ -288,6 +290,89 @@ def test_cooldown_pass_sleeps_and_fills_cool_fields_and_power_table():
 
 class SimpleShape:
     dim, hidden, top_k = 64, 32, 1
+
+
+@pytest.mark.parametrize("gc_off", [True, False])
+def test_time_fwd_bwd_gc_off_disables_collection_inside_the_pass_only(gc_off):
+    """gc_off: automatic collection is off in every warm-up and timed step (as TorchTitan's trainer runs
+    steps) and back on after the pass, also when a step raises; without it, collection stays on."""
+    import gc
+
+    assert gc.isenabled()
+    seen = []
+
+    def fwd():
+        seen.append(gc.isenabled())
+        return torch.ones(3, requires_grad=True) * 2
+
+    timing.time_fwd_bwd(fwd, lambda y: y.sum().backward(), device=torch.device("cpu"), iters=3, warmup=2,
+                        gc_off=gc_off)
+    assert seen == [not gc_off] * 5 and gc.isenabled()
+
+    def failing():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        timing.time_fwd_bwd(failing, lambda y: None, device=torch.device("cpu"), iters=1, warmup=0, gc_off=gc_off)
+    assert gc.isenabled()
+
+
+def test_layer_records_gc_and_power_sampler_choice(tmp_path):
+    """--gc / --power-sampler reach the plan and the run's provenance (default: gc off while timing)."""
+    from compare.layer import main, parse_options
+
+    _, plan = parse_options(["--tiny"])
+    assert plan.gc_off is True and plan.power_sampler == "process"
+    _, plan = parse_options(["--tiny", "--gc", "python", "--power-sampler", "thread"])
+    assert plan.gc_off is False and plan.power_sampler == "thread"
+    out = tmp_path / "layer.json"
+    assert main(["--tiny", "--out", str(out), "--routings", "random", "--impls", "megamoe-reference",
+                 "--precisions", "bf16", "--no-plot", "--gc", "python"]) == 0
+    run = json.loads(out.read_text())["run"]
+    assert run["gc_during_timing"] == "python default (automatic)"
+
+
+def test_power_sample_loop_and_reader_round_trip(tmp_path):
+    """The sampling process's loop writes one line per sample; the reader returns exactly the complete lines
+    (a line still being written is skipped); an unknown mode is a clear error; "off" is inactive."""
+    from compare import power
+
+    f = tmp_path / "samples.txt"
+    vals = iter([(100.5, 1980.0, 650.25, 55.0, 0), (100.52, 1515.0, 700.0, 61.0, 4), (100.54, 1470.0, 699.5, 62.0, 5)])
+    assert power.sample_loop(lambda: next(vals), str(f), 0.0, max_samples=3) == 3
+    with open(f, "a") as fh:
+        fh.write("100.56 1400 69")  # cut mid-line
+    got = power.read_samples(str(f))
+    assert got == [(100.5, 1980.0, 650.25, 55.0, 0), (100.52, 1515.0, 700.0, 61.0, 4), (100.54, 1470.0, 699.5, 62.0, 5)]
+    summ = power.summarize([s for s in got if 100.51 <= s[0] <= 100.6])
+    assert summ["samples"] == 2 and summ["sm_mhz_min"] == 1470.0 and summ["reasons"] == ["gpu_idle", "sw_power_cap"]
+    assert power.read_samples(str(tmp_path / "missing.txt")) == []
+    with pytest.raises(ValueError, match="power sampler mode 'nvidia-smi'"):
+        power.PowerSampler(0, mode="nvidia-smi")
+    off = power.PowerSampler(0, mode="off")
+    with off:
+        assert not off.active and off.window(0.0, 1e12) is None
+    assert "off" in off.describe()
+
+
+def test_power_process_sampler_reports_a_failed_child(monkeypatch):
+    """Process mode runs ``python -m compare.power`` as a child; a child that cannot sample (no NVML on this
+    machine) leaves no samples and says so in ``unavailable`` instead of failing the benchmark."""
+    import time as _time
+
+    from compare import power
+
+    s = power.PowerSampler(0, mode="process")
+    monkeypatch.setattr(s, "_handle", object())  # pretend NVML answered in this process
+    monkeypatch.setattr(s, "_nvml", None)
+    monkeypatch.setattr(s, "unavailable", None)
+    with s:
+        assert s._child is not None
+        s._child.wait(timeout=60)
+        _time.sleep(0.05)
+        assert s.window(0.0, 1e12) is None
+        assert "sampling process exited with status" in (s.unavailable or "")
+    assert s._child is None and s._file is None
 
 
 def test_switches_add_same_process_megamoe_rows(tmp_path, capsys, monkeypatch):

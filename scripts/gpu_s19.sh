@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU calls of session 18 (1 H200): does the timing harness perturb what it times?
+#   PART=a: the GPU tests of the commits no GPU has run (router kernels, scatter_dx, eager layer); then
+#     scripts/protocol_ab.py at 30B and 235B: stock compiled and megamoe under four protocols interleaved in one
+#     process (NVML thread / none / child process, automatic gc on / off).
+#   PART=b: compare.layer 30B / 235B, tt-compile and megamoe-triton, with the harness's new defaults (gc off
+#     while timing, NVML in a child process), --device-time.
+# Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+if [ "$PART" = a ]; then
+  for spec in "tests/test_router_kernel.py:110:" "tests/test_kernels_bwd.py:60:scatter" "tests/test_eager_layer.py:70:"; do
+    IFS=: read -r f lim k <<< "$spec"; n=$(basename "$f" .py)
+    timeout -s KILL "$lim" python3 -m pytest -q -rA "$f" -k "${k:-not compiles_for_sm90a}" > "$OUT/keep/${n}_gpu.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] $n: $(tail -1 "$OUT/keep/${n}_gpu.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/${n}_gpu.log" | head -5
+  done
+  timeout 150 python3 scripts/protocol_ab.py --rounds 4 --iters 20 --out "$OUT/keep/protocol_ab_30b.json" \
+    > "$OUT/keep/protocol_ab_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] protocol_ab 30b rc $?"; tail -8 "$OUT/keep/protocol_ab_30b.log"
+  timeout 200 python3 scripts/protocol_ab.py --shape qwen3-235b-a22b --rounds 3 --iters 12 \
+    --out "$OUT/keep/protocol_ab_235b.json" > "$OUT/keep/protocol_ab_235b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] protocol_ab 235b rc $?"; tail -8 "$OUT/keep/protocol_ab_235b.log"
+elif [ "$PART" = b ]; then
+  timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot \
+    --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/keep/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"; tail -2 "$OUT/keep/layer.log" | cut -c1-300
+fi
+session_pack "s19$PART"
