@@ -3,9 +3,8 @@
 #   PART=a: the GPU tests of the commits no GPU has run (router kernels, scatter_dx, eager layer); then
 #     scripts/protocol_ab.py at 30B and 235B: stock compiled and megamoe under four protocols interleaved in one
 #     process (NVML thread / none / child process, automatic gc on / off).
-#   PART=b: the GEMM2 dgrad's first-wave stagger: its GPU tests (bitwise), scripts/sweep_gemm2_dgrad_stagger.py at
-#     30B and 235B, then compare.layer 30B / 235B (tt-compile, megamoe-triton, + two stagger settings in the same
-#     process) with the harness's new defaults (gc off while timing, NVML in a child process), --device-time.
+#   PART=b: compare.layer 30B / 235B, tt-compile and megamoe-triton, with the harness's new defaults (gc off
+#     while timing, NVML in a child process), --device-time.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -22,16 +21,8 @@ if [ "$PART" = a ]; then
     --out "$OUT/keep/protocol_ab_235b.json" > "$OUT/keep/protocol_ab_235b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] protocol_ab 235b rc $?"; tail -8 "$OUT/keep/protocol_ab_235b.log"
 elif [ "$PART" = b ]; then
-  timeout -s KILL 90 python3 -m pytest -q -rA tests/test_kernels_bwd.py -k "stagger" > "$OUT/keep/tests_gpu_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_b.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_b.log" | head
-  for sh in 30b 235b; do
-    timeout 120 python3 scripts/sweep_gemm2_dgrad_stagger.py $sh --out "$OUT/keep/sweep_gemm2_dgrad_stagger_$sh.json" \
-      > "$OUT/keep/sweep_stagger_$sh.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] sweep $sh rc $?"; cut -c1-220 "$OUT/keep/sweep_stagger_$sh.log" | tail -12
-  done
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot \
-    --switches GEMM2_DGRAD_STAGGER=${ST1:-1:12000} GEMM2_DGRAD_STAGGER=${ST2:-2:12000} \
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/keep/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"; tail -2 "$OUT/keep/layer.log" | cut -c1-300
 fi

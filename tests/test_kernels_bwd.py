@@ -226,44 +226,6 @@ def test_wgrad_grouped_mm_matches_oracle_and_triton(case):
     assert torch.equal(again[0], got["grouped_mm"]["dw1"]) and torch.equal(again[1], got["grouped_mm"]["dw3"])
 
 
-def test_gemm2_dgrad_stagger_setting(monkeypatch):
-    """TITAN_MEGAMOE_GEMM2_DGRAD_STAGGER's MODE:NS form, its errors, and where it applies: the two-per-SM
-    config (maxnreg <= 128) on CUDA only."""
-    B = _bwd_module()
-    assert B.parse_stagger("1:8000") == (1, 8000) and B.parse_stagger("0:0") == (0, 0)
-    for bad in ("3:100", "1:-5", "1", "a:b", "1:2000000"):
-        with pytest.raises(ValueError, match="expected MODE:NS"):
-            B.parse_stagger(bad)
-    two = dataclasses.replace(B.default_bwd_config("gemm2_dgrad", _FakeLayout(128), 2048, 768), maxnreg=128)
-    monkeypatch.setattr(B, "GEMM2_DGRAD_STAGGER", "1:8000")
-    assert B._stagger_args(torch.device("cpu"), two) == {}
-    assert B._stagger_args(torch.device("cuda", 0), dataclasses.replace(two, maxnreg=None)) == {}
-    monkeypatch.setattr(B, "_sm_count", lambda index: 132)
-    assert B._stagger_args(torch.device("cuda", 0), two) == dict(STAGGER_MODE=1, STAGGER_PROGS=132, STAGGER_NS=8000)
-    monkeypatch.setattr(B, "GEMM2_DGRAD_STAGGER", "0:8000")
-    assert B._stagger_args(torch.device("cuda", 0), two) == {}
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stagger runs compiled only (the interpreter skips it)")
-@pytest.mark.parametrize("mode", [1, 2])
-def test_gemm2_dgrad_stagger_outputs_bitwise(monkeypatch, mode):
-    """Timing only: with the stagger the GEMM2 dgrad writes bitwise what it writes without."""
-    B = _bwd_module()
-    c = Case("skewed", 3000, 16, 4, 2048, 256, seed=7)
-    t = _inputs(c, 128, "cuda")
-    lay = t["layout"]
-    cfg = dataclasses.replace(B.default_bwd_config("gemm2_dgrad", lay, c.D, c.F), maxnreg=128, num_stages=3)
-    outs = []
-    for st in ("0:0", f"{mode}:20000"):
-        monkeypatch.setattr(B, "GEMM2_DGRAD_STAGGER", st)
-        hs = torch.full((lay.n_cap, c.F), float("nan"), dtype=torch.bfloat16, device="cuda")
-        dgu, part = B.gemm2_dgrad_swiglu_bwd(t["dout"], t["w2"], t["gate_up"], t["scores"], lay, cfg, hs_out=hs)
-        live = int(lay.offsets[-1])
-        outs.append((dgu[:live], part[:live], hs[:live]))
-    assert not torch.isnan(outs[1][2].float()).any()
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-
-
 def test_gather_rows_padding_zero_and_tokens():
     """gather_rows: row r < offsets[E] = x[row_pair[r] // K] or exact zeros on padding rows."""
     from titan_megamoe.kernels import grouped_gemm_wgrad as W
@@ -450,7 +412,6 @@ COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D
     ("gemm2_dgrad_tma", "gemm2_dgrad", True),  # the default: two programs per SM (HOPPER_GEMM2_DGRAD_2CTA)
     ("gemm2_dgrad_ptr", "gemm2_dgrad", False),
     ("gemm2_dgrad_1cta_tma", "gemm2_dgrad_1cta", True),  # TITAN_MEGAMOE_GEMM2_DGRAD_2CTA=0: one per SM
-    ("gemm2_dgrad_stagger_tma", "gemm2_dgrad_stagger", True),  # the first wave's stagger (GEMM2_DGRAD_STAGGER)
     ("gemm1_dgrad_tma", "gemm1_dgrad", True),
     ("gemm1_dgrad_ptr", "gemm1_dgrad", False),
     ("wgrad_w2_tma", "wgrad_w2", True),
@@ -495,23 +456,19 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
                                                        "dl_TE": "*bf16", "gw_ED": "*bf16", "T": "i32"}, dict(
                     D=D, K=K, BT=32, BD=128, **router)
         else:
-            cfg = dataclasses.replace(B.default_bwd_config(
-                kind.replace("_hs", "").replace("_1cta", "").replace("_stagger", ""), _Lay, D, F),
+            cfg = dataclasses.replace(B.default_bwd_config(kind.replace("_hs", "").replace("_1cta", ""), _Lay, D, F),
                                       use_tma=tma)
             if kind == "gemm2_dgrad_1cta":
                 cfg = dataclasses.replace(cfg, num_stages=4, maxnreg=None)
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
             tile = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, USE_TMA=tma, INTERPRET=False)
             opts = cfg.compile_options()
-            if kind in ("gemm2_dgrad", "gemm2_dgrad_1cta", "gemm2_dgrad_stagger"):
+            if kind in ("gemm2_dgrad", "gemm2_dgrad_1cta"):
                 kern = B._gemm2_dgrad_swiglu_bwd_kernel
                 sig = {"dout_TD": "*bf16", "w2_EDF": desc([1, bk, bn]) if tma else "*bf16", "gate_up_N2F": "*bf16",
                        "scores_P": "*fp32", "row_pair_N": "*i32", "tile_expert_M": "*i32", "dgate_up_N2F": "*bf16",
                        "dscore_part_NB": "*fp32", "hs_NF": "*bf16", "n_tiles": "i32"}
-                cx = dict(D=D, F=F, K=K, NB=-(-F // bn), STORE_HS=True, STAGGER_MODE=0, STAGGER_PROGS=0, STAGGER_NS=0,
-                          **tile)
-                if kind == "gemm2_dgrad_stagger":
-                    cx.update(STAGGER_MODE=1, STAGGER_PROGS=132, STAGGER_NS=8000)
+                cx = dict(D=D, F=F, K=K, NB=-(-F // bn), STORE_HS=True, **tile)
             elif kind == "gemm1_dgrad":
                 kern = B._gemm1_dgrad_kernel
                 sig = {"dgate_up_N2F": desc([bm, 1, bk]) if tma else "*bf16",

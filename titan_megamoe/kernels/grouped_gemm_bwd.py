@@ -47,9 +47,6 @@ measurement.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -69,7 +66,7 @@ from titan_megamoe.kernels._bwd_common import (  # noqa: F401  (re-exported for 
     _tma_ok,
     default_bwd_config,
 )
-from titan_megamoe.kernels.configs import GemmConfig, _sm_count
+from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
 from titan_megamoe.kernels import ws_gemm
 
@@ -101,17 +98,6 @@ WS_GEMM1_DGRAD_MIN_DIM = 2048
 
 
 @triton.jit
-def _spin_ns(ns):
-    """Wait about ``ns`` nanoseconds on the device's global timer, sleeping between reads (so the waiting
-    warps take few issue slots from the program that shares their SM)."""
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    now = t0
-    while now - t0 < ns:
-        now = tl.inline_asm_elementwise("{ nanosleep.u32 500; mov.u64 $0, %globaltimer; }", "=l", [],
-                                        dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemm2_dgrad_swiglu_bwd_kernel(
     dout_TD,          # (T, D) bf16, gathered by token
     w2_EDF,           # (E, D, F) bf16 pointer, or TMA descriptor with block [1, BK, BN]
@@ -126,9 +112,6 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,  # NB = cdiv(F, BN)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, STORE_HS: tl.constexpr, INTERPRET: tl.constexpr,
-    STAGGER_MODE: tl.constexpr = 0,  # which first-wave programs wait STAGGER_NS (0: none; see below)
-    STAGGER_PROGS: tl.constexpr = 0,  # the SM count
-    STAGGER_NS: tl.constexpr = 0,
 ):
     """g = dout[t] @ w2[e]; SwiGLU backward; d score partials; optionally hs = s * h for wgrad_w2.
 
@@ -136,23 +119,8 @@ def _gemm2_dgrad_swiglu_bwd_kernel(
     (row tile m, column block n) owns dgate_up[m*BM:(m+1)*BM, n*BN:(n+1)*BN] and the same columns + F,
     dscore_part[m*BM:(m+1)*BM, n] and (STORE_HS) hs[m*BM:(m+1)*BM, n*BN:(n+1)*BN]; padding rows get
     zeros, tiles of expert -1 are left unwritten.
-
-    Stagger (two programs per SM): both programs of an SM start together and, with tiles of equal work,
-    stay in step: both main loops share the tensor cores, then both epilogues (DRAM-bound: gate_up in,
-    dgate_up and s h out) leave them idle. If one program of each SM in the first wave waits about half a
-    tile's time, each SM's two program slots run offset from then on (a freed slot takes the next program
-    at once), so one epilogue runs under the other's main loop. STAGGER_MODE 1: programs [S, 2S) of the
-    first wave wait (S = STAGGER_PROGS, the SM count); 2: the odd ones of [0, 2S). Which pairs share an
-    SM is the hardware's choice; the modes cover the two usual dispatch orders. Timing only: the outputs
-    do not change.
     """
     pid = tl.program_id(0)
-    if STAGGER_MODE != 0:
-        if not INTERPRET:
-            if pid < 2 * STAGGER_PROGS:
-                late = pid >= STAGGER_PROGS if STAGGER_MODE == 1 else (pid % 2) == 1
-                if late:
-                    _spin_ns(STAGGER_NS)
     pid_m, pid_n = grouped_tile(pid, n_tiles, NB, GROUP_M)
 
     rows = pid_m * BM + tl.arange(0, BM)
@@ -415,42 +383,9 @@ def gemm2_dgrad_swiglu_bwd(
             dout_TD, w2_arg, gate_up_N2F, scores_TK, layout.row_pair, layout.tile_expert, dgate_up,
             dscore_part, dgate_up if hs_out is None else hs_out, n_tiles, D, F, K, nb,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, USE_TMA=use_tma,
-            STORE_HS=hs_out is not None, **_stagger_args(dev, cfg), **_launch_opts(cfg),
+            STORE_HS=hs_out is not None, **_launch_opts(cfg),
         )
     return dgate_up, dscore_part
-
-
-#: GEMM2 dgrad stagger (see ``_gemm2_dgrad_swiglu_bwd_kernel``): (mode, ns); mode 0 off. Applies to the
-#: two-per-SM config only (``GemmConfig.maxnreg`` <= 128). ``TITAN_MEGAMOE_GEMM2_DGRAD_STAGGER=MODE:NS`` (read at
-#: import); off until measured.
-@functools.lru_cache(maxsize=None)
-def parse_stagger(value: str, name: str = "TITAN_MEGAMOE_GEMM2_DGRAD_STAGGER") -> tuple[int, int]:
-    """"MODE:NS" -> (mode, ns), mode in {0, 1, 2}, 0 <= ns <= 1e6.
-
-    Raises:
-        ValueError: anything else, naming ``name`` and the expected form.
-    """
-    try:
-        mode, ns = (int(v) for v in value.split(":"))
-    except ValueError:
-        mode, ns = -1, -1
-    if mode not in (0, 1, 2) or not 0 <= ns <= 1_000_000:
-        raise ValueError(f"{name}={value!r}: expected MODE:NS with MODE 0 (off), 1 or 2 and NS in [0, 1000000], "
-                         "e.g. 1:8000")
-    return mode, ns
-
-
-#: "MODE:NS" as in the environment (a string, so ``switches.override`` can set it); parsed per launch.
-GEMM2_DGRAD_STAGGER = os.environ.get("TITAN_MEGAMOE_GEMM2_DGRAD_STAGGER", "0:0")
-parse_stagger(GEMM2_DGRAD_STAGGER)  # a bad value fails at import, naming the variable
-
-
-def _stagger_args(dev, cfg: GemmConfig) -> dict:
-    mode, ns = parse_stagger(GEMM2_DGRAD_STAGGER)
-    if mode == 0 or ns <= 0 or cfg.maxnreg is None or cfg.maxnreg > 128 or dev.type != "cuda":
-        return {}
-    return dict(STAGGER_MODE=mode, STAGGER_PROGS=_sm_count(dev.index if dev.index is not None
-                                                           else torch.cuda.current_device()), STAGGER_NS=ns)
 
 
 def reduce_dscore(
