@@ -5,6 +5,8 @@
 #     process (NVML thread / none / child process, automatic gc on / off).
 #   PART=b: compare.layer 30B / 235B, tt-compile and megamoe-triton, with the harness's new defaults (gc off
 #     while timing, NVML in a child process), --device-time.
+#   PART=c: the GPU tests PART a's time limits cut (all of test_router_kernel.py, test_kernels_bwd.py's scatter
+#     tests), then compare.layer as PART b (new harness defaults) without switches.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -25,5 +27,14 @@ elif [ "$PART" = b ]; then
     --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot \
     --out "$OUT/keep/layer_1xh200_ep1.json" > "$OUT/keep/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log"; tail -2 "$OUT/keep/layer.log" | cut -c1-300
+elif [ "$PART" = c ]; then
+  timeout -s KILL 230 python3 -m pytest -q -rA tests/test_router_kernel.py tests/test_kernels_bwd.py \
+    -k "not compiles_for_sm90a and (route or scatter)" > "$OUT/keep/tests_gpu_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head
+  grep -c PASSED "$OUT/keep/tests_gpu_c.log"
+  timeout 300 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot \
+    --out "$OUT/keep/layer_ep1.json" > "$OUT/keep/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log" | head -14; tail -2 "$OUT/keep/layer.log" | cut -c1-300
 fi
 session_pack "s19$PART"
