@@ -7,6 +7,8 @@
 #     while timing, NVML in a child process), --device-time.
 #   PART=c: the GPU tests PART a's time limits cut (all of test_router_kernel.py, test_kernels_bwd.py's scatter
 #     tests), then compare.layer as PART b (new harness defaults) without switches.
+#   PART=d: scripts/dense_floor.py at 30B and 235B: a dense cuBLAS chain of the layer's shape under compare.layer's
+#     protocol beside megamoe and stock compiled (the floor the power-capped card allows).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -36,5 +38,9 @@ elif [ "$PART" = c ]; then
     --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot \
     --out "$OUT/keep/layer_ep1.json" > "$OUT/keep/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log" | head -14; tail -2 "$OUT/keep/layer.log" | cut -c1-300
+elif [ "$PART" = d ]; then
+  timeout 400 python3 scripts/dense_floor.py --rounds 3 --iters 15 --out "$OUT/keep/dense_floor.json" \
+    > "$OUT/keep/dense_floor.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] dense_floor rc $?"; grep -v "round" "$OUT/keep/dense_floor.log" | tail -24
 fi
 session_pack "s19$PART"
