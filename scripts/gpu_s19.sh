@@ -9,6 +9,8 @@
 #     tests), then compare.layer as PART b (new harness defaults) without switches.
 #   PART=d: scripts/dense_floor.py at 30B and 235B: a dense cuBLAS chain of the layer's shape under compare.layer's
 #     protocol beside megamoe and stock compiled (the floor the power-capped card allows).
+#   PART=e: the Gluon GEMM2 dgrad with its epilogue's gate / up tiles prefetched by TMA: its GPU tests, bench-g2d
+#     (Triton vs Gluon, both shapes), then compare.layer 30B / 235B with --switches WS_GEMM2_DGRAD=1.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -42,5 +44,14 @@ elif [ "$PART" = d ]; then
   timeout 400 python3 scripts/dense_floor.py --rounds 3 --iters 15 --out "$OUT/keep/dense_floor.json" \
     > "$OUT/keep/dense_floor.log" 2>&1
   echo "[t=$((SECONDS - t0))s] dense_floor rc $?"; grep -v "round" "$OUT/keep/dense_floor.log" | tail -24
+elif [ "$PART" = e ]; then
+  timeout -s KILL 150 python3 -m pytest -q -rA tests/test_ws_gemm.py -k "gemm2_dgrad" > "$OUT/keep/tests_gpu_e.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_e.log")"; grep -E "^(FAILED|ERROR)|^E " "$OUT/keep/tests_gpu_e.log" | head -8
+  timeout 150 python3 scripts/bench_ws_gemm.py bench-g2d --out "$OUT/keep/bench_g2d.json" > "$OUT/keep/bench_g2d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-260 "$OUT/keep/bench_g2d.log" | tail -8
+  timeout 240 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot --switches WS_GEMM2_DGRAD=1 \
+    --out "$OUT/keep/layer_ep1.json" > "$OUT/keep/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log" | head -22
 fi
 session_pack "s19$PART"

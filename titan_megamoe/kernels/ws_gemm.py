@@ -391,14 +391,18 @@ if HAVE_GLUON:
     # ---------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _g2d_producer(dout_ptr, w2_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a,
-                      ready_b, empty, D: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _g2d_producer(dout_ptr, w2_desc, gu_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
+                      gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, D: gl.constexpr, F: gl.constexpr,
+                      TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w2_desc.block_type.shape[1]
         KT: gl.constexpr = D // BK
         nbytes: gl.constexpr = w2_desc.block_type.nbytes
+        gu_nbytes: gl.constexpr = 2 * gu_desc.block_type.nbytes
+        # The epilogue's gate / up tiles (one buffer) load once the ring holds this tile's first STAGES steps: the
+        # wait for the consumers to free them (end of the previous tile's epilogue) then costs no operand prefetch.
+        PREF: gl.constexpr = STAGES - 1 if STAGES - 1 < KT else KT - 1
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
@@ -414,16 +418,19 @@ if HAVE_GLUON:
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(w2_desc, [e * D + k * BK, pid_n * BN], bar, b_bufs.index(s))
                 idx += 1
+                if k == PREF:
+                    mbarrier.wait(epi_empty, (j & 1) ^ 1)  # first tile: free
+                    mbarrier.expect(epi_ready, gu_nbytes)
+                    tma.async_copy_global_to_shared(gu_desc, [pid_m * BM, pid_n * BN], epi_ready, gu_bufs.index(0))
+                    tma.async_copy_global_to_shared(gu_desc, [pid_m * BM, F + pid_n * BN], epi_ready, gu_bufs.index(1))
 
     @gluon.jit
-    def _g2d_epilogue(g, dgu_desc, hs_desc, gate_up_ptr, ok, vf, sc, rows, row0, col0, c_smem, F: gl.constexpr):
-        """SwiGLU backward of one BMC x BH column block (g = the fp32 GEMM result; the Triton kernel's formulas):
-        writes dgate, dup and hs through ``c_smem``, returns the block's row sums of g h."""
-        BH: gl.constexpr = c_smem.type.shape[1]
-        col_layout: gl.constexpr = gl.SliceLayout(0, g.type.layout)
-        off = gl.expand_dims(rows.to(gl.int64) * (2 * F), 1) + gl.expand_dims(col0 + gl.arange(0, BH, layout=col_layout), 0)
-        gate = gl.load(gate_up_ptr + off).to(gl.float32) * vf
-        up = gl.load(gate_up_ptr + off + F).to(gl.float32) * vf
+    def _g2d_epilogue(g, dgu_desc, hs_desc, gate_s, up_s, vf, sc, row0, col0, c_smem, F: gl.constexpr):
+        """SwiGLU backward of one BMC x BH column block (g = the fp32 GEMM result; the Triton kernel's formulas), with
+        its gate / up tiles from shared memory (``gate_s`` / ``up_s``, loaded by the producer's TMA under the main
+        loop): writes dgate, dup and hs through ``c_smem``, returns the block's row sums of g h."""
+        gate = gate_s.load(g.type.layout).to(gl.float32) * vf
+        up = up_s.load(g.type.layout).to(gl.float32) * vf
         sig = 1.0 / (1.0 + gl.exp(-gate))
         silu = gate * sig
         g = g * vf
@@ -444,9 +451,9 @@ if HAVE_GLUON:
         return dscore
 
     @gluon.jit
-    def _g2d_consumer(dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs,
-                      b_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
-                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _g2d_consumer(dgu_desc, hs_desc, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs,
+                      gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, c_smem, C: gl.constexpr, D: gl.constexpr,
+                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2). The BN columns
         # are two accumulators of BN / 2 (two m64n64 wgmma per k16 step): the epilogue's fp32 tiles of one half
         # fit the registers (one m64n128 accumulator and its gate / up / SwiGLU tiles spilled 200 bytes).
@@ -488,38 +495,56 @@ if HAVE_GLUON:
             vf = gl.expand_dims(ok.to(gl.float32), 1)
             sc = gl.expand_dims(gl.load(scores_ptr + gl.where(ok, pair, 0)) * ok.to(gl.float32), 1)
             col0 = pid_n * 2 * BH
-            dscore = _g2d_epilogue(acc0, dgu_desc, hs_desc, gate_up_ptr, ok, vf, sc, rows, row0, col0, c_smem, F)
-            dscore += _g2d_epilogue(acc1, dgu_desc, hs_desc, gate_up_ptr, ok, vf, sc, rows, row0, col0 + BH, c_smem, F)
+            mbarrier.wait(epi_ready, j & 1)  # this tile's gate / up tiles are in gu_bufs
+            gate = gu_bufs.index(0).slice(C * BMC, BMC, dim=0)
+            up = gu_bufs.index(1).slice(C * BMC, BMC, dim=0)
+            dscore = _g2d_epilogue(acc0, dgu_desc, hs_desc, gate.slice(0, BH, dim=1), up.slice(0, BH, dim=1), vf, sc,
+                                   row0, col0, c_smem, F)
+            dscore += _g2d_epilogue(acc1, dgu_desc, hs_desc, gate.slice(BH, BH, dim=1), up.slice(BH, BH, dim=1), vf,
+                                    sc, row0, col0 + BH, c_smem, F)
+            mbarrier.arrive(epi_empty, count=1)  # both consumers: the producer may load the next tile's gate / up
             gl.store(dscore_ptr + rows.to(gl.int64) * NUM_N + pid_n, dscore)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _gemm2_dgrad_ws_kernel(dout_ptr, w2_desc, dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr,
+    def _gemm2_dgrad_ws_kernel(dout_ptr, w2_desc, dgu_desc, hs_desc, gu_desc, scores_ptr, dscore_ptr, row_pair_ptr,
                                tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
                                NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
                                BK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """g = dout[t] @ w2[e] per row tile, then the SwiGLU backward: dgate_up, hs = s h and the d score
-        partials (the Triton kernel is ``grouped_gemm_bwd._gemm2_dgrad_swiglu_bwd_kernel``). Grid: (programs,)."""
+        partials (the Triton kernel is ``grouped_gemm_bwd._gemm2_dgrad_swiglu_bwd_kernel``). Grid: (programs,).
+
+        The epilogue's saved gate / up tiles (BM x BN each, ``gu_desc`` over gate_up) come by TMA into one shared
+        buffer, issued by the producer under the tile's main loop (``epi_ready`` / ``epi_empty`` mbarriers): the
+        epilogue reads shared memory instead of waiting on global loads after the last MMA."""
         dtype: gl.constexpr = w2_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
+        gu_bufs = gl.allocate_shared_memory(dtype, [2] + gu_desc.block_type.shape, gu_desc.layout)
         c0 = gl.allocate_shared_memory(dtype, hs_desc.block_type.shape, hs_desc.layout)
         c1 = gl.allocate_shared_memory(dtype, hs_desc.block_type.shape, hs_desc.layout)
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        epi_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(ready_b.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        mbarrier.init(epi_ready, count=1)
+        mbarrier.init(epi_empty, count=2)
         gl.warp_specialize([
-            (_g2d_consumer, (dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E,
-                             a_bufs, b_bufs, ready_a, ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
-            (_g2d_consumer, (dgu_desc, hs_desc, gate_up_ptr, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E,
-                             a_bufs, b_bufs, ready_a, ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
-            (_g2d_producer, (dout_ptr, w2_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
-                             ready_a, ready_b, empty, D, TOPK, NUM_N, GROUP_M, STAGES)),
+            (_g2d_consumer, (dgu_desc, hs_desc, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs,
+                             gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, c0, 0, D, F, NUM_N, GROUP_M,
+                             STAGES)),
+            (_g2d_consumer, (dgu_desc, hs_desc, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs,
+                             gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, c1, 1, D, F, NUM_N, GROUP_M,
+                             STAGES)),
+            (_g2d_producer, (dout_ptr, w2_desc, gu_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
+                             gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, D, F, TOPK, NUM_N, GROUP_M,
+                             STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -582,7 +607,7 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", 
 
     if kind == "gemm2_dgrad":
         sig = {"dout_ptr": "*bf16", "w2_desc": desc([bk, bn]), "dgu_desc": desc([bm // 2, bn // 2]),
-               "hs_desc": desc([bm // 2, bn // 2]), "gate_up_ptr": "*bf16", "scores_ptr": "*fp32", "dscore_ptr": "*fp32",
+               "hs_desc": desc([bm // 2, bn // 2]), "gu_desc": desc([bm, bn]), "scores_ptr": "*fp32", "dscore_ptr": "*fp32",
                "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
         cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
                   PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
@@ -834,12 +859,13 @@ def launch_gemm2_dgrad(dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, sco
     w2_desc = _desc(w2_EDF, (E * D, F), (bk, bn))
     dgu_desc = _desc(dgate_up, (n_cap, 2 * F), (bm // 2, bn // 2))  # the epilogue writes column halves
     hs_desc = _desc(hs, (n_cap, F), (bm // 2, bn // 2))
+    gu_desc = _desc(gate_up_N2F, (n_cap, 2 * F), (bm, bn))  # the epilogue's gate / up tiles
     num_n = F // bn
     if programs is None:
         programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     programs = max(1, min(programs, layout.n_tiles_cap * num_n))
     launch(_gemm2_dgrad_ws_kernel, (programs,),
-           dout_TD, w2_desc, dgu_desc, hs_desc, gate_up_N2F, scores_TK, dscore_part, layout.row_pair,
+           dout_TD, w2_desc, dgu_desc, hs_desc, gu_desc, scores_TK, dscore_part, layout.row_pair,
            layout.tile_expert, layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk,
            cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
     return dgate_up, dscore_part
