@@ -11,6 +11,7 @@
 #     protocol beside megamoe and stock compiled (the floor the power-capped card allows).
 #   PART=e: the Gluon GEMM2 dgrad with its epilogue's gate / up tiles prefetched by TMA: its GPU tests, bench-g2d
 #     (Triton vs Gluon, both shapes), then compare.layer 30B / 235B with --switches WS_GEMM2_DGRAD=1.
+#   PART=f: compare.layer 30B / 235B, tt-compile and megamoe-triton, 40 timed steps (new harness defaults).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -53,5 +54,10 @@ elif [ "$PART" = e ]; then
     --precisions bf16 --routings random --iters 30 --warmup 5 --device-time --no-plot --switches WS_GEMM2_DGRAD=1 \
     --out "$OUT/keep/layer_ep1.json" > "$OUT/keep/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log" | head -22
+elif [ "$PART" = f ]; then
+  timeout 280 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16 --routings random --iters 40 --warmup 5 --device-time --no-plot \
+    --out "$OUT/keep/layer_ep1.json" > "$OUT/keep/layer.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log" | head -14
 fi
 session_pack "s19$PART"
