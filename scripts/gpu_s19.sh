@@ -12,6 +12,8 @@
 #   PART=e: the Gluon GEMM2 dgrad with its epilogue's gate / up tiles prefetched by TMA: its GPU tests, bench-g2d
 #     (Triton vs Gluon, both shapes), then compare.layer 30B / 235B with --switches WS_GEMM2_DGRAD=1.
 #   PART=f: compare.layer 30B / 235B, tt-compile and megamoe-triton, 40 timed steps (new harness defaults).
+#   PART=g: compare.layer 30B (tt-compile, megamoe-triton, 30 steps) in three processes: NVML sampler off, in a
+#     child process, on a thread (is compare.layer's from-idle excess over scripts/dense_floor.py the sampler?).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -59,5 +61,12 @@ elif [ "$PART" = f ]; then
     --precisions bf16 --routings random --iters 40 --warmup 5 --device-time --no-plot \
     --out "$OUT/keep/layer_ep1.json" > "$OUT/keep/layer.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer.log" | head -14
+elif [ "$PART" = g ]; then
+  for ps in off process thread; do
+    timeout 100 python3 -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton --precisions bf16 \
+      --routings random --iters 30 --warmup 5 --no-plot --power-sampler $ps \
+      --out "$OUT/keep/layer_30b_sampler_$ps.json" > "$OUT/keep/layer_30b_sampler_$ps.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] sampler $ps rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_sampler_$ps.log" | head -2
+  done
 fi
 session_pack "s19$PART"
