@@ -52,9 +52,12 @@ CASES = [
     ("fp8", "uniform", 2, [37, 21], 40, 128, 128, 4, 2, torch.float32, True),
     # EP = 4, one expert per rank, a zero-token expert on a rank
     ("fp8_bwd", "zero_expert", 4, [12, 9, 16, 5], 16, 128, 128, 4, 2, torch.bfloat16, False),
+    # EP = 8, two experts per rank (two live tiles on each rank's slab), the FP8 forward, one empty
+    # source rank, uneven token counts; bitwise vs EP = 1 fp8 (top_k = 2)
+    ("fp8", "uniform", 8, [13, 0, 17, 5, 21, 9, 1, 11], 24, 128, 128, 16, 2, torch.bfloat16, True),
 ]
 #: The interpreter runs each live 128-row tile of each kernel in ~0.1-0.3 s: the EP = 1 oracle (as costly
-#: as the EP run) is compared on two cases only, to keep this file's CPU time under a minute.
+#: as the EP run) is compared on three cases only, to keep this file's CPU time near a minute.
 
 
 def _inputs(routing, R, Ts, D, F, E, K, wdt, seed):

@@ -66,6 +66,9 @@ KERNEL_CASES = [
     ("one_rank", 2, [20, 0], 20, 128, 4, 2),  # every token to rank 0 (rank 1's slab empty); a rank with no tokens
     ("zero_expert", 4, [12, 9, 16, 5], 16, 384, 8, 2),  # EP = 4; D / 128 = 3 groups (scale vector padded to 4)
     ("one_expert", 4, [7, 16, 3, 11], 16, 128, 4, 1),  # top_k = 1, every token on expert 0 (rank 0)
+    # EP = 8 (the destination loop unrolled 8 times), two experts per rank, top_k = 3 (a token to up to
+    # 3 ranks), a rank with no tokens, 2 groups
+    ("uniform", 8, [13, 0, 17, 5, 21, 9, 1, 11], 24, 256, 16, 3),
 ]
 
 
@@ -188,6 +191,9 @@ LAYER_CASES = [
     # forward only: the backward does not depend on the payload except through the forward's outputs
     # (gate_up, layout), compared bitwise here, and costs ~6 s per run in the interpreter
     ("uniform", 2, [0, 19], 19, 128, 128, 4, 2, False),
+    # EP = 8, two experts per rank, a source rank with no tokens, uneven token counts; forward only
+    # (as above: ~12 s, ~33 s with the backward)
+    ("uniform", 8, [13, 0, 17, 5, 21, 9, 1, 11], 24, 128, 128, 16, 2, False),
 ]
 
 

@@ -41,6 +41,12 @@ CASES = [
     ("skewed", 4, [16, 16, 16, 16], 16, 32, 32, 8, 4),
     # EP = 8 (a full H200 node, issue 8): one expert per rank, one empty rank, uneven token counts
     ("uniform", 8, [5, 0, 9, 3, 7, 8, 2, 6], 9, 32, 32, 8, 2),
+    # EP = 8, two experts per rank (a rank's slab holds two experts' rows), top_k = 3 (a token's slots
+    # on up to 3 ranks), one empty rank, uneven counts not a multiple of the 16-row block, T < T_cap
+    ("uniform", 8, [13, 0, 17, 5, 21, 9, 1, 11], 24, 32, 32, 16, 3),
+    # EP = 8, every token's experts on rank 0 (both of its experts): 7 ranks receive nothing, compute
+    # on empty slabs and still combine; rank 0 receives from the 7 sources with tokens
+    ("one_rank", 8, [6, 3, 0, 7, 2, 5, 4, 1], 7, 32, 32, 16, 2),
 ]
 
 
@@ -210,6 +216,9 @@ V2_CASES = [
     ("uniform", 2, [37, 21], 40, 32, 32, 4, 2, 8),  # 5 flag blocks per source, last one partial
     ("one_expert", 4, [12, 9, 16, 5], 16, 48, 32, 8, 1, 4),  # EP = 4, a tile spans every source's blocks
     ("uniform", 2, [0, 19], 19, 32, 32, 4, 2, 16),  # an empty rank still flags its blocks
+    # EP = 8, two experts per rank: 8 sources' flags per destination, 3 blocks each (last one partial),
+    # an empty rank
+    ("uniform", 8, [13, 0, 17, 5, 20, 9, 1, 11], 20, 32, 32, 16, 2, 8),
 ]
 
 
