@@ -789,6 +789,9 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
 
 #: Config of the Gluon GEMM2 dgrad (cooperative 128 x 128 tiles: each consumer holds a 64 x 128 fp32 accumulator
 #: and the epilogue's fp32 gate / up / SwiGLU tiles; BN 128 gives the Triton kernel's d score partial columns).
+#: 4 stages: with the gate / up tiles in shared memory (64 KB) the build takes 213 KB. One H200 (session 18,
+#: bench_ws_gemm2_dgrad_v2_s18e_1xh200_20261205.json): 1.120 ms at 30B, 3.733 at 235B, against the Triton kernel's
+#: 1.014 / 3.484 (session 13's version, global gate / up loads: 1.164 at 4 stages, 1.109 at 6), so it stays opt-in.
 G2D_CONFIG = WsConfig(block_n=128, stages=4, group_m=1, coop=True, consumer_regs=216, producer_regs=72)
 
 
