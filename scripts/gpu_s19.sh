@@ -14,6 +14,9 @@
 #   PART=f: compare.layer 30B / 235B, tt-compile and megamoe-triton, 40 timed steps (new harness defaults).
 #   PART=g: compare.layer 30B (tt-compile, megamoe-triton, 30 steps) in three processes: NVML sampler off, in a
 #     child process, on a thread (is compare.layer's from-idle excess over scripts/dense_floor.py the sampler?).
+#   PART=h (for the next session: not run in session 18): the FP8 backward's bf16 wgrads through the Gluon kernels
+#     (FP8_WGRAD=bf16, hs_rows): GPU tests, then compare.layer fp8 / fp8_bwd 30B and 235B with
+#     --switches FP8_WGRAD=bf16 beside the FP8 wgrad and our bf16, same process.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -68,5 +71,13 @@ elif [ "$PART" = g ]; then
       --out "$OUT/keep/layer_30b_sampler_$ps.json" > "$OUT/keep/layer_30b_sampler_$ps.log" 2>&1
     echo "[t=$((SECONDS - t0))s] sampler $ps rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_sampler_$ps.log" | head -2
   done
+elif [ "$PART" = h ]; then
+  timeout -s KILL 150 python3 -m pytest -q -rA tests/test_kernels_bwd.py tests/test_fp8_op.py -k "hs_rows or wgrad_diagnosis" \
+    > "$OUT/keep/tests_gpu_h.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_h.log")"; grep -E "^(FAILED|ERROR)|^E " "$OUT/keep/tests_gpu_h.log" | head -8
+  timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls megamoe-triton \
+    --precisions bf16,fp8,fp8_bwd --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches FP8_WGRAD=bf16 --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_fp8.log" | head -24
 fi
 session_pack "s19$PART"

@@ -15,7 +15,7 @@ def test_parse():
         "TITAN_MEGAMOE_FUSED_ROUTER": "0", "TITAN_MEGAMOE_PERSISTENT_GEMM2": "0"}
     assert switches.parse_switches("WGRAD=triton") == {"TITAN_MEGAMOE_WGRAD": "triton"}
     assert switches.parse_switches("") == {}
-    for bad, words in (("FP8_WGRAD=bf16", "separate processes"), ("FUSED_ROUTER=yes", "0, 1"),
+    for bad, words in (("COMBINE_DTYPE=fp32", "separate processes"), ("FUSED_ROUTER=yes", "0, 1"),
                        ("FUSED_ROUTER", "NAME=VALUE"), ("FUSED_ROUTER=0,FUSED_ROUTER=1", "twice")):
         with pytest.raises(ValueError, match=words):
             switches.parse_switches(bad)

@@ -8,9 +8,8 @@ Each switch is an environment variable (README, "Switches"). Some are read on ev
 the variable is enough); others are read once at import into a module attribute, and some of those
 feed ``functools.lru_cache``d config functions: :func:`override` sets the variable, the attributes and
 clears the caches, and restores all three on exit. Switches tied to state allocated once per process
-(``TITAN_MEGAMOE_COMBINE_DTYPE`` sizes the EP workspace) or read deep inside the FP8 backward
-(``TITAN_MEGAMOE_FP8_WGRAD``, ``_FP8_DISPATCH``, ``_FP8_T_LD``) are not listed: compare
-those in separate processes.
+(``TITAN_MEGAMOE_COMBINE_DTYPE`` sizes the EP workspace) or read deep inside the FP8 path
+(``_FP8_DISPATCH``, ``_FP8_T_LD``) are not listed: compare those in separate processes.
 """
 
 from __future__ import annotations
@@ -67,6 +66,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM2_DGRAD", "0", attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM2_DGRAD"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", values=("0", "pingpong", "coop"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM1_DGRAD"),)),
+    Switch("TITAN_MEGAMOE_FP8_WGRAD", "fp8", values=("fp8", "bf16", "fp8_acc32"),
+           attrs=(("titan_megamoe.ops.fp8_backend", "_WGRAD"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),

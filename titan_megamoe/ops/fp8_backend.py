@@ -56,11 +56,13 @@ FP8_BLOCK_M = 128
 FUSE_H_QUANT = True
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
-#: Private diagnosis switch (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from the bf16
-#: wgrad kernels (bf16 dout, x, gate_up and the FP8 dgrad's bf16 dgate_up); "fp8_acc32": the FP8 wgrad
-#: with fp32 promotion after every k32 wgmma instead of every 128 rows. The FP8 dgrads, dx and d scores
-#: are unchanged. Read from TITAN_MEGAMOE_FP8_WGRAD at import (training ablations), or set directly
-#: (scripts/fp8_ablation.py). Not a config option: for telling where the FP8 loss gap comes from.
+#: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
+#: the bf16 wgrad kernels (on sm_90 the Gluon K-grouped ones of the bf16 path) on bf16 dout, x, the FP8 dgrad's
+#: bf16 dgate_up and s * h rows from one pass over gate_up (``grouped_gemm_wgrad.hs_rows``): FP8 forward and dgrads,
+#: high-precision weight gradients, as torchao's "rowwise_with_gw_hp" recipe; "fp8_acc32": the FP8 wgrad with fp32
+#: promotion after every k32 wgmma instead of every 128 rows. The FP8 dgrads, dx and d scores are unchanged. Read
+#: from TITAN_MEGAMOE_FP8_WGRAD at import and at every backward from this attribute (``switches.py`` flips it in
+#: one process; scripts/fp8_ablation.py sets it directly). Not yet a config option.
 _WGRAD = os.environ.get("TITAN_MEGAMOE_FP8_WGRAD", "fp8")
 _WGRAD_CHOICES = ("fp8", "bf16", "fp8_acc32")
 
@@ -455,15 +457,19 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
                                                            end_row=end, name=f"{layer_name} dgate_up")
     mark("quant_dgate_up")
-    if _WGRAD == "bf16":  # diagnosis: the bf16 wgrad kernels (s * h recomputed from gate_up in the loader)
+    if _WGRAD == "bf16":  # the bf16 wgrads (torchao's "rowwise_with_gw_hp" idea): on sm_90 the Gluon K-grouped
+        # kernels of the bf16 path, fed the bf16 s * h rows of one pass over gate_up
         from titan_megamoe.kernels._bwd_common import default_bwd_config
-        from titan_megamoe.kernels.grouped_gemm_bwd import wgrad_w2, wgrad_w13
+        from titan_megamoe.kernels.grouped_gemm_wgrad import hs_rows, wgrad_w2, wgrad_w13
 
         bf, D = torch.bfloat16, dout.shape[1]
-        cfg = {k: default_bwd_config(k, layout, D, F) for k in ("wgrad_w2", "wgrad_w13")}
+        cfg = {"wgrad_w2": None, "wgrad_w13": None}  # None: wgrad_impl picks (gluon on sm_90 for bf16 grads)
         if _interp():  # 16-wide interpreter defaults take minutes; D, F are multiples of 128 here
-            cfg = {k: dataclasses.replace(c, block_m=128, block_n=128, block_k=128) for k, c in cfg.items()}
-        dw2 = wgrad_w2(dout.to(bf), gate_up, scores.contiguous(), layout, cfg["wgrad_w2"], out_dtype=w_dtype)
+            cfg = {k: dataclasses.replace(default_bwd_config(k, layout, D, F), block_m=128, block_n=128, block_k=128)
+                   for k in cfg}
+        hs = hs_rows(gate_up, scores.contiguous(), layout)
+        dw2 = wgrad_w2(dout.to(bf), gate_up, scores.contiguous(), layout, cfg["wgrad_w2"], hs_NF=hs, out_dtype=w_dtype)
+        del hs  # N_cap x F bf16 back to the allocator before wgrad_w13
         mark("wgrad_w2")
         dw1, dw3 = wgrad_w13(dgu, x_rows.to(bf).contiguous(), layout, cfg["wgrad_w13"], out_dtype=w_dtype)
         mark("wgrad_w13")
