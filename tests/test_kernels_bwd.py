@@ -226,37 +226,6 @@ def test_wgrad_grouped_mm_matches_oracle_and_triton(case):
     assert torch.equal(again[0], got["grouped_mm"]["dw1"]) and torch.equal(again[1], got["grouped_mm"]["dw3"])
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[5], CASES[7]],
-                         ids=lambda c: f"{c.routing}-T{c.T}-E{c.E}-K{c.K}-F{c.F}")
-def test_hs_rows_equal_the_dgrad_epilogue_store(case):
-    """hs_rows (the FP8 backward's bf16 s * h for the bf16 wgrads) writes every live row (output poisoned), zeros
-    on padding rows, bitwise what gemm2_dgrad_swiglu_bwd stores in hs_out, and within bf16 rounding of torch."""
-    from titan_megamoe.kernels.grouped_gemm_wgrad import hs_rows
-
-    B = _bwd_module()
-    block_m = B.default_bwd_config("gemm2_dgrad", _FakeLayout(16), case.D, case.F).block_m
-    t = _inputs(case, block_m)
-    lay = t["layout"]
-    live = int(lay.offsets[-1])
-    got = torch.full((lay.n_cap, case.F), float("nan"), dtype=torch.bfloat16, device=lay.row_pair.device)
-    assert hs_rows(t["gate_up"], t["scores"], lay, out=got) is got
-    assert not torch.isnan(got[:live].float()).any(), "a live row was left unwritten"
-    want = torch.empty_like(got)
-    B.gemm2_dgrad_swiglu_bwd(t["dout"], t["w2"], t["gate_up"], t["scores"], lay,
-                             dataclasses.replace(B.default_bwd_config("gemm2_dgrad", lay, case.D, case.F),
-                                                 use_tma=False), hs_out=want)
-    assert torch.equal(got[:live], want[:live])
-    pair = lay.row_pair[:live].long()
-    ok = pair >= 0
-    gate, up = t["gate_up"][:live].float().split(case.F, 1)
-    s = t["scores"].reshape(-1)[pair.clamp(min=0)] * ok
-    ref = torch.nn.functional.silu(gate) * up * s[:, None]
-    assert torch.equal(got[:live][~ok], torch.zeros_like(got[:live][~ok]))
-    assert_close_rel(got[:live].float().cpu(), ref.cpu(), TOL, name="hs")
-    with pytest.raises(ValueError, match="gate_up must be"):
-        hs_rows(t["gate_up"][:, :-1], t["scores"], lay)
-
-
 def test_gather_rows_padding_zero_and_tokens():
     """gather_rows: row r < offsets[E] = x[row_pair[r] // K] or exact zeros on padding rows."""
     from titan_megamoe.kernels import grouped_gemm_wgrad as W
@@ -454,7 +423,6 @@ COMPILE_CASES = [  # (label, kernel, use_tma) at the Qwen3-30B-A3B layer shape D
     ("reduce_dscore", "reduce_dscore", False),
     ("scatter_dx", "scatter_dx", False),
     ("scatter_dx_router", "scatter_dx_router", False),  # + the router's dx (E = 128: Qwen3)
-    ("hs_rows", "hs_rows", False),  # bf16 s * h rows for the FP8 backward's bf16 wgrads
     ("gather_rows", "gather_rows", False),
 ]
 
@@ -472,14 +440,9 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
 
     results = []
     for label, kind, tma in COMPILE_CASES:
-        if kind in ("reduce_dscore", "scatter_dx", "scatter_dx_router", "gather_rows", "hs_rows"):
+        if kind in ("reduce_dscore", "scatter_dx", "scatter_dx_router", "gather_rows"):
             opts = dict(num_warps=4, num_stages=1)
-            if kind == "hs_rows":
-                from titan_megamoe.kernels import grouped_gemm_wgrad as W
-
-                kern, sig, cx = W._hs_rows_kernel, {"gate_up_N2F": "*bf16", "scores_P": "*fp32", "row_pair_N": "*i32",
-                                                    "offsets_E1": "*i32", "hs_NF": "*bf16"}, dict(F=F, E=128, BR=16, BF=256)
-            elif kind == "gather_rows":
+            if kind == "gather_rows":
                 from titan_megamoe.kernels import grouped_gemm_wgrad as W
 
                 kern, sig, cx = W._gather_rows_kernel, {"src_TD": "*bf16", "row_pair_N": "*i32", "offsets_E1": "*i32",
@@ -534,7 +497,7 @@ def _compile_sm90_all(D: int = 2048, F: int = 768, K: int = 8, block_m: int = 12
 def test_compiles_for_sm90a(label):
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
-    if label not in ("reduce_dscore", "scatter_dx", "scatter_dx_router", "gather_rows", "hs_rows"):  # no GEMM in those
+    if label not in ("reduce_dscore", "scatter_dx", "scatter_dx_router", "gather_rows"):  # no GEMM in those
         assert r["wgmma"] > 0, f"{label}: no wgmma (Hopper tensor core) instruction in the PTX"
         assert (r["tma"] > 0) == label.endswith("_tma"), f"{label}: TMA loads {r['tma']}"
         if label != "gemm1_dgrad_tma":  # every other variant has a pointer-loaded (gathered) operand

@@ -295,6 +295,34 @@ def test_gemm2_dgrad_matches_dequantized(name, _poison_empty):
     assert int(k["count"]) == 0
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_gemm2_dgrad_hs_rows_for_the_bf16_wgrads(name, _poison_empty):
+    """hs_out: s * h as bf16 rows (zeros on padding rows, tiles of expert -1 untouched) instead of the quantized
+    transposed s * h, with dgate_up and the d score partials bitwise those of the default run."""
+    from titan_megamoe.kernels.grouped_gemm_bwd import reduce_dscore
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm2_dgrad_swiglu_bwd_fp8
+
+    _run_gemm2_dgrad.cache_clear()
+    d, k = _case(name), _run_gemm2_dgrad(name)
+    L = d["layout"]
+    hs = torch.empty(L.n_cap, d["c"].F, dtype=torch.bfloat16, device=DEV)  # NaN: poisoned
+    count = torch.zeros(1, dtype=torch.int32, device=DEV)
+    dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(k["dq"], k["ds"], k["w2tq"], k["w2ts"], d["gate_up"], d["scores"],
+                                                      L, nonfinite_count=count, hs_out=hs)
+    assert hsT is None and hsTs is None and int(count) == 0
+    end = int(L.offsets[-1])
+    assert torch.equal(dgu[:end], k["dgu"][:end])
+    assert torch.equal(reduce_dscore(part, L, d["c"].T, d["c"].K), k["dscores"])
+    r, _, _, hs_ref = _gemm2_dgrad_math(d, d["dout"].float(), d["w2"].float().transpose(1, 2))
+    assert rel_err(hs[r].float(), hs_ref) <= BF16_OUT_REL
+    pad = ~d["valid"][:end]
+    assert (hs[:end][pad] == 0).all(), "padding rows of the experts' tiles must be zeros"
+    assert torch.isnan(hs[end:].float()).all(), "tiles of expert -1 are skipped"
+    with pytest.raises(ValueError, match="hs_out"):
+        gemm2_dgrad_swiglu_bwd_fp8(k["dq"], k["ds"], k["w2tq"], k["w2ts"], d["gate_up"], d["scores"], L,
+                                   hs_out=hs[:, :-1])
+
+
 @pytest.mark.parametrize("name", ["uniform_k2", "one_expert_k1"])
 def test_gemm1_dgrad_matches_dequantized(name, _poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t
@@ -497,6 +525,7 @@ def test_preconditions_raise():
 #: (label, kind, D, F): the Qwen3-30B-A3B layer shape (the 235B one compiles the same code, other constants)
 COMPILE_CASES = [
     ("gemm2_dgrad_fp8_30b", "gemm2_dgrad", 2048, 768),
+    ("gemm2_dgrad_fp8_hs_rows_30b", "gemm2_dgrad_hs_rows", 2048, 768),  # bf16 s*h rows (FP8_WGRAD=bf16)
     ("gemm1_dgrad_fp8_30b", "gemm1_dgrad", 2048, 768),
     ("wgrad_w2_fp8_30b", "wgrad_w2", 2048, 768),
     ("wgrad_w13_fp8_30b", "wgrad_w13", 2048, 768),
@@ -515,15 +544,18 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
     from titan_megamoe.kernels.grouped_gemm_fp8 import HOPPER_GEMM1_FP8_QH
 
     fixed = kind == "gemm1_qh" or kind.startswith("quant")  # configs not from fp8_bwd_config_for
+    hs_rows = kind == "gemm2_dgrad_hs_rows"
+    kind = "gemm2_dgrad" if hs_rows else kind
     cfg = HOPPER_GEMM1_FP8_QH if fixed else B.fp8_bwd_config_for(kind, D, F, False)
     t = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
     if kind == "gemm2_dgrad":
         fn = _kernel_variant(B._gemm2_dgrad_swiglu_bwd_fp8_kernel, False)
         sig = dict(dout_ptr="*fp8e4nv", douts_ptr="*fp32", w2t_ptr="*fp8e4nv", w2ts_ptr="*fp32", gate_up_ptr="*bf16",
                    scores_ptr="*fp32", row_pair_ptr="*i32", tile_expert_ptr="*i32", dgate_up_ptr="*bf16",
-                   dscore_part_ptr="*fp32", hsT_ptr="*fp8e4nv", hsTs_ptr="*fp32", count_ptr="*i32", n_tiles="i32",
-                   LD_HS="i32")
-        cx = dict(D=D, F=F, K=8, NB=F // cfg.block_n, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, **t)
+                   dscore_part_ptr="*fp32", hsT_ptr="*bf16" if hs_rows else "*fp8e4nv", hsTs_ptr="*fp32",
+                   count_ptr="*i32", n_tiles="i32", LD_HS="i32")
+        cx = dict(D=D, F=F, K=8, NB=F // cfg.block_n, CHECK=not hs_rows, EXACT_ROUND=False, EPS=R.AMAX_EPS,
+                  HS_ROWS=hs_rows, **t)
     elif kind == "gemm1_dgrad":
         fn = _kernel_variant(B._gemm1_dgrad_fp8_kernel, False)
         sig = dict(dgu_ptr="*fp8e4nv", dgus_ptr="*fp32", w1t_ptr="*fp8e4nv", w1ts_ptr="*fp32", w3t_ptr="*fp8e4nv",
@@ -585,7 +617,7 @@ def test_compiles_for_sm90a(label):
         # byte stores (~70 / 65 instructions) and 2.2x the time on a GPU
         assert r["st_global"] <= 16, f"{label}: {r['st_global']} global stores: the end_row mask is not block-uniform"
         return
-    if label.startswith("gemm1_fwd"):  # fused quantization: same properties
+    if label.startswith("gemm1_fwd") or label == "gemm2_dgrad_fp8_30b":  # fused quantization: same properties
         assert r["satfinite"] > 0 and r["div_rn"] > 0, r
     assert r["target"], "PTX not built for sm_90a"
     assert r["wgmma"] > 0 and r["wgmma_e4m3"] == r["wgmma"], f"{label}: fp8 wgmma missing ({r['wgmma_kinds']})"

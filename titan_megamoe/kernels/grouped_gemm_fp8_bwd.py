@@ -107,14 +107,15 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
     tile_expert_ptr,  # (n_tiles,) int32
     dgate_up_ptr,  # (N_cap, 2F) bf16 out
     dscore_part_ptr,  # (N_cap, NB) fp32 out
-    hsT_ptr,  # (F, N_cap) e4m3 out, (s * h) transposed, 128x1 scaled, row stride LD_HS
-    hsTs_ptr,  # (N_cap // 128, F) fp32 out
+    hsT_ptr,  # (F, N_cap) e4m3 out, (s * h) transposed, 128x1 scaled, row stride LD_HS; HS_ROWS: (N_cap, F) bf16
+    hsTs_ptr,  # (N_cap // 128, F) fp32 out (not written with HS_ROWS)
     count_ptr,  # (1,) int32, += non-finite hs groups (CHECK)
     n_tiles,  # i32
     LD_HS,  # i32, row stride of hsT (fp8_quant_bwd.transposed_ld)
     D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     CHECK: tl.constexpr, EXACT_ROUND: tl.constexpr, EPS: tl.constexpr,
+    HS_ROWS: tl.constexpr = False,  # s * h as bf16 rows for the bf16 wgrads instead of 128x1-quantized, transposed
 ):
     """FP8 g = dout[t] @ w2[e]; SwiGLU backward, d score partials, fused 128x1 quantization of s * h.
 
@@ -173,17 +174,19 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
         dgate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
         tl.store(dgate_up_ptr + off, tl.where(keep, dgate, 0.0).to(tl.bfloat16), mask=hc_ok[None, :])
         tl.store(dgate_up_ptr + off + F, tl.where(keep, dh * silu, 0.0).to(tl.bfloat16), mask=hc_ok[None, :])
-        # s * h, quantized per (these 128 rows, column): the B operand of dw2, transposed
         hs = tl.where(keep, silu * up * s[:, None], 0.0)
-        sc_1C = _scale_of(_amax(hs, 0), EPS)  # (1, BN/2)
-        q = _to_e4m3(hs, tl.broadcast_to(sc_1C, (BM, BN // 2)), EXACT_ROUND)
-        # int64: col * LD_HS passes 2^31 at full shapes
-        tl.store(hsT_ptr + hc.to(tl.int64)[None, :] * LD_HS + rows64[:, None], q, mask=hc_ok[None, :])
-        sc = tl.reshape(sc_1C, (BN // 2,))
-        tl.store(hsTs_ptr + pid_m.to(tl.int64) * F + hc, sc, mask=hc_ok)
-        if CHECK:
-            n_bad = tl.sum((hc_ok & ~(sc < float("inf"))).to(tl.int32))
-            tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+        if HS_ROWS:  # bf16 rows, the bf16 GEMM2 dgrad's hs_out (same formula and rounding): B of the bf16 dw2
+            tl.store(hsT_ptr + rows64[:, None] * F + hc[None, :], hs.to(hsT_ptr.dtype.element_ty), mask=hc_ok[None, :])
+        else:  # quantized per (these 128 rows, column): the B operand of the FP8 dw2, transposed
+            sc_1C = _scale_of(_amax(hs, 0), EPS)  # (1, BN/2)
+            q = _to_e4m3(hs, tl.broadcast_to(sc_1C, (BM, BN // 2)), EXACT_ROUND)
+            # int64: col * LD_HS passes 2^31 at full shapes
+            tl.store(hsT_ptr + hc.to(tl.int64)[None, :] * LD_HS + rows64[:, None], q, mask=hc_ok[None, :])
+            sc = tl.reshape(sc_1C, (BN // 2,))
+            tl.store(hsTs_ptr + pid_m.to(tl.int64) * F + hc, sc, mask=hc_ok)
+            if CHECK:
+                n_bad = tl.sum((hc_ok & ~(sc < float("inf"))).to(tl.int32))
+                tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
     tl.store(dscore_part_ptr + rows64 * NB + pid_n, dscore)
 
 
@@ -351,9 +354,11 @@ def _dims(name: str, value: int) -> None:
 def gemm2_dgrad_swiglu_bwd_fp8(
     dout_q: Tensor, dout_s: Tensor, w2t_q: Tensor, w2t_s: Tensor, gate_up: Tensor, scores_TK: Tensor,
     layout: RoutingLayout, config: GemmConfig | None = None, *, nonfinite_count: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    hs_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """FP8 GEMM2 dgrad fused with the SwiGLU backward, the routing-score gradient and the 128x1
-    quantization of s * h (the B operand of dw2).
+    quantization of s * h (the B operand of dw2), or with ``hs_out`` s * h as bf16 rows (the B operand of the
+    bf16 dw2 of ``fp8_backend``'s bf16-wgrad mode).
 
     Per padded row r (pair p >= 0, token t, expert e), with dequantized operands:
     g = dout[t] @ w2[e] (fp32), dh = s[p] g, dgate = dh * up * silu'(gate), dup = dh * silu(gate),
@@ -366,6 +371,9 @@ def gemm2_dgrad_swiglu_bwd_fp8(
         layout: routing layout with block_m = 128.
         config: default ``fp8_bwd_config_for("gemm2_dgrad", ...)``.
         nonfinite_count: optional (1,) int32 device counter for the s * h scales.
+        hs_out: optional (N_cap, F) bf16 buffer: written with bf16(s[p] silu(gate) up) (zeros on padding rows;
+            bitwise ``grouped_gemm_bwd.gemm2_dgrad_swiglu_bwd``'s ``hs_out``, which does not depend on the GEMM)
+            instead of the quantized transposed s * h; hsT_q and hsT_s are then None.
 
     Returns:
         dgate_up (N_cap, 2F) bf16 (zeros on padding rows; tiles of expert -1, i.e. rows from
@@ -399,16 +407,23 @@ def gemm2_dgrad_swiglu_bwd_fp8(
     N, nb, n_tiles = layout.n_cap, cdiv(F, cfg.block_n), layout.n_tiles_cap
     dgu = torch.empty((N, 2 * F), dtype=torch.bfloat16, device=dev)
     part = torch.empty((N, nb), dtype=torch.float32, device=dev)
-    hsT = empty_transposed(F, N, dev)
-    hsTs = torch.empty((N // GROUP, F), dtype=torch.float32, device=dev)
+    if hs_out is not None:
+        _check(hs_out, "hs_out", (N, F), torch.bfloat16, dev)
+        hsT, hsTs, ld = None, None, F
+    else:
+        hsT = empty_transposed(F, N, dev)
+        hsTs = torch.empty((N // GROUP, F), dtype=torch.float32, device=dev)
+        ld = hsT.stride(0)
     interpret = interpret_mode()
     if n_tiles * nb:
+        hs_arg = hs_out if hs_out is not None else hsT
+        scale_arg = part if hs_out is not None else hsTs  # not written with HS_ROWS
         launch(_gemm2_dgrad_swiglu_bwd_fp8_kernel, (n_tiles * nb,),
             dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout.row_pair, layout.tile_expert,
-            dgu, part, hsT, hsTs, nonfinite_count if nonfinite_count is not None else hsTs, n_tiles, hsT.stride(0),
+            dgu, part, hs_arg, scale_arg, nonfinite_count if nonfinite_count is not None else scale_arg, n_tiles, ld,
             D=D, F=F, K=K, NB=nb, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-            CHECK=nonfinite_count is not None, EXACT_ROUND=interpret, EPS=AMAX_EPS,
-            **cfg.compile_options(),
+            CHECK=nonfinite_count is not None and hs_out is None, EXACT_ROUND=interpret, EPS=AMAX_EPS,
+            HS_ROWS=hs_out is not None, **cfg.compile_options(),
         )
     return dgu, part, hsT, hsTs
 

@@ -46,7 +46,7 @@ from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
 from titan_megamoe.kernels.ws_wgrad import ws_wgrad_supported, ws_wgrad_w2, ws_wgrad_w13
 
-__all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "hs_rows", "WGRAD_IMPLS"]
+__all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "WGRAD_IMPLS"]
 
 #: Implementations of the wgrads (module docstring). ``TITAN_MEGAMOE_WGRAD`` = one of them forces it
 #: (A/B benchmarks, tests); "auto" (default) picks "gluon" on sm_90 CUDA devices, else "triton".
@@ -117,73 +117,6 @@ def gather_rows(src_TD: Tensor, layout: RoutingLayout) -> Tensor:
     grid = (cdiv(layout.n_cap, BR), cdiv(D, BD))
     launch(_gather_rows_kernel, grid, src_TD, layout.row_pair, layout.offsets, out, D, layout.top_k,
                                          layout.num_experts, BR=BR, BD=BD)
-    return out
-
-
-@triton.jit
-def _hs_rows_kernel(
-    gate_up_N2F,      # (N_cap, 2F) bf16 saved by the forward
-    scores_P,         # (P,) fp32 routing scores
-    row_pair_N,       # (N_cap,) int32
-    offsets_E1,       # (E + 1,) int32; rows >= offsets[E] are left unwritten
-    hs_NF,            # (N_cap, F) bf16 out
-    F: tl.constexpr, E: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr,
-):
-    """hs[r] = bf16(s[p] * silu(gate[r]) * up[r]) for rows with a pair p, zeros for padding rows (r < offsets[E]);
-    the formula and rounding of ``gemm2_dgrad_swiglu_bwd``'s ``hs_out`` store."""
-    r0 = tl.program_id(0) * BR
-    end = tl.load(offsets_E1 + E)
-    if r0 < end:
-        rows = r0 + tl.arange(0, BR)
-        live = rows < end
-        rows64 = rows.to(tl.int64)  # int64: N_cap * 2F can pass 2^31
-        pair = tl.load(row_pair_N + rows, mask=live, other=-1)
-        valid = pair >= 0
-        s = tl.load(scores_P + pair, mask=valid, other=0.0)
-        cols = tl.program_id(1) * BF + tl.arange(0, BF)
-        c_ok = cols < F
-        keep = valid[:, None] & c_ok[None, :]
-        off = rows64[:, None] * (2 * F) + cols[None, :]
-        gate = tl.load(gate_up_N2F + off, mask=keep, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_N2F + off + F, mask=keep, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-gate))  # not tl.sigmoid: a jit library function (interpreter pitfall)
-        silu = gate * sig
-        hs = tl.where(keep, silu * up * s[:, None], 0.0).to(hs_NF.dtype.element_ty)
-        tl.store(hs_NF + rows64[:, None] * F + cols[None, :], hs, mask=live[:, None] & c_ok[None, :])
-
-
-def hs_rows(gate_up_N2F: Tensor, scores_TK: Tensor, layout: RoutingLayout, *, out: Tensor | None = None) -> Tensor:
-    """s * h rows of the layout from the forward's saved gate_up, one memory-bound pass: the B operand of
-    ``wgrad_w2(..., hs_NF=...)`` where the GEMM2 dgrad did not store it (the FP8 backward, whose dgrad writes
-    a 128x1-quantized transposed s * h for the FP8 wgrad instead).
-
-    Args:
-        gate_up_N2F: (N_cap, 2F) bf16 contiguous; scores_TK: (T, K) fp32 contiguous; layout: the routing layout
-            (T * K pairs).
-        out: optional (N_cap, F) bf16 caller buffer.
-
-    Returns:
-        (N_cap, F) bf16: row r < offsets[E] holds bf16(s[p] silu(gate) up) for its pair p, zeros on padding rows
-        (as ``gemm2_dgrad_swiglu_bwd``'s ``hs_out``, same formula and rounding); rows from offsets[E] on are not
-        written (no wgrad reads them).
-
-    Raises:
-        ValueError: shapes, dtypes, devices or contiguity that do not match.
-    """
-    dev = gate_up_N2F.device
-    _check_layout(layout, dev)
-    if gate_up_N2F.dim() != 2 or gate_up_N2F.shape[1] % 2:
-        raise ValueError(f"gate_up must be (N_cap, 2F), got {tuple(gate_up_N2F.shape)}")
-    F = gate_up_N2F.shape[1] // 2
-    _check(gate_up_N2F, "gate_up", (layout.n_cap, 2 * F), _ACT, dev)
-    _check(scores_TK, "topk_scores", (layout.pair_row.shape[0] // layout.top_k, layout.top_k), torch.float32, dev)
-    if out is None:
-        out = torch.empty((layout.n_cap, F), dtype=_ACT, device=dev)
-    _check(out, "out (hs)", (layout.n_cap, F), _ACT, dev)
-    BR, BF = 16, min(256, next_pow2(F))
-    if layout.n_cap and F:
-        launch(_hs_rows_kernel, (cdiv(layout.n_cap, BR), cdiv(F, BF)), gate_up_N2F, scores_TK, layout.row_pair,
-               layout.offsets, out, F, layout.num_experts, BR=BR, BF=BF)
     return out
 
 

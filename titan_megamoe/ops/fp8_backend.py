@@ -58,7 +58,7 @@ FUSE_H_QUANT = True
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
 #: the bf16 wgrad kernels (on sm_90 the Gluon K-grouped ones of the bf16 path) on bf16 dout, x, the FP8 dgrad's
-#: bf16 dgate_up and s * h rows from one pass over gate_up (``grouped_gemm_wgrad.hs_rows``): FP8 forward and dgrads,
+#: bf16 dgate_up and bf16 s * h rows (the FP8 GEMM2 dgrad's ``hs_out``, not quantized): FP8 forward and dgrads,
 #: high-precision weight gradients, as torchao's "rowwise_with_gw_hp" recipe; "fp8_acc32": the FP8 wgrad with fp32
 #: promotion after every k32 wgmma instead of every 128 rows. The FP8 dgrads, dx and d scores are unchanged. Read
 #: from TITAN_MEGAMOE_FP8_WGRAD at import and at every backward from this attribute (``switches.py`` flips it in
@@ -451,23 +451,24 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     # then come in the GPU's column groups
     c2 = dataclasses.replace(fp8_bwd_config_for("gemm2_dgrad", dout.shape[1], F, _interp()), block_n=128)
     end = layout.offsets[-1:]  # rows past the last expert's segment: read by no FP8 GEMM
+    # bf16 wgrads: the dgrad stores s * h as bf16 rows for the bf16 dw2 instead of quantizing it transposed
+    hs = torch.empty((gate_up.shape[0], F), dtype=torch.bfloat16, device=gate_up.device) if _WGRAD == "bf16" else None
     dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
-                                                      c2, nonfinite_count=count)
+                                                      c2, nonfinite_count=count, hs_out=hs)
     mark("gemm2_dgrad")
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
                                                            end_row=end, name=f"{layer_name} dgate_up")
     mark("quant_dgate_up")
     if _WGRAD == "bf16":  # the bf16 wgrads (torchao's "rowwise_with_gw_hp" idea): on sm_90 the Gluon K-grouped
-        # kernels of the bf16 path, fed the bf16 s * h rows of one pass over gate_up
+        # kernels of the bf16 path, fed the dgrad's bf16 s * h rows
         from titan_megamoe.kernels._bwd_common import default_bwd_config
-        from titan_megamoe.kernels.grouped_gemm_wgrad import hs_rows, wgrad_w2, wgrad_w13
+        from titan_megamoe.kernels.grouped_gemm_wgrad import wgrad_w2, wgrad_w13
 
         bf, D = torch.bfloat16, dout.shape[1]
         cfg = {"wgrad_w2": None, "wgrad_w13": None}  # None: wgrad_impl picks (gluon on sm_90 for bf16 grads)
         if _interp():  # 16-wide interpreter defaults take minutes; D, F are multiples of 128 here
             cfg = {k: dataclasses.replace(default_bwd_config(k, layout, D, F), block_m=128, block_n=128, block_k=128)
                    for k in cfg}
-        hs = hs_rows(gate_up, scores.contiguous(), layout)
         dw2 = wgrad_w2(dout.to(bf), gate_up, scores.contiguous(), layout, cfg["wgrad_w2"], hs_NF=hs, out_dtype=w_dtype)
         del hs  # N_cap x F bf16 back to the allocator before wgrad_w13
         mark("wgrad_w2")
