@@ -15,7 +15,7 @@
 #   PART=g: compare.layer 30B (tt-compile, megamoe-triton, 30 steps) in three processes: NVML sampler off, in a
 #     child process, on a thread (is compare.layer's from-idle excess over scripts/dense_floor.py the sampler?).
 #   PART=h (for the next session: not run in session 18): the FP8 backward's bf16 wgrads through the Gluon kernels
-#     (FP8_WGRAD=bf16, hs_rows): GPU tests, then compare.layer fp8 / fp8_bwd 30B and 235B with
+#     (FP8_WGRAD=bf16, the FP8 dgrad's bf16 s*h rows): GPU tests, then compare.layer fp8 / fp8_bwd 30B and 235B with
 #     --switches FP8_WGRAD=bf16 beside the FP8 wgrad and our bf16, same process.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
@@ -72,7 +72,7 @@ elif [ "$PART" = g ]; then
     echo "[t=$((SECONDS - t0))s] sampler $ps rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_sampler_$ps.log" | head -2
   done
 elif [ "$PART" = h ]; then
-  timeout -s KILL 150 python3 -m pytest -q -rA tests/test_kernels_bwd.py tests/test_fp8_op.py -k "hs_rows or wgrad_diagnosis" \
+  timeout -s KILL 150 python3 -m pytest -q -rA tests/test_kernels_fp8_bwd.py tests/test_fp8_op.py -k "hs_rows or wgrad_diagnosis or gemm2_dgrad" \
     > "$OUT/keep/tests_gpu_h.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_h.log")"; grep -E "^(FAILED|ERROR)|^E " "$OUT/keep/tests_gpu_h.log" | head -8
   timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls megamoe-triton \
