@@ -151,7 +151,7 @@ class PowerSampler:
             os.close(fd)
             self._child = subprocess.Popen(
                 [sys.executable, "-m", "compare.power", "--nvml-index", str(self._index),
-                 "--period-ms", str(self.period_s * 1e3), "--out", self._file],
+                 "--period-ms", str(self.period_s * 1e3), "--out", self._file, "--parent-pid", str(os.getpid())],
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdin=subprocess.DEVNULL)
         return self
 
@@ -226,12 +226,17 @@ def read_samples(path: str) -> list[tuple[float, float, float, float, int]]:
     return out
 
 
-def sample_loop(sample, out_path: str, period_s: float, max_samples: int | None = None) -> int:
+def sample_loop(sample, out_path: str, period_s: float, max_samples: int | None = None,
+                parent_pid: int | None = None) -> int:
     """Append ``sample()``'s tuples to ``out_path`` every ``period_s`` (the child process's loop; returns the
-    number written when ``max_samples`` is reached; a failing ``sample`` ends the loop with its error)."""
+    number written when ``max_samples`` is reached, or when this process's parent is no longer ``parent_pid``:
+    a timed process killed without its ``__exit__`` leaves no sampler running; a failing ``sample`` ends the
+    loop with its error)."""
     n = 0
     with open(out_path, "a") as f:
         while max_samples is None or n < max_samples:
+            if parent_pid is not None and os.getppid() != parent_pid:
+                break
             t, mhz, w, c, reasons = sample()
             f.write(f"{t:.6f} {mhz:g} {w:.3f} {c:g} {int(reasons)}\n")
             f.flush()
@@ -256,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvml-index", type=int, required=True)
     p.add_argument("--period-ms", type=float, default=20.0)
     p.add_argument("--out", required=True)
+    p.add_argument("--parent-pid", type=int, default=None, help="exit once this process is no longer the parent")
     args = p.parse_args(argv)
     import pynvml
 
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(args.nvml_index)
-    sample_loop(lambda: _nvml_sample(pynvml, handle), args.out, args.period_ms / 1e3)
+    sample_loop(lambda: _nvml_sample(pynvml, handle), args.out, args.period_ms / 1e3, parent_pid=args.parent_pid)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -347,6 +348,11 @@ def test_power_sample_loop_and_reader_round_trip(tmp_path):
     summ = power.summarize([s for s in got if 100.51 <= s[0] <= 100.6])
     assert summ["samples"] == 2 and summ["sm_mhz_min"] == 1470.0 and summ["reasons"] == ["gpu_idle", "sw_power_cap"]
     assert power.read_samples(str(tmp_path / "missing.txt")) == []
+    orphan = tmp_path / "orphan.txt"  # a parent that is gone: the loop stops before sampling
+    assert power.sample_loop(lambda: (1.0, 1.0, 1.0, 1.0, 0), str(orphan), 0.0, max_samples=5,
+                             parent_pid=os.getppid() + 1) == 0
+    assert power.sample_loop(lambda: (1.0, 1.0, 1.0, 1.0, 0), str(orphan), 0.0, max_samples=2,
+                             parent_pid=os.getppid()) == 2
     with pytest.raises(ValueError, match="power sampler mode 'nvidia-smi'"):
         power.PowerSampler(0, mode="nvidia-smi")
     off = power.PowerSampler(0, mode="off")
