@@ -1,5 +1,6 @@
 """compare/power.py: reason decoding, window summaries, and the inactive sampler on machines without NVML."""
 
+import os
 import time
 
 import pytest
@@ -53,8 +54,9 @@ class _FakeNvml:
 
 
 def test_sampler_windows_samples_from_a_fake_nvml():
+    """The thread sampler (``mode="thread"``: the process sampler's child cannot take a fake) over a fake NVML."""
     s = power.PowerSampler.__new__(power.PowerSampler)
-    power.PowerSampler.__init__(s)  # real init: on this machine NVML is missing or has no GPU
+    power.PowerSampler.__init__(s, mode="thread")  # real init: on this machine NVML is missing or has no GPU
     s._nvml, s._handle, s.unavailable = _FakeNvml(), object(), None
     t0 = time.time()
     with s:
@@ -91,3 +93,47 @@ def test_nvml_index_follows_cuda_visible_devices(monkeypatch):
     assert power._nvml_index(1) == 5
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
     assert power._nvml_index(1) == 1
+
+
+def test_power_sample_loop_and_reader_round_trip(tmp_path):
+    """The sampling process's loop writes one line per sample; the reader returns exactly the complete lines
+    (a line still being written is skipped); an unknown mode is a clear error; "off" is inactive."""
+    f = tmp_path / "samples.txt"
+    vals = iter([(100.5, 1980.0, 650.25, 55.0, 0), (100.52, 1515.0, 700.0, 61.0, 4), (100.54, 1470.0, 699.5, 62.0, 5)])
+    assert power.sample_loop(lambda: next(vals), str(f), 0.0, max_samples=3) == 3
+    with open(f, "a") as fh:
+        fh.write("100.56 1400 69")  # cut mid-line
+    got = power.read_samples(str(f))
+    assert got == [(100.5, 1980.0, 650.25, 55.0, 0), (100.52, 1515.0, 700.0, 61.0, 4), (100.54, 1470.0, 699.5, 62.0, 5)]
+    summ = power.summarize([s for s in got if 100.51 <= s[0] <= 100.6])
+    assert summ["samples"] == 2 and summ["sm_mhz_min"] == 1470.0 and summ["reasons"] == ["gpu_idle", "sw_power_cap"]
+    assert power.read_samples(str(tmp_path / "missing.txt")) == []
+    orphan = tmp_path / "orphan.txt"  # a parent that is gone: the loop stops before sampling
+    assert power.sample_loop(lambda: (1.0, 1.0, 1.0, 1.0, 0), str(orphan), 0.0, max_samples=5,
+                             parent_pid=os.getppid() + 1) == 0
+    assert power.sample_loop(lambda: (1.0, 1.0, 1.0, 1.0, 0), str(orphan), 0.0, max_samples=2,
+                             parent_pid=os.getppid()) == 2
+    with pytest.raises(ValueError, match="power sampler mode 'nvidia-smi'"):
+        power.PowerSampler(0, mode="nvidia-smi")
+    off = power.PowerSampler(0, mode="off")
+    with off:
+        assert not off.active and off.window(0.0, 1e12) is None
+    assert "off" in off.describe()
+
+
+def test_power_process_sampler_reports_a_failed_child(monkeypatch):
+    """Process mode runs ``python -m compare.power`` as a child; a child that cannot sample (no NVML on this
+    machine) leaves no samples and says so in ``unavailable`` instead of failing the benchmark."""
+    import time as _time
+
+    s = power.PowerSampler(0, mode="process")
+    monkeypatch.setattr(s, "_handle", object())  # pretend NVML answered in this process
+    monkeypatch.setattr(s, "_nvml", None)
+    monkeypatch.setattr(s, "unavailable", None)
+    with s:
+        assert s._child is not None
+        s._child.wait(timeout=60)
+        _time.sleep(0.05)
+        assert s.window(0.0, 1e12) is None
+        assert "sampling process exited with status" in (s.unavailable or "")
+    assert s._child is None and s._file is None
