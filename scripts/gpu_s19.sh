@@ -17,6 +17,8 @@
 #   PART=h (for the next session: not run in session 18): the FP8 backward's bf16 wgrads through the Gluon kernels
 #     (FP8_WGRAD=bf16, the FP8 dgrad's bf16 s*h rows): GPU tests, then compare.layer fp8 / fp8_bwd 30B and 235B with
 #     --switches FP8_WGRAD=bf16 beside the FP8 wgrad and our bf16, same process.
+#   PART=i: the GPU tests of the FP8 GEMM2 dgrad's bf16 s*h rows and of FP8_WGRAD=bf16 (what the last ~100 s of the
+#     session's device time allow; PART h has the measurements).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -79,5 +81,9 @@ elif [ "$PART" = h ]; then
     --precisions bf16,fp8,fp8_bwd --routings random --iters 20 --warmup 5 --device-time --no-plot \
     --switches FP8_WGRAD=bf16 --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_fp8.log" | head -24
+elif [ "$PART" = i ]; then
+  timeout -s KILL 80 python3 -m pytest -v -rA tests/test_kernels_fp8_bwd.py tests/test_fp8_op.py \
+    -k "hs_rows or wgrad_diagnosis" > "$OUT/keep/tests_gpu_i.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_i.log")"; grep -E "PASSED|FAILED|ERROR" "$OUT/keep/tests_gpu_i.log" | cut -c1-160 | head -12
 fi
 session_pack "s19$PART"
