@@ -34,6 +34,8 @@ __all__ = [
     "build_layer",
     "inject_routing",
     "stock_layer_context",
+    "LayerSteps",
+    "layer_steps",
 ]
 
 #: Precision choices. "fp32" is a CPU/debug choice (fp32 model, fp32 GEMMs; megamoe runs its
@@ -258,3 +260,41 @@ def stock_layer_context(precision: str, device: torch.device):
     finally:
         moe_utils.generate_permute_indices = old_gpi
         moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = old_align
+
+
+@dataclass
+class LayerSteps:
+    """One built layer as ``compare.timing.time_fwd_bwd`` takes it: ``fwd()`` -> output, ``bwd(out)``, ``before()``
+    (grads of the parameters and of x set to None), and ``context()``: the context to build, warm and time it in
+    (``stock_layer_context`` for stock TorchTitan, a null context otherwise)."""
+
+    fwd: object
+    bwd: object
+    before: object
+    context: object
+
+
+def layer_steps(impl: str, shape: LayerShape, device: torch.device, x: Tensor, grad: Tensor, *,
+                precision: str = "bf16", seed: int = 0) -> LayerSteps:
+    """Build ``impl`` at ``shape`` (``build_layer``) and the step callables of a training step on ``x`` (1, T, D)
+    with output gradient ``grad``: the per-step protocol of compare.layer, for scripts that time several layers in
+    one process (scripts/protocol_ab.py, scripts/dense_floor.py).
+
+    Raises:
+        KeyError: an unknown ``impl``; what ``build_layer`` raises.
+    """
+    stock = IMPLS[impl].family == "stock"
+
+    def context():
+        return stock_layer_context(precision, device) if stock else contextlib.nullcontext()
+
+    with context():
+        moe = build_layer(impl, precision, shape, device, seed=seed).module
+    params = list(moe.parameters())
+
+    def before():
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    return LayerSteps(fwd=lambda: moe(x), bwd=lambda y: y.backward(grad), before=before, context=context)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from compare.builders import IMPLS, build_layer, stock_layer_context  # noqa: E402
+from compare.builders import IMPLS, LayerSteps, layer_steps  # noqa: E402
 from compare.records import git_revision  # noqa: E402
 from compare.shapes import parse_shape  # noqa: E402
 from compare.timing import time_fwd_bwd  # noqa: E402
@@ -86,33 +86,23 @@ def main(argv: list[str] | None = None) -> int:
         def chain_before():
             x.grad = wa.grad = wb.grad = None
 
-        steps = {"dense-chain": ((lambda: (x @ wa) @ wb), (lambda y: y.backward(gy)), chain_before, None)}
+        chain = LayerSteps(fwd=lambda: (x @ wa) @ wb, bwd=lambda y: y.backward(gy), before=chain_before,
+                           context=contextlib.nullcontext)
         xt = torch.randn(1, T, D, device=dev, generator=gen).bfloat16().requires_grad_()
         gt = torch.randn(1, T, D, device=dev, generator=gen).bfloat16()
-        for impl in impls:
-            ctx = (lambda: stock_layer_context("bf16", dev)) if IMPLS[impl].family == "stock" else contextlib.nullcontext
-            with ctx():
-                moe = build_layer(impl, "bf16", shape, dev, seed=0).module
-            params = list(moe.parameters())
-
-            def before(params=params):
-                for q in params:
-                    q.grad = None
-                xt.grad = None
-
-            steps[impl] = ((lambda moe=moe: moe(xt)), (lambda y: y.backward(gt)), before, ctx)
+        steps = {"dense-chain": chain, **{impl: layer_steps(impl, shape, dev, xt, gt) for impl in impls}}
         samples = {name: {"idle": {"fwd": [], "fwdbwd": []}, "device": {"fwd": [], "fwdbwd": []}} for name in steps}
         names = list(steps)
         for name in names:  # compile / autotune outside the timed rounds
-            fwd, bwd, before, ctx = steps[name]
-            with (ctx() if ctx else contextlib.nullcontext()):
-                time_fwd_bwd(fwd, bwd, device=dev, iters=1, warmup=3, before_step=before, gc_off=True)
+            st = steps[name]
+            with st.context():
+                time_fwd_bwd(st.fwd, st.bwd, device=dev, iters=1, warmup=3, before_step=st.before, gc_off=True)
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
-                fwd, bwd, before, ctx = steps[name]
-                with (ctx() if ctx else contextlib.nullcontext()):
+                st = steps[name]
+                with st.context():
                     for mode, hs in (("idle", 0.0), ("device", HEAD_START_MS)):
-                        s = time_fwd_bwd(fwd, bwd, device=dev, iters=args.iters, warmup=1, before_step=before,
+                        s = time_fwd_bwd(st.fwd, st.bwd, device=dev, iters=args.iters, warmup=1, before_step=st.before,
                                          gc_off=True, head_start_ms=hs)
                         for k in ("fwd", "fwdbwd"):
                             samples[name][mode][k] += s[k]

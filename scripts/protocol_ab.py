@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from compare.builders import IMPLS, build_layer, stock_layer_context  # noqa: E402
+from compare.builders import IMPLS, layer_steps  # noqa: E402
 from compare.power import PowerSampler  # noqa: E402
 from compare.records import git_revision  # noqa: E402
 from compare.shapes import parse_shape  # noqa: E402
@@ -85,42 +85,24 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, args.tokens, shape.dim, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
     g = torch.randn(1, args.tokens, shape.dim, device=device, generator=gen).to(torch.bfloat16)
-    built = {}
-    for impl in impls:
-        ctx = stock_layer_context("bf16", device) if IMPLS[impl].family == "stock" else contextlib.nullcontext()
-        with ctx:
-            built[impl] = build_layer(impl, "bf16", shape, device, seed=0).module
-
-    def step_fns(impl):
-        moe, params = built[impl], list(built[impl].parameters())
-
-        def before():
-            for q in params:
-                q.grad = None
-            x.grad = None
-
-        return (lambda: moe(x)), (lambda y: y.backward(g)), before
-
+    steps = {impl: layer_steps(impl, shape, device, x, g) for impl in impls}
     names = list(CONDITIONS)
     samples = {c: {i: {"fwd": [], "fwdbwd": [], "host_fwd": []} for i in impls} for c in names}
     clocks = {c: [] for c in names}
     for impl in impls:  # compile / autotune outside the timed rounds
-        fwd, bwd, before = step_fns(impl)
-        ctx = stock_layer_context("bf16", device) if IMPLS[impl].family == "stock" else contextlib.nullcontext()
-        with ctx:
-            time_fwd_bwd(fwd, bwd, device=device, iters=1, warmup=args.warmup, before_step=before)
+        st = steps[impl]
+        with st.context():
+            time_fwd_bwd(st.fwd, st.bwd, device=device, iters=1, warmup=args.warmup, before_step=st.before)
     for r in range(args.rounds):
         for cond in rotated(names, r):
             mode, gc_off = CONDITIONS[cond]
             sampler = PowerSampler(0, mode=mode) if mode else None
             with sampler if sampler is not None else contextlib.nullcontext():
                 for impl in (impls if r % 2 == 0 else impls[::-1]):
-                    fwd, bwd, before = step_fns(impl)
-                    ctx = (stock_layer_context("bf16", device) if IMPLS[impl].family == "stock"
-                           else contextlib.nullcontext())
-                    with ctx:
-                        s = time_fwd_bwd(fwd, bwd, device=device, iters=args.iters, warmup=1, before_step=before,
-                                         gc_off=gc_off)
+                    st = steps[impl]
+                    with st.context():
+                        s = time_fwd_bwd(st.fwd, st.bwd, device=device, iters=args.iters, warmup=1,
+                                         before_step=st.before, gc_off=gc_off)
                     for k in ("fwd", "fwdbwd", "host_fwd"):
                         samples[cond][impl][k] += s[k]
                 if sampler is not None and sampler.active:

@@ -505,3 +505,29 @@ def test_regress_layer_select_subset(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main([part, "--baseline", old, *args])
         assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("impl", ["tt-eager", "megamoe-reference"])
+def test_layer_steps_time_a_training_step_and_reset_grads(impl):
+    """compare.builders.layer_steps (the scripts' shared step callables): a forward returns the layer output, the
+    backward fills x's and the parameters' grads, before() clears them, in the implementation's context."""
+    from compare.builders import layer_steps
+    from compare.shapes import parse_shape
+
+    shape = parse_shape("custom:64,32,8,2")
+    dev = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 64, generator=g).requires_grad_()
+    grad = torch.randn(1, 16, 64, generator=g)
+    st = layer_steps(impl, shape, dev, x, grad, precision="fp32")
+    with st.context():
+        y = st.fwd()
+        assert y.shape == (1, 16, 64) and torch.isfinite(y).all()
+        st.bwd(y)
+        assert x.grad is not None and x.grad.abs().sum() > 0
+        s = timing.time_fwd_bwd(st.fwd, st.bwd, device=dev, iters=2, warmup=0, before_step=st.before, gc_off=True)
+    assert len(s["fwdbwd"]) == 2
+    st.before()
+    assert x.grad is None
+    with pytest.raises(KeyError):
+        layer_steps("tt-fast", shape, dev, x, grad)
