@@ -36,6 +36,7 @@ __all__ = [
     "stock_layer_context",
     "LayerSteps",
     "layer_steps",
+    "parse_impls",
 ]
 
 #: Precision choices. "fp32" is a CPU/debug choice (fp32 model, fp32 GEMMs; megamoe runs its
@@ -298,3 +299,16 @@ def layer_steps(impl: str, shape: LayerShape, device: torch.device, x: Tensor, g
         x.grad = None
 
     return LayerSteps(fwd=lambda: moe(x), bwd=lambda y: y.backward(grad), before=before, context=context)
+
+
+def parse_impls(text: str) -> list[str]:
+    """Comma list of implementation names (``IMPLS`` keys), empty items dropped.
+
+    Raises:
+        ValueError: a name not in ``IMPLS``, naming it and the allowed ones.
+    """
+    impls = [i.strip() for i in text.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; choose from {sorted(IMPLS)}")
+    return impls

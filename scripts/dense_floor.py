@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from compare.builders import IMPLS, LayerSteps, layer_steps  # noqa: E402
+from compare.builders import IMPLS, LayerSteps, layer_steps, parse_impls  # noqa: E402
 from compare.records import git_revision  # noqa: E402
 from compare.shapes import parse_shape  # noqa: E402
 from compare.timing import time_fwd_bwd  # noqa: E402
@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=1.7, help="speedup target over the stock row, for the table")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    impls = [i for i in args.impls.split(",") if i]
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        p.error(f"--impls: unknown {bad}; choose from {sorted(IMPLS)}")
+    try:
+        impls = parse_impls(args.impls)
+    except ValueError as err:
+        p.error(f"--impls: {err}")
     if not torch.cuda.is_available():
         print("dense_floor.py: needs a GPU", file=sys.stderr)
         return 2

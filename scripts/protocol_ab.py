@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from compare.builders import IMPLS, layer_steps  # noqa: E402
+from compare.builders import layer_steps, parse_impls  # noqa: E402
 from compare.power import PowerSampler  # noqa: E402
 from compare.records import git_revision  # noqa: E402
 from compare.shapes import parse_shape  # noqa: E402
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    impls = [i for i in args.impls.split(",") if i]
-    unknown = [i for i in impls if i not in IMPLS]
-    if unknown:
-        p.error(f"--impls: unknown {unknown}; choose from {sorted(IMPLS)}")
+    try:
+        impls = parse_impls(args.impls)
+    except ValueError as err:
+        p.error(f"--impls: {err}")
     if not torch.cuda.is_available():
         print("protocol_ab.py: needs a GPU", file=sys.stderr)
         return 2

@@ -531,3 +531,11 @@ def test_layer_steps_time_a_training_step_and_reset_grads(impl):
     assert x.grad is None
     with pytest.raises(KeyError):
         layer_steps("tt-fast", shape, dev, x, grad)
+
+
+def test_parse_impls_names_the_unknown_and_the_allowed():
+    from compare.builders import parse_impls
+
+    assert parse_impls(" tt-eager, ,megamoe-triton ") == ["tt-eager", "megamoe-triton"]
+    with pytest.raises(ValueError, match=r"\['tt-fast'\].*megamoe-reference"):
+        parse_impls("tt-eager,tt-fast")
