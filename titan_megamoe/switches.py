@@ -4,7 +4,7 @@ Why: on the H200 machines identical code differs by ~0.15 ms of device time from
 next (docs/NOTES.md, session 8), larger than most single changes measure, so a switch is best compared
 with itself in one process (``python -m compare.layer --switches FUSED_ROUTER=0``).
 
-Each switch is an environment variable (README, "Switches"). Some are read on every call (then setting
+Each switch is an environment variable (docs/SWITCHES.md). Some are read on every call (then setting
 the variable is enough); others are read once at import into a module attribute, and some of those
 feed ``functools.lru_cache``d config functions: :func:`override` sets the variable, the attributes and
 clears the caches, and restores all three on exit. Switches tied to state allocated once per process
