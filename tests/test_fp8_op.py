@@ -256,3 +256,38 @@ def test_megamoe_layer_fp8_matches_reference_layer_and_caches_per_step():
         fp8.experts.w1.mul_(0.5)
         fp8(x)
     assert (cache.misses, cache.hits) == (4, 2)
+
+
+def test_fp8_bwd_forward_lets_gemm1_pick_its_kernel(monkeypatch):
+    """Off the interpreter, "fp8_bwd"'s bf16 forward calls GEMM1 without a config, as the bf16 path does: an
+    explicit config turns off the Gluon GEMM1 (``grouped_gemm._launch_gemm1``), which the bf16 path runs on sm_90.
+    In the interpreter it passes the 128-wide interpreter blocks."""
+    import titan_megamoe.kernels.grouped_gemm as gg
+    import titan_megamoe.ops.fp8_backend as fb
+    from titan_megamoe.kernels.routing import build_routing_layout
+
+    seen = {}
+
+    def gemm1(x, w1, w3, layout, *, config=None, **kw):
+        seen["gemm1"] = config
+        N, (E, F, D) = layout.n_cap, w1.shape
+        return torch.full((N, 2 * F), 1.5, dtype=torch.bfloat16), torch.full((N, F), 0.5, dtype=torch.bfloat16)
+
+    def gemm2(h, w2, scores, layout, *, config=None, by_row=False, **kw):
+        seen["gemm2"] = config
+        return torch.full((scores.numel(), w2.shape[1]), 2.0, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(gg, "gemm1_swiglu_fwd", gemm1)
+    monkeypatch.setattr(gg, "gemm2_scatter_fwd", gemm2)
+    x, ids, s, w1, w2, w3, _ = [t.cpu() for t in _inputs("uniform", 37, 256, 128, 4, 2, torch.bfloat16)]
+    layout = build_routing_layout(ids, 4, fb.FP8_BLOCK_M)
+    for interp in (False, True):
+        monkeypatch.setattr(fb, "_interp", lambda interp=interp: interp)
+        seen.clear()
+        y, gate_up = fb.fp8_experts_fwd(x, s.float(), layout, w1, w2, w3, [], False, "layers.0.moe")
+        assert y.shape == (37 * 2, 256) and gate_up.shape == (layout.n_cap, 256)
+        if interp:
+            assert seen["gemm1"] is not None and seen["gemm1"].block_m == fb.FP8_BLOCK_M == 128
+        else:
+            assert seen["gemm1"] is None
+        assert seen["gemm2"].block_m == fb.FP8_BLOCK_M

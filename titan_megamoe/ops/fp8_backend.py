@@ -367,7 +367,9 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         NONFINITE.record(f"{layer_name} forward activations", count)
     else:
         bf = torch.bfloat16
-        c1 = dataclasses.replace(config_for("gemm1", D, F, interp), **bm)
+        # Off the interpreter the default config already has BM 128; passing none lets GEMM1 take the Gluon
+        # kernel of the bf16 path (bitwise the Triton kernel's output), which an explicit config turns off.
+        c1 = dataclasses.replace(config_for("gemm1", D, F, interp), **bm) if interp else None
         gate_up, h = gemm1_swiglu_fwd(x_rows.contiguous(), w1.to(bf).contiguous(), w3.to(bf).contiguous(), layout,
                                       config=c1)
         mark("gemm1")  # includes the bf16 casts of w1 / w3 (no-ops for bf16 weights)
