@@ -6,6 +6,8 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py check-fwd        # GEMM1 forward (gathered rows, SwiGLU), same checks
     python scripts/bench_ws_gemm.py bench-fwd [--out f]
     python scripts/bench_ws_gemm.py bench-g2d [--out f]  # GEMM2 dgrad (checks: tests/test_ws_gemm.py on a GPU)
+    python scripts/bench_ws_gemm.py bench-fwd-fp8 [--out f]  # blockwise-FP8 GEMM1 (kernels/ws_gemm_fp8.py) vs the
+                                                             # Triton FP8 GEMM1 (checks: tests/test_ws_gemm_fp8.py)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -301,9 +303,61 @@ def bench_g2d(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def bench_fwd_fp8(out_path: str | None, shapes: list[str]) -> int:
+    """Blockwise-FP8 GEMM1: the Triton kernel (bf16 h; and with h quantized in its epilogue, the FP8 forward's
+    default) vs the Gluon one at several configs (bf16 h, then the 1x128 pass over the live rows, timed apart)."""
+    import dataclasses
+
+    import triton
+
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+    from titan_megamoe.kernels.grouped_gemm_fp8 import gemm1_swiglu_fwd_fp8
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG, ws_gemm1_fwd_fp8
+    from titan_megamoe.ops.fp8_backend import _live_rows
+    from titan_megamoe.testing import make_routing
+
+    rows = []
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    for sh in shapes:
+        D, F = SHAPES[sh]
+        E, K, T = 128, 8, 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+        xq, xs = quantize_act_1x128(torch.randn(T, D, device="cuda", generator=g).bfloat16())
+        w1q, w1s = quantize_weight_128x128((torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16())
+        w3q, w3s = quantize_weight_128x128((torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16())
+        ops = (xq, xs, w1q, w1s, w3q, w3s, lay)
+        flops = 2 * T * K * 2 * F * D
+        n = int(lay.offsets[-1])
+
+        def row(kernel, ms, **extra):
+            rows.append(dict(shape=sh, kernel=kernel, ms=ms, tflops=flops / ms / 1e9, **extra))
+            print(json.dumps(rows[-1]), flush=True)
+
+        tgu, th = gemm1_swiglu_fwd_fp8(*ops)
+        row("triton gemm1_swiglu_fwd_fp8 (bf16 h)", bench(lambda: gemm1_swiglu_fwd_fp8(*ops, gate_up_out=tgu, h_out=th)))
+        row("triton gemm1_swiglu_fwd_fp8 quantize_h (the fp8 default)",
+            bench(lambda: gemm1_swiglu_fwd_fp8(*ops, quantize_h=True)))
+        live = _live_rows(lay)
+        ms_q = bench(lambda: quantize_act_1x128(th, live, 1))
+        rows.append(dict(shape=sh, kernel="quantize_act_1x128 of h (live rows)", ms=ms_q))
+        print(json.dumps(rows[-1]), flush=True)
+        for cfg in (FP8_FWD_CONFIG, dataclasses.replace(FP8_FWD_CONFIG, stages=4),
+                    dataclasses.replace(FP8_FWD_CONFIG, stages=6), dataclasses.replace(FP8_FWD_CONFIG, group_m=8)):
+            gu, h = ws_gemm1_fwd_fp8(*ops, cfg=cfg)
+            same = bool(torch.equal(gu[:n], tgu[:n]) and torch.equal(h[:n], th[:n]))
+            diff = float((gu[:n].float() - tgu[:n].float()).abs().max())
+            ms = bench(lambda: ws_gemm1_fwd_fp8(*ops, gate_up_out=gu, h_out=h, cfg=cfg))
+            row("gluon ws_gemm1_fwd_fp8", ms, cfg=repr(cfg), bitwise_triton=same, max_abs_diff_gate_up=diff,
+                ms_with_quant_h=ms + ms_q)
+    _write(out_path, "bench-fwd-fp8", rows)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d"])
+    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -316,6 +370,8 @@ def main(argv=None) -> int:
         return bench_fwd(a.out, a.shapes.split(","))
     if a.what == "bench-g2d":
         return bench_g2d(a.out, a.shapes.split(","))
+    if a.what == "bench-fwd-fp8":
+        return bench_fwd_fp8(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

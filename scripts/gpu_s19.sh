@@ -19,6 +19,11 @@
 #     --switches FP8_WGRAD=bf16 beside the FP8 wgrad and our bf16, same process.
 #   PART=i: the GPU tests of the FP8 GEMM2 dgrad's bf16 s*h rows and of FP8_WGRAD=bf16 (what the last ~100 s of the
 #     session's device time allow; PART h has the measurements).
+#   PART=j (written in session 19, no device lent then): the GPU tests of the Gluon blockwise-FP8 GEMM1
+#     (tests/test_ws_gemm_fp8.py) and of PART i, then scripts/bench_ws_gemm.py bench-fwd-fp8 (Triton vs Gluon FP8
+#     GEMM1, both shapes).
+#   PART=k / PART=l: compare.layer 30B (k) / 235B (l), megamoe bf16 / fp8 / fp8_bwd, with --switches FP8_WGRAD=bf16,
+#     WS_GEMM1_FP8=1 and both, same process (fp8_bwd's forward runs the Gluon bf16 GEMM1 since session 19).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -85,5 +90,20 @@ elif [ "$PART" = i ]; then
   timeout -s KILL 80 python3 -m pytest -v -rA tests/test_kernels_fp8_bwd.py tests/test_fp8_op.py \
     -k "hs_rows or wgrad_diagnosis" > "$OUT/keep/tests_gpu_i.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_i.log")"; grep -E "PASSED|FAILED|ERROR" "$OUT/keep/tests_gpu_i.log" | cut -c1-160 | head -12
+elif [ "$PART" = j ]; then
+  timeout -s KILL 200 python3 -m pytest -v -rA tests/test_ws_gemm_fp8.py tests/test_kernels_fp8_bwd.py tests/test_fp8_op.py \
+    -k "not compiles_for_sm90a and not builds_for_sm90a and (ws_gemm1_fwd_fp8 or hs_rows or wgrad_diagnosis or switched_on)" \
+    > "$OUT/keep/tests_gpu_j.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_j.log")"; grep -E "PASSED|FAILED|ERROR|^E " "$OUT/keep/tests_gpu_j.log" | cut -c1-160 | head -20
+  timeout 200 python3 scripts/bench_ws_gemm.py bench-fwd-fp8 --out "$OUT/keep/bench_ws_gemm1_fp8.json" \
+    > "$OUT/keep/bench_ws_gemm1_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-300 "$OUT/keep/bench_ws_gemm1_fp8.log" | tail -14
+elif [ "$PART" = k ] || [ "$PART" = l ]; then
+  shape=qwen3-30b-a3b; [ "$PART" = l ] && shape=qwen3-235b-a22b
+  timeout 500 python3 -m compare.layer --shapes $shape --impls megamoe-triton --precisions bf16,fp8,fp8_bwd \
+    --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --switches FP8_WGRAD=bf16 WS_GEMM1_FP8=1 FP8_WGRAD=bf16,WS_GEMM1_FP8=1 \
+    --out "$OUT/keep/layer_ep1_fp8_$PART.json" > "$OUT/keep/layer_fp8_$PART.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_fp8_$PART.log" | head -24
 fi
 session_pack "s19$PART"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     Returns:
         dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
         cp_async, shared (bytes), usage (cuobjdump register line or ""), loops (``scf.for`` ops in the
-        TTGIR: a flattened persistent kernel has one), wgmma_serialized (ptxas's C7514 / C7515 notes,
+        TTGIR: a flattened persistent kernel has one), wgmma_waits (the pending counts of the PTX's
+        ``wgmma.wait_group`` instructions, in order, as strings), wgmma_serialized (ptxas's C7514 / C7515 notes,
         "" if none: ptxas then waits for every wgmma before the next, whatever the kernel asked)).
 
     Triton does not apply a kernel's defaults here: give every constexpr in ``constexprs`` (a left-out
@@ -98,6 +100,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
     return dict(target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
                 tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
                 shared=ck.metadata.shared, usage=regs[0] if regs else "", loops=ck.asm["ttgir"].count("scf.for "),
+                wgmma_waits=re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
                 wgmma_serialized=_wgmma_serialized(ptx, maxnreg) if ptx.count("wgmma.mma_async") else "")
 
 

@@ -30,7 +30,8 @@ Kernels:
   (dgate, w1) then F / BK over (dup, w3), in the Triton kernel's order.
 * GEMM1 forward, gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T], h[r] = silu(gate) * up (the Triton kernel
   is ``grouped_gemm._gemm1_swiglu_fwd_kernel``; same output bit for bit): x rows gathered by cp.async,
-  w1 / w3 tiles by TMA, gate and up accumulated side by side, SwiGLU in the epilogue.
+  w1 / w3 tiles by TMA, gate and up accumulated side by side, SwiGLU in the epilogue. Its producer also feeds the
+  blockwise-FP8 GEMM1 of ``ws_gemm_fp8.py`` (e4m3 rows, BK = 128: the same 16-byte chunks per thread).
 
 Preconditions (``ws_gemm1_dgrad_supported`` / ``ws_gemm1_fwd_supported``): sm_90 GPU, Triton 3.6 with
 Gluon, a K block never straddling two experts' weight rows (F % BK == 0 for the dgrad, F % BN == 0 and
@@ -149,8 +150,9 @@ if HAVE_GLUON:
                        BK: gl.constexpr):
         """(pointers, mask) of the first BK columns of row tile ``pid_m``'s token rows of ``src`` (T, D), for a
         4-warp cp.async producer: row r holds src[row_pair[r] // TOPK], padding rows (pair -1) masked. 16-byte
-        chunks: 8 bf16 per thread along K, 8 threads per 64-column row, 4 rows per warp x 4 warps."""
-        gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        chunks, 8 threads per row (BK = 64 bf16 or BK = 128 e4m3: BK / 8 elements of 16 bytes per thread), 4
+        rows per warp x 4 warps."""
+        gather: gl.constexpr = gl.BlockedLayout([1, BK // 8], [4, 8], [4, 1], [1, 0])
         pair = gl.load(row_pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gather)))
         ok = pair >= 0
         tok = gl.where(ok, pair // TOPK, 0).to(gl.int64)  # int64: token * D overflows int32 for large token counts
@@ -703,15 +705,16 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple[int, ...]):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype = torch.bfloat16):
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 _CHECKED_DESCS: set = set()  # (shape, block, dtype) that TensorDescriptor's own checks have passed
 
 
 def _desc(t: Tensor, shape, block) -> "TensorDescriptor":
-    """Host TMA descriptor of the contiguous bf16 ``t`` viewed as ``shape``, tiles of ``block``.
+    """Host TMA descriptor of the contiguous bf16 (or e4m3) ``t`` viewed as ``shape``, tiles of ``block``.
 
     The first descriptor of each (shape, block, dtype) is built by ``TensorDescriptor`` with its checks (rank,
     16-byte strides and base, block shape, layout); later ones of the same key only re-check the base address
@@ -722,12 +725,12 @@ def _desc(t: Tensor, shape, block) -> "TensorDescriptor":
         strides[i] = strides[i + 1] * shape[i + 1]
     key = (tuple(shape), tuple(block), t.dtype)
     if key not in _CHECKED_DESCS or t.data_ptr() % 16:
-        d = TensorDescriptor(t, list(shape), strides, list(block), _smem_layout(tuple(block)))
+        d = TensorDescriptor(t, list(shape), strides, list(block), _smem_layout(tuple(block), t.dtype))
         _CHECKED_DESCS.add(key)
         return d
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape = t, list(shape), strides, list(block)
-    d.layout, d.padding = _smem_layout(tuple(block)), "zero"
+    d.layout, d.padding = _smem_layout(tuple(block), t.dtype), "zero"
     return d
 
 

@@ -54,6 +54,11 @@ FP8_BLOCK_M = 128
 #: Quantize h in GEMM1's epilogue (one pass less; BN = 128 at 16 warps) instead of a separate 1x128
 #: pass over a bf16 h (BN = 64 at 8 warps). Neither measured on a GPU yet: scripts/bench_fp8.py times both.
 FUSE_H_QUANT = True
+#: The "fp8" forward's GEMM1 by the warp-specialized Gluon FP8 kernel (``kernels/ws_gemm_fp8.py``: bf16 h, then the
+#: separate 1x128 pass) where it applies (sm_90, D and F multiples of 128), instead of the Triton kernel with h
+#: quantized in its epilogue. Opt-in (``TITAN_MEGAMOE_WS_GEMM1_FP8=1``): built for sm_90a, not yet run on a GPU.
+#: Read at import; a same-process switch.
+WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
@@ -305,7 +310,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
             is skipped (no ``quant_x`` mark); ``x_rows`` and ``x_rows_index`` are then not read (x_rows
             may be None). Bitwise the same results as quantizing the bf16 rows here.
         mark: called on the host after each pass is launched, with ``quant_x, gemm1, gemm2`` ("fp8";
-            ``quant_h`` after gemm1 when ``FUSE_H_QUANT`` is off; no ``quant_x`` with ``x_quantized``) or
+            ``quant_h`` after gemm1 when ``FUSE_H_QUANT`` is off or the Gluon GEMM1 ran (``WS_GEMM1_FP8``); no ``quant_x`` with ``x_quantized``) or
             ``gemm1, gemm2`` ("fp8_bwd"): the per-phase CUDA events of ``compare/ep_overlap.py``.
             Default: nothing (no effect on results).
 
@@ -329,6 +334,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         gemm1_swiglu_fwd_fp8,
         gemm2_scatter_fwd_fp8,
     )
+    from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm1_fwd_fp8, ws_gemm1_fwd_fp8_supported
 
     E, F, D = w1.shape
     interp = _interp()
@@ -350,7 +356,12 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
                                         name=f"{layer_name} x")
         if x_quantized is None:
             mark("quant_x")
-        if FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
+        if WS_GEMM1_FP8 and not interp and ws_gemm1_fwd_fp8_supported(xq, w1q) is None:
+            gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout)
+            mark("gemm1")
+            hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
+            mark("quant_h")
+        elif FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
             c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
                                                    nonfinite_count=count)

@@ -1,0 +1,178 @@
+"""The warp-specialized blockwise-FP8 GEMM1 (kernels/ws_gemm_fp8.py): sm_90a builds on the CPU machine (registers,
+shared memory, wgmma count and waits, no wgmma serialization by ptxas), its host-side errors, the opt-in switch's
+wiring in the FP8 forward, and on a GPU its results against the Triton FP8 kernel and an fp32 reference of the
+dequantized operands."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from _sm90 import sm90_result  # noqa: E402
+
+SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
+
+
+def _compile_sm90_all() -> list[dict]:
+    from titan_megamoe.kernels import ws_gemm_fp8 as W
+    from titan_megamoe.kernels.sm90_check import compile_sm90
+
+    out = []
+    for shape, (D, F) in SHAPES.items():
+        cfg = W.FP8_FWD_CONFIG
+        sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
+        r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"fwd_fp8_{shape}", **r))
+    return out
+
+
+@pytest.mark.parametrize("label", ["fwd_fp8_30b", "fwd_fp8_235b"])
+def test_ws_gemm1_fwd_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG
+
+    r = sm90_result(__file__, label)
+    assert r["target"], "PTX not built for sm_90a"
+    assert r["wgmma"] == 16, r  # two consumers x (gate, up) x 4 k32 steps of m64n64 e4m3
+    # per consumer and K block: wait for the gate partial with the up one in flight (1), then for the up one (0)
+    assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]
+    assert r["cp_async"] > 0 and r["tma"] > 0, "gathered rows by cp.async, weights by TMA"
+    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    assert r["shared"] >= FP8_FWD_CONFIG.smem_bytes(), (r["shared"], FP8_FWD_CONFIG.smem_bytes())
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # the cap, no spills
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+def _fp8_operands(T, E, K, D, F, routing, seed, device):
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import make_routing
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=seed).to(device), E, 128)
+    x = torch.randn(T, D, device=device, generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, device=device, generator=g) / D ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device=device, generator=g) / D ** 0.5).bfloat16()
+    xq, xs = R.quantize_act_1x128(x)
+    w1q, w1s = R.quantize_weight_128x128(w1)
+    w3q, w3s = R.quantize_weight_128x128(w3)
+    return lay, xq, xs, w1q, w1s, w3q, w3s
+
+
+def test_ws_gemm1_fwd_fp8_refuses_what_it_cannot_take(monkeypatch):
+    from titan_megamoe.kernels import ws_gemm_fp8 as W
+
+    lay, xq, xs, w1q, w1s, w3q, w3s = _fp8_operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="ws_gemm1_fwd_fp8: .*(sm_90|Gluon|Triton)"):
+            W.ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay)
+    monkeypatch.setattr(W, "_platform_reason", lambda t: None)  # past the platform: the shape checks
+    assert W.ws_gemm1_fwd_fp8_supported(xq, w1q) is None
+    assert "F % 128 == 0" in W.ws_gemm1_fwd_fp8_supported(xq, w1q[:, :64])
+    with pytest.raises(ValueError, match="x_scale must be a contiguous torch.float32"):
+        W.ws_gemm1_fwd_fp8(xq, xs.bfloat16(), w1q, w1s, w3q, w3s, lay)
+    with pytest.raises(ValueError, match="w3_fp8 must be a contiguous torch.float8_e4m3fn"):
+        W.ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q.float(), w3s, lay)
+    with pytest.raises(ValueError, match=r"w1_scale must be .* of shape \(4, 1, 2\)"):
+        W.ws_gemm1_fwd_fp8(xq, xs, w1q, w1s[:, :, :1].contiguous(), w3q, w3s, lay)
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    lay64 = build_routing_layout_torch(torch.randint(0, 4, (40, 2)), 4, 64)
+    with pytest.raises(ValueError, match="layout.block_m=64 != cfg.block_m=128"):
+        W.ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay64)
+
+
+def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
+    """``WS_GEMM1_FP8`` on, off the interpreter and on a supported case: the fp8 forward runs the Gluon GEMM1, then
+    the 1x128 pass over its bf16 h, then GEMM2 on that; off: the Triton GEMM1 with h quantized in its epilogue."""
+    import titan_megamoe.kernels.fp8_quant as Q
+    import titan_megamoe.kernels.grouped_gemm_fp8 as G8
+    import titan_megamoe.kernels.ws_gemm_fp8 as W
+    import titan_megamoe.ops.fp8_backend as fb
+    from titan_megamoe import switches
+
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_FP8"].default == "0"
+    lay, xq, xs, w1q, w1s, w3q, w3s = _fp8_operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
+    N, F = lay.n_cap, 128
+    calls = []
+
+    def quant(x, row_index=None, top_k=1, **kw):
+        calls.append(("quant", x.shape[0]))
+        return torch.zeros(x.shape, dtype=torch.float8_e4m3fn), torch.ones(x.shape[0], x.shape[1] // 128)
+
+    def ws(*a, **kw):
+        calls.append(("ws_gemm1",))
+        return torch.full((N, 2 * F), 0.5, dtype=torch.bfloat16), torch.full((N, F), 0.25, dtype=torch.bfloat16)
+
+    def triton_gemm1(*a, quantize_h=False, **kw):
+        calls.append(("triton_gemm1", quantize_h))
+        return (torch.full((N, 2 * F), 0.5, dtype=torch.bfloat16), torch.zeros((N, F), dtype=torch.float8_e4m3fn),
+                torch.ones(N, 1))
+
+    def gemm2(hq, hs, *a, **kw):
+        calls.append(("gemm2", hq.dtype))
+        return torch.full((80, 256), 1.0, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(Q, "quantize_act_1x128", quant)
+    monkeypatch.setattr(W, "ws_gemm1_fwd_fp8", ws)
+    monkeypatch.setattr(W, "ws_gemm1_fwd_fp8_supported", lambda x, w: None)
+    monkeypatch.setattr(G8, "gemm1_swiglu_fwd_fp8", triton_gemm1)
+    monkeypatch.setattr(G8, "gemm2_scatter_fwd_fp8", gemm2)
+    monkeypatch.setattr(fb, "_interp", lambda: False)
+    x = torch.randn(40, 256).bfloat16()
+    w = torch.randn(4, 128, 256).bfloat16()  # w1 / w3 (E, F, D): only their shape is read by the fp8 forward
+    wq = [None] * 6 + [w1q, w1s, w3q, w3s, torch.zeros(4, 256, 128, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)]
+    for on, want in ((True, [("quant", 40), ("ws_gemm1",), ("quant", N), ("gemm2", torch.float8_e4m3fn)]),
+                     (False, [("quant", 40), ("triton_gemm1", True), ("gemm2", torch.float8_e4m3fn)])):
+        calls.clear()
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1" if on else "0"}):
+            y, gate_up = fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True,
+                                            "layers.0.moe")
+        assert calls == want, (on, calls)
+        assert float(gate_up[0, 0]) == 0.5 and y.shape == (80, 256)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 256, "zero_expert"),
+    (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
+], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"])
+def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.grouped_gemm_fp8 import gemm1_swiglu_fwd_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm1_fwd_fp8
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import rel_err
+
+    T, E, K, D, F, routing = case
+    lay, xq, xs, w1q, w1s, w3q, w3s = _fp8_operands(T, E, K, D, F, routing, 3, "cuda")
+    gu = torch.full((lay.n_cap, 2 * F), float("nan"), device="cuda", dtype=torch.bfloat16)
+    h = torch.full((lay.n_cap, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, gate_up_out=gu, h_out=h)
+    tgu, th = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay)
+    n = int(lay.offsets[-1])
+    pair = lay.row_pair[:n].long()
+    valid = pair >= 0
+    assert not torch.isnan(gu[:n]).any() and not torch.isnan(h[:n]).any(), "live rows left unwritten"
+    assert (gu[:n][~valid] == 0).all() and (h[:n][~valid] == 0).all(), "padding rows must be zero"
+    # fp32 reference of the dequantized operands
+    x = R.dequantize_act_1x128(xq, xs)[pair.clamp_min(0) // K]
+    w1, w3 = R.dequantize_weight_128x128(w1q, w1s), R.dequantize_weight_128x128(w3q, w3s)
+    ref = torch.zeros(n, 2 * F, device="cuda")
+    off = lay.offsets.tolist()
+    for e in range(E):
+        a, b = off[e], off[e + 1]
+        ref[a:b] = torch.cat([x[a:b] @ w1[e].T, x[a:b] @ w3[e].T], 1)
+    ref[~valid] = 0
+    ref_h = ref[:, :F] * torch.sigmoid(ref[:, :F]) * ref[:, F:]
+    assert rel_err(gu[:n], ref) < 1e-2 and rel_err(h[:n], ref_h) < 1e-2
+    assert rel_err(gu[:n], tgu[:n]) < 1e-2 and rel_err(h[:n], th[:n]) < 1e-2
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile-sm90"]:
+        print(json.dumps(_compile_sm90_all()))
+    else:
+        raise SystemExit("usage: python tests/test_ws_gemm_fp8.py compile-sm90")

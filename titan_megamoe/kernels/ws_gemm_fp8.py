@@ -1,0 +1,304 @@
+"""Warp-specialized blockwise-FP8 GEMM1 (row gather + gate / up + SwiGLU) for Hopper, in Gluon.
+
+Why: the Triton FP8 GEMM1 (``grouped_gemm_fp8._gemm1_swiglu_fwd_fp8_kernel``) runs at 584 TF/s at the 30B shape on
+an H200 against 959 for ``torch._scaled_grouped_mm`` rowwise (``bench_fp8_1xh200_20261130.json``). Its per-K-block
+scale (DeepSeek-V3's promotion: a fresh fp32 partial per 128-wide K block, scaled, then added) makes Triton wait
+for every wgmma group before the next (``wgmma.wait_group 0`` each K step, both warpgroups in lockstep), so the
+tensor cores idle while the partials are scaled. Triton 3.6 keeps that wait even when the loop is software
+pipelined by hand (two partial sets: checked on the sm_90a build, docs/NOTES.md session 19).
+
+Design (DeepGEMM's FP8 GEMMs, in our own words, on the bf16 Gluon GEMM1 of ``ws_gemm.py``):
+
+* the same producer as the bf16 kernel (``ws_gemm._g1f_producer``): 4 warps gather the e4m3 x rows by cp.async
+  (128 bytes a row, zero-filled padding rows), one TMA issue per weight tile, ring of ``STAGES`` buffers;
+* two cooperative consumer warpgroups, each on 64 rows of every 128-row tile. Per K block of 128 a consumer
+  issues the gate and the up wgmma into fresh fp32 partials (``use_acc=False``), waits for the gate one only
+  (``num_outstanding=1``) and scales it into its accumulator while the up one still runs, then the up one.
+  The two warpgroups wait on their own wgmma groups, so while one scales, the other's MMAs keep the tensor
+  cores busy;
+* scales: each consumer loads its 64 rows' x scales (gathered by token) and the tile's two weight scales
+  (one 128 x 128 block each: BN divides 128) for step k before it waits for step k's operands;
+* SwiGLU epilogue and TMA stores as the bf16 kernel (gate, up and h as bf16; padding rows zero by a multiply).
+
+Math per row r (pair p = row_pair[r] >= 0, token t = p // K, expert e), identical to the Triton kernel's:
+``acc += dot(xq[t, kb], wq[e, :, kb]) * (x_scale[t, kb] * w_scale[e, n // 128, kb])`` over the K blocks kb,
+then gate_up[r] = [acc_gate | acc_up], h[r] = silu(gate) * up. The result matches the Triton kernel to fp32
+rounding (same partials; whether the compiler contracts the scale-add into an FMA may differ).
+
+Preconditions (``ws_gemm1_fwd_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, D % 128 == 0, F % 128 == 0,
+routing layout block 128, contiguous operands. h leaves as bf16: the 1x128 quantization of h for GEMM2 is a
+separate pass (a 64-column tile does not own a whole 128-column group).
+
+Status: built for sm_90a on the CPU machine (registers, shared memory, no wgmma serialization), **not yet run on a
+GPU**; opt-in (``TITAN_MEGAMOE_WS_GEMM1_FP8=1``) until its GPU tests and benchmark have run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.kernels.configs import _sm_count
+from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _tile_of
+
+__all__ = ["FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_fp8", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8WsConfig:
+    """Tile and pipeline of the FP8 GEMM1 (cooperative consumers; ``ws_gemm.WsConfig`` for the register budget).
+
+    Attributes:
+        block_m: BM rows per tile (= the routing layout's block_m); each consumer holds BM / 2 of them.
+        block_n: BN columns of gate and BN of up per tile (divides 128: one weight scale block per tile).
+            Each consumer holds four (BM / 2) x BN fp32 tiles (two accumulators, two partials): 128 registers per
+            thread at BN = 64.
+        stages: operand buffers in the ring: BM x 128 e4m3 rows + two BN x 128 weight tiles each (32 KiB at BN 64).
+        group_m: row tiles per L2 group of the tile order.
+        maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    stages: int = 5
+    group_m: int = 1
+    maxnreg: int = 168
+    producer_regs: int = 72
+    consumer_regs: int = 216
+    block_k: int = 128  # = the scale block; not a tunable
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the operand ring and the two bf16 epilogue tiles."""
+        ring = self.stages * (self.block_m + 2 * self.block_n) * self.block_k
+        return ring + 2 * (self.block_m // 2) * self.block_n * 2
+
+
+#: Default config (sm_90a build, both Qwen3 shapes: see tests/test_ws_gemm_fp8.py for registers and shared memory).
+FP8_FWD_CONFIG = Fp8WsConfig()
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
+                       a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
+                       F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
+        BMC: gl.constexpr = h_desc.block_type.shape[0]
+        BN: gl.constexpr = h_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KT: gl.constexpr = D // BK  # K blocks = x scale columns
+        NB: gl.constexpr = F // BK  # weight scale blocks along F
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            row0 = pid_m * BM + C * BMC
+            col0 = pid_n * BN
+            pair = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout))
+            ok = pair >= 0
+            # x scale row of each gathered token; padding rows read none (their partials are 0 x 0)
+            xs_row = xs_ptr + gl.where(ok, pair // TOPK, 0).to(gl.int64) * KT
+            e = gl.load(tile_expert_ptr + pid_m)
+            ws_off = (e * NB + col0 // BK) * KT
+            acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            p_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            p_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * KT
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                a_s = gl.load(xs_row + k, mask=ok, other=0.0)
+                s1 = gl.load(w1s_ptr + ws_off + k)
+                s3 = gl.load(w3s_ptr + ws_off + k)
+                mbarrier.wait(ready_a.index(s), ph)
+                mbarrier.wait(ready_b.index(s), ph)
+                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                p_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), p_g, use_acc=False, is_async=True)
+                p_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), p_u, use_acc=False, is_async=True)
+                p_g = warpgroup_mma_wait(num_outstanding=1, deps=(p_g,))
+                acc_g += p_g * gl.expand_dims(a_s * s1, 1)  # scaled under the up MMA
+                p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_u,))
+                mbarrier.arrive(empty.index(s), count=1)  # both MMAs of step k done: its buffers may be refilled
+                acc_u += p_u * gl.expand_dims(a_s * s3, 1)
+            # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas), SwiGLU in
+            # fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
+            vf = gl.expand_dims(ok.to(gl.float32), 1)
+            gate = acc_g * vf
+            up = acc_u * vf
+            tma.store_wait(pendings=0)
+            c_smem.store(gate.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+            h = gate / (1.0 + gl.exp(-gate)) * up
+            tma.store_wait(pendings=0)
+            c_smem.store(up.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store(h.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm1_fwd_fp8_ws_kernel(x_ptr, xs_ptr, w1_desc, w3_desc, w1s_ptr, w3s_ptr, gu_desc, h_desc, row_pair_ptr,
+                                 tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
+                                 TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                                 STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,)."""
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
+        b1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
+        b3_bufs = gl.allocate_shared_memory(w3_desc.dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
+        c0 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
+        c1 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        gl.warp_specialize([
+            (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
+                              E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
+                              STAGES)),
+            (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
+                              E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
+                              STAGES)),
+            (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                             b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def ws_gemm1_fwd_fp8_supported(x_fp8: Tensor, w1_fp8: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG) -> str | None:
+    """None if the warp-specialized FP8 GEMM1 can take these operands, else why not."""
+    reason = _platform_reason(x_fp8)
+    if reason:
+        return reason
+    E, F, D = w1_fp8.shape
+    if F % cfg.block_k or D % cfg.block_k or cfg.block_k % cfg.block_n:
+        return (f"needs F % {cfg.block_k} == 0, D % {cfg.block_k} == 0 and block_n dividing {cfg.block_k} "
+                f"(F={F}, D={D}, block_n={cfg.block_n})")
+    return None
+
+
+def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != dev:
+        raise ValueError(f"ws_gemm1_fwd_fp8: {name} must be a contiguous {dtype} tensor of shape {shape} on {dev}; got "
+                         f"{t.dtype} {tuple(t.shape)} {'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
+
+
+def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
+                     w3_scale: Tensor, layout, *, gate_up_out: Tensor | None = None, h_out: Tensor | None = None,
+                     cfg: Fp8WsConfig = FP8_FWD_CONFIG, programs: int | None = None) -> tuple[Tensor, Tensor]:
+    """Blockwise-FP8 GEMM1 (gate and up) with the row gather and SwiGLU, by the warp-specialized Gluon kernel.
+
+    Same contract as ``grouped_gemm_fp8.gemm1_swiglu_fwd_fp8`` with bf16 outputs and ``quantize_h=False``: for each
+    padded row r with pair p = row_pair[r] >= 0, t = p // K, e = tile_expert[r // BM], with the dequantized
+    operands, gate_up[r] = [xq[t] @ w1q[e].T | xq[t] @ w3q[e].T] and h[r] = silu(gate) * up (fp32, then bf16); each
+    128-wide K block a separate fp32 partial, scaled, accumulated in fp32 (DeepSeek-V3's recipe). Padding rows of
+    live tiles are zeros; tiles past offsets[E] are not written.
+
+    Args:
+        x_fp8: (T, D) float8_e4m3fn token rows; x_scale: (T, D // 128) fp32, one per token per 128 channels.
+        w1_fp8, w3_fp8: (E, F, D) float8_e4m3fn; w1_scale, w3_scale: (E, F // 128, D // 128) fp32, one per
+            128 x 128 block.
+        layout: the routing layout of these T, K, E (block_m 128).
+        gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 contiguous outputs.
+        programs: persistent grid size (default: the SM count).
+
+    Returns:
+        (gate_up (N_cap, 2F) bf16, h (N_cap, F) bf16).
+
+    Raises:
+        ValueError: an unsupported case (``ws_gemm1_fwd_fp8_supported``'s reason: no sm_90 GPU, dims not multiples
+            of 128), a layout with another block_m, or an operand of another shape, dtype, layout or device.
+    """
+    reason = ws_gemm1_fwd_fp8_supported(x_fp8, w1_fp8, cfg)
+    if reason:
+        raise ValueError(f"ws_gemm1_fwd_fp8: {reason}")
+    E, F, D = w1_fp8.shape
+    T, dev, bk = x_fp8.shape[0], x_fp8.device, cfg.block_k
+    _check("x_fp8", x_fp8, (T, D), FP8, dev)
+    _check("x_scale", x_scale, (T, D // bk), torch.float32, dev)
+    for name, w, s in (("w1", w1_fp8, w1_scale), ("w3", w3_fp8, w3_scale)):
+        _check(f"{name}_fp8", w, (E, F, D), FP8, dev)
+        _check(f"{name}_scale", s, (E, F // bk, D // bk), torch.float32, dev)
+    if layout.block_m != cfg.block_m:
+        raise ValueError(f"ws_gemm1_fwd_fp8: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build "
+                         f"the routing layout with block_m {cfg.block_m})")
+    n_cap = layout.n_cap
+    gu = torch.empty((n_cap, 2 * F), dtype=torch.bfloat16, device=dev) if gate_up_out is None else gate_up_out
+    h = torch.empty((n_cap, F), dtype=torch.bfloat16, device=dev) if h_out is None else h_out
+    _check("gate_up_out", gu, (n_cap, 2 * F), torch.bfloat16, dev)
+    _check("h_out", h, (n_cap, F), torch.bfloat16, dev)
+    if layout.n_tiles_cap == 0:
+        return gu, h
+    return launch_gemm1_fwd_fp8(x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout, gu, h, cfg, programs)
+
+
+def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
+                         w3_scale: Tensor, layout, gu: Tensor, h: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG,
+                         programs: int | None = None) -> tuple[Tensor, Tensor]:
+    """``ws_gemm1_fwd_fp8`` without its checks, for a caller that has made them; returns (gu, h)."""
+    E, F, D = w1_fp8.shape
+    n_cap, dev = layout.n_cap, x_fp8.device
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    w1_desc = _desc(w1_fp8, (E * F, D), (bn, bk))
+    w3_desc = _desc(w3_fp8, (E * F, D), (bn, bk))
+    gu_desc = _desc(gu, (n_cap, 2 * F), (bm // 2, bn))
+    h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
+    num_n = F // bn
+    if programs is None:
+        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
+           x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
+           layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
+           cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+    return gu, h
+
+
+def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_gemm1_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+
+    def desc(block, dtype, name):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
+
+    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_desc": desc([bn, bk], gl.float8e4nv, "fp8e4nv"),
+           "w3_desc": desc([bn, bk], gl.float8e4nv, "fp8e4nv"), "w1s_ptr": "*fp32", "w3s_ptr": "*fp32",
+           "gu_desc": desc([bm // 2, bn], gl.bfloat16, "bf16"), "h_desc": desc([bm // 2, bn], gl.bfloat16, "bf16"),
+           "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
+    cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+    return sig, cx
