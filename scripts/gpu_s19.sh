@@ -22,8 +22,8 @@
 #   PART=j (written in session 19, no device lent then): the GPU tests of the Gluon blockwise-FP8 GEMM1
 #     (tests/test_ws_gemm_fp8.py) and of PART i, then scripts/bench_ws_gemm.py bench-fwd-fp8 (Triton vs Gluon FP8
 #     GEMM1, both shapes).
-#   PART=k / PART=l: compare.layer 30B (k) / 235B (l), megamoe bf16 / fp8 / fp8_bwd, with --switches FP8_WGRAD=bf16,
-#     WS_GEMM1_FP8=1 and both, same process (fp8_bwd's forward runs the Gluon bf16 GEMM1 since session 19).
+#   PART=k: compare.layer 30B, megamoe bf16 / fp8 / fp8_bwd, with --switches FP8_WGRAD=bf16, WS_GEMM1_FP8=1 and
+#     both, same process (fp8_bwd's forward runs the Gluon bf16 GEMM1 since session 19). PART=l: 235B, both switches.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -98,12 +98,16 @@ elif [ "$PART" = j ]; then
   timeout 200 python3 scripts/bench_ws_gemm.py bench-fwd-fp8 --out "$OUT/keep/bench_ws_gemm1_fp8.json" \
     > "$OUT/keep/bench_ws_gemm1_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-300 "$OUT/keep/bench_ws_gemm1_fp8.log" | tail -14
-elif [ "$PART" = k ] || [ "$PART" = l ]; then
-  shape=qwen3-30b-a3b; [ "$PART" = l ] && shape=qwen3-235b-a22b
-  timeout 500 python3 -m compare.layer --shapes $shape --impls megamoe-triton --precisions bf16,fp8,fp8_bwd \
+elif [ "$PART" = k ]; then
+  timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions bf16,fp8,fp8_bwd \
     --routings random --iters 20 --warmup 5 --device-time --no-plot \
     --switches FP8_WGRAD=bf16 WS_GEMM1_FP8=1 FP8_WGRAD=bf16,WS_GEMM1_FP8=1 \
-    --out "$OUT/keep/layer_ep1_fp8_$PART.json" > "$OUT/keep/layer_fp8_$PART.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_fp8_$PART.log" | head -24
+    --out "$OUT/keep/layer_ep1_fp8_k.json" > "$OUT/keep/layer_fp8_k.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer 30b rc $?"; grep "^|" "$OUT/keep/layer_fp8_k.log" | head -24
+elif [ "$PART" = l ]; then
+  timeout 330 python3 -m compare.layer --shapes qwen3-235b-a22b --impls megamoe-triton --precisions bf16,fp8,fp8_bwd \
+    --routings random --iters 12 --warmup 3 --device-time --no-plot --switches FP8_WGRAD=bf16,WS_GEMM1_FP8=1 \
+    --out "$OUT/keep/layer_ep1_fp8_l.json" > "$OUT/keep/layer_fp8_l.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer 235b rc $?"; grep "^|" "$OUT/keep/layer_fp8_l.log" | head -24
 fi
 session_pack "s19$PART"
