@@ -313,7 +313,7 @@ def bench_fwd_fp8(out_path: str | None, shapes: list[str]) -> int:
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
     from titan_megamoe.kernels.grouped_gemm_fp8 import gemm1_swiglu_fwd_fp8
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CAT_CONFIG, FP8_FWD_CONFIG, ws_gemm1_fwd_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG, ws_gemm1_fwd_fp8
     from titan_megamoe.ops.fp8_backend import _live_rows
     from titan_megamoe.testing import make_routing
 
@@ -343,8 +343,8 @@ def bench_fwd_fp8(out_path: str | None, shapes: list[str]) -> int:
         ms_q = bench(lambda: quantize_act_1x128(th, live, 1))
         rows.append(dict(shape=sh, kernel="quantize_act_1x128 of h (live rows)", ms=ms_q))
         print(json.dumps(rows[-1]), flush=True)
-        for cfg in (FP8_FWD_CONFIG, FP8_FWD_CAT_CONFIG, dataclasses.replace(FP8_FWD_CAT_CONFIG, stages=3),
-                    dataclasses.replace(FP8_FWD_CAT_CONFIG, group_m=8)):
+        for cfg in (FP8_FWD_CONFIG, dataclasses.replace(FP8_FWD_CONFIG, stages=4),
+                    dataclasses.replace(FP8_FWD_CONFIG, stages=6), dataclasses.replace(FP8_FWD_CONFIG, group_m=8)):
             gu, h = ws_gemm1_fwd_fp8(*ops, cfg=cfg)
             same = bool(torch.equal(gu[:n], tgu[:n]) and torch.equal(h[:n], th[:n]))
             diff = float((gu[:n].float() - tgu[:n].float()).abs().max())

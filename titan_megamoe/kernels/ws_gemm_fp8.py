@@ -55,11 +55,9 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy
+    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _tile_of
 
-    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _gathered_rows, _num_tiles, _tile_of
-
-__all__ = ["FP8_FWD_CAT_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_fp8", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
+__all__ = ["FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_fp8", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -76,9 +74,6 @@ class Fp8WsConfig:
         stages: operand buffers in the ring: BM x 128 e4m3 rows + two BN x 128 weight tiles each (32 KiB at BN 64).
         group_m: row tiles per L2 group of the tile order.
         maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split.
-        cat: gate and up in one m64n(2 BN) wgmma per K block (``_gemm1_fwd_fp8_cat_ws_kernel``: the x rows read
-            from shared memory once per block, not twice; the next block's MMA issued before this block's partial
-            is scaled; the epilogue splits gate from up through 64 KB of fp32 shared memory) instead of two m64nBN.
     """
 
     block_m: int = 128
@@ -88,21 +83,16 @@ class Fp8WsConfig:
     maxnreg: int = 168
     producer_regs: int = 72
     consumer_regs: int = 216
-    cat: bool = False
     block_k: int = 128  # = the scale block; not a tunable
 
     def smem_bytes(self) -> int:
-        """Shared memory of the operand ring, the two bf16 epilogue tiles and (cat) the two fp32 split tiles."""
+        """Shared memory of the operand ring and the two bf16 epilogue tiles."""
         ring = self.stages * (self.block_m + 2 * self.block_n) * self.block_k
-        split = 2 * (self.block_m // 2) * (2 * self.block_n) * 4 if self.cat else 0
-        return ring + 2 * (self.block_m // 2) * self.block_n * 2 + split
+        return ring + 2 * (self.block_m // 2) * self.block_n * 2
 
 
 #: Default config (sm_90a build, both Qwen3 shapes: see tests/test_ws_gemm_fp8.py for registers and shared memory).
 FP8_FWD_CONFIG = Fp8WsConfig()
-#: The gate | up variant (``cat``): 4 stages fit 227 KB beside the split tiles; 224 / 56 registers: no spills
-#: (216 / 72 spilled 8 bytes at 4 stages).
-FP8_FWD_CAT_CONFIG = Fp8WsConfig(stages=4, cat=True, consumer_regs=224, producer_regs=56)
 
 
 if HAVE_GLUON:
@@ -208,170 +198,6 @@ if HAVE_GLUON:
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-if HAVE_GLUON:
-
-    @gluon.jit
-    def _cat_scales(xs_row, ok, w1s_ptr, w3s_ptr, ws_off, k):
-        """Row scales of K block k's gate and up partials: each row's x scale times w1's / w3's block scale."""
-        a_s = gl.load(xs_row + k, mask=ok, other=0.0)
-        return a_s * gl.load(w1s_ptr + ws_off + k), a_s * gl.load(w3s_ptr + ws_off + k)
-
-    @gluon.jit
-    def _cat_a(a_bufs, ready_a, ready_b, idx, C: gl.constexpr, BMC: gl.constexpr, STAGES: gl.constexpr):
-        """This consumer's rows of ring slot idx, once its operands have landed."""
-        s = idx % STAGES
-        mbarrier.wait(ready_a.index(s), (idx // STAGES) & 1)
-        mbarrier.wait(ready_b.index(s), (idx // STAGES) & 1)
-        fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
-        return a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-
-    @gluon.jit
-    def _g1f8cat_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                          a_bufs, b_bufs, ready_a, ready_b, empty, c_smem, e_smem, C: gl.constexpr, D: gl.constexpr,
-                          F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                          STAGES: gl.constexpr):
-        # As _g1f8_consumer, but gate and up in one m64n(2 BN) wgmma per K block (the w1 and w3 tiles side by side in
-        # one buffer): the x rows are read from shared memory once per K block instead of twice. The partial of K
-        # block k is scaled while the wgmma of block k + 1 runs (two partial register sets, alternate blocks).
-        BMC: gl.constexpr = h_desc.block_type.shape[0]
-        BN: gl.constexpr = h_desc.block_type.shape[1]
-        BM: gl.constexpr = a_bufs.type.shape[1]
-        BK: gl.constexpr = a_bufs.type.shape[2]
-        KT: gl.constexpr = D // BK
-        NB: gl.constexpr = F // BK
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, 2 * BN, 32])
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        is_gate = gl.expand_dims(gl.arange(0, 2 * BN, layout=col_layout) < BN, 0)  # (1, 2BN): gate | up columns
-        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
-            row0 = pid_m * BM + C * BMC
-            col0 = pid_n * BN
-            pair = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout))
-            ok = pair >= 0
-            xs_row = xs_ptr + gl.where(ok, pair // TOPK, 0).to(gl.int64) * KT
-            e = gl.load(tile_expert_ptr + pid_m)
-            ws_off = (e * NB + col0 // BK) * KT
-            acc = gl.zeros((BMC, 2 * BN), dtype=gl.float32, layout=mma_layout)
-            p0 = gl.zeros((BMC, 2 * BN), dtype=gl.float32, layout=mma_layout)
-            p1 = gl.zeros((BMC, 2 * BN), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * KT
-            # K blocks alternate between the partials p0 / p1; each block's MMA is issued before the previous block's
-            # partial is scaled. The K loop is unrolled (KT is a constexpr): an MMA in flight across a loop back-edge
-            # made ptxas serialize every wgmma (C7515).
-            for k in gl.static_range(KT):
-                idx = idx0 + k
-                a = _cat_a(a_bufs, ready_a, ready_b, idx, C, BMC, STAGES)
-                b = b_bufs.index(idx % STAGES).permute((1, 0))
-                if k % 2 == 0:
-                    p0 = warpgroup_mma(a, b, p0, use_acc=False, is_async=True)
-                    g0, u0 = _cat_scales(xs_row, ok, w1s_ptr, w3s_ptr, ws_off, k)
-                    if k > 0:
-                        p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
-                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-                        acc += p1 * gl.where(is_gate, gl.expand_dims(g1, 1), gl.expand_dims(u1, 1))
-                else:
-                    p1 = warpgroup_mma(a, b, p1, use_acc=False, is_async=True)
-                    g1, u1 = _cat_scales(xs_row, ok, w1s_ptr, w3s_ptr, ws_off, k)
-                    p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-                    acc += p0 * gl.where(is_gate, gl.expand_dims(g0, 1), gl.expand_dims(u0, 1))
-            last = idx0 + KT - 1
-            if KT % 2 == 0:
-                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-                acc += p1 * gl.where(is_gate, gl.expand_dims(g1, 1), gl.expand_dims(u1, 1))
-            else:
-                p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
-                acc += p0 * gl.where(is_gate, gl.expand_dims(g0, 1), gl.expand_dims(u0, 1))
-            mbarrier.arrive(empty.index(last % STAGES), count=1)
-            # gate and up columns apart through shared memory (fp32), read back in the layout of a BN-wide tile
-            vf = gl.expand_dims(ok.to(gl.float32), 1)
-            e_smem.store(acc * vf)
-            half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                  instr_shape=[16, BN, 32])
-            gate = e_smem.slice(0, BN, dim=1).load(half_layout)
-            up = e_smem.slice(BN, BN, dim=1).load(half_layout)
-            tma.store_wait(pendings=0)
-            c_smem.store(gate.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
-            h = gate / (1.0 + gl.exp(-gate)) * up
-            tma.store_wait(pendings=0)
-            c_smem.store(up.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store(h.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
-    def _g1f8cat_producer(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
-                          ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
-                          NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        # ws_gemm._g1f_producer with the w1 and w3 tiles landing side by side in one (2 BN, BK) buffer
-        BM: gl.constexpr = a_bufs.type.shape[1]
-        BK: gl.constexpr = a_bufs.type.shape[2]
-        BN: gl.constexpr = w1_desc.block_type.shape[0]
-        KT: gl.constexpr = D // BK
-        nbytes: gl.constexpr = 2 * w1_desc.block_type.nbytes
-        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        idx = 0
-        for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
-            e = gl.load(tile_expert_ptr + pid_m)
-            ptrs, mask = _gathered_rows(x_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
-            w_row = e * F + pid_n * BN
-            for k in range(KT):
-                s = idx % STAGES
-                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
-                async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k * BK, mask=mask)  # padding: zeros
-                async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)  # one arrival per thread
-                bar = ready_b.index(s)
-                mbarrier.expect(bar, nbytes)
-                b = b_bufs.index(s)
-                tma.async_copy_global_to_shared(w1_desc, [w_row, k * BK], bar, b.slice(0, BN, dim=0))
-                tma.async_copy_global_to_shared(w3_desc, [w_row, k * BK], bar, b.slice(BN, BN, dim=0))
-                idx += 1
-
-    @gluon.jit
-    def _gemm1_fwd_fp8_cat_ws_kernel(x_ptr, xs_ptr, w1_desc, w3_desc, w1s_ptr, w3s_ptr, gu_desc, h_desc, row_pair_ptr,
-                                     tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
-                                     TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                                     STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """``_gemm1_fwd_fp8_ws_kernel`` with gate and up in one wgmma per K block (``_g1f8cat_consumer``)."""
-        BN: gl.constexpr = w1_desc.block_type.shape[0]
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
-        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
-        b_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, 2 * BN, BK], w1_desc.layout)
-        c0 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
-        c1 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
-        e_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        e0 = gl.allocate_shared_memory(gl.float32, [BM // 2, 2 * BN], e_layout)
-        e1 = gl.allocate_shared_memory(gl.float32, [BM // 2, 2 * BN], e_layout)
-        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready_a.index(i), count=128)
-            mbarrier.init(ready_b.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        gl.warp_specialize([
-            (_g1f8cat_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
-                                 E, a_bufs, b_bufs, ready_a, ready_b, empty, c0, e0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                                 STAGES)),
-            (_g1f8cat_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
-                                 E, a_bufs, b_bufs, ready_a, ready_b, empty, c1, e1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                                 STAGES)),
-            (_g1f8cat_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
-                                 b_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-
-
 def ws_gemm1_fwd_fp8_supported(x_fp8: Tensor, w1_fp8: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG) -> str | None:
     """None if the warp-specialized FP8 GEMM1 can take these operands, else why not."""
     reason = _platform_reason(x_fp8)
@@ -454,7 +280,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     if programs is None:
         programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     programs = max(1, min(programs, layout.n_tiles_cap * num_n))
-    launch(_gemm1_fwd_fp8_cat_ws_kernel if cfg.cat else _gemm1_fwd_fp8_ws_kernel, (programs,),
+    launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
            cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
