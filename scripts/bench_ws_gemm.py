@@ -8,6 +8,7 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py bench-g2d [--out f]  # GEMM2 dgrad (checks: tests/test_ws_gemm.py on a GPU)
     python scripts/bench_ws_gemm.py bench-fwd-fp8 [--out f]  # blockwise-FP8 GEMM1 (kernels/ws_gemm_fp8.py) vs the
                                                              # Triton FP8 GEMM1 (checks: tests/test_ws_gemm_fp8.py)
+    python scripts/bench_ws_gemm.py bench-dgrad-fp8 [--out f]  # FP8 GEMM1 dgrad, Gluon vs Triton (same checks file)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -355,9 +356,52 @@ def bench_fwd_fp8(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def bench_dgrad_fp8(out_path: str | None, shapes: list[str]) -> int:
+    """Blockwise-FP8 GEMM1 dgrad: the Triton kernel vs the Gluon one (kernels/ws_gemm_fp8.py) at several configs."""
+    import dataclasses
+
+    import triton
+
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm1_dgrad_fp8
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm_fp8 import DGRAD_FP8_CONFIG, ws_gemm1_dgrad_fp8
+    from titan_megamoe.testing import make_routing
+
+    rows = []
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    for sh in shapes:
+        D, F = SHAPES[sh]
+        E, K, T = 128, 8, 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+        dq, ds = quantize_act_1x128(torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g).bfloat16())
+        w1t = (torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16()
+        w3t = (torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16()
+        ops = (dq, ds, *quantize_weight_128x128(w1t), *quantize_weight_128x128(w3t), lay)
+        flops = 2 * T * K * 2 * F * D
+        n = int(lay.offsets[-1])
+        tdx = gemm1_dgrad_fp8(*ops)
+        ms = bench(lambda: gemm1_dgrad_fp8(*ops))
+        rows.append(dict(shape=sh, kernel="triton gemm1_dgrad_fp8 (default config)", ms=ms, tflops=flops / ms / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+        for cfg in (DGRAD_FP8_CONFIG, dataclasses.replace(DGRAD_FP8_CONFIG, stages=4),
+                    dataclasses.replace(DGRAD_FP8_CONFIG, stages=6), dataclasses.replace(DGRAD_FP8_CONFIG, group_m=1)):
+            dx = ws_gemm1_dgrad_fp8(*ops, cfg=cfg)
+            same = bool(torch.equal(dx[:n], tdx[:n]))
+            diff = float((dx[:n].float() - tdx[:n].float()).abs().max())
+            ms = bench(lambda: ws_gemm1_dgrad_fp8(*ops, out=dx, cfg=cfg))
+            rows.append(dict(shape=sh, kernel="gluon ws_gemm1_dgrad_fp8", cfg=repr(cfg), ms=ms, tflops=flops / ms / 1e9,
+                             bitwise_triton=same, max_abs_diff=diff))
+            print(json.dumps(rows[-1]), flush=True)
+    _write(out_path, "bench-dgrad-fp8", rows)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8"])
+    p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
+                                      "bench-dgrad-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -372,6 +416,8 @@ def main(argv=None) -> int:
         return bench_g2d(a.out, a.shapes.split(","))
     if a.what == "bench-fwd-fp8":
         return bench_fwd_fp8(a.out, a.shapes.split(","))
+    if a.what == "bench-dgrad-fp8":
+        return bench_dgrad_fp8(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

@@ -24,6 +24,7 @@
 #     GEMM1, both shapes).
 #   PART=k: compare.layer 30B, megamoe bf16 / fp8 / fp8_bwd, with --switches FP8_WGRAD=bf16, WS_GEMM1_FP8=1 and
 #     both, same process (fp8_bwd's forward runs the Gluon bf16 GEMM1 since session 19). PART=l: 235B, both switches.
+#   PART=m: the Gluon FP8 GEMM1 dgrad: GPU tests, bench-dgrad-fp8, compare.layer fp8 both shapes with it switched on.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -98,6 +99,17 @@ elif [ "$PART" = j ]; then
   timeout 200 python3 scripts/bench_ws_gemm.py bench-fwd-fp8 --out "$OUT/keep/bench_ws_gemm1_fp8.json" \
     > "$OUT/keep/bench_ws_gemm1_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-300 "$OUT/keep/bench_ws_gemm1_fp8.log" | tail -14
+elif [ "$PART" = m ]; then
+  timeout -s KILL 150 python3 -m pytest -v -rA tests/test_ws_gemm_fp8.py -k "dgrad and not builds_for_sm90a" \
+    > "$OUT/keep/tests_gpu_m.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_m.log")"; grep -E "FAILED|ERROR|^E " "$OUT/keep/tests_gpu_m.log" | cut -c1-200 | head -12 || true
+  timeout 150 python3 scripts/bench_ws_gemm.py bench-dgrad-fp8 --out "$OUT/keep/bench_ws_gemm1_dgrad_fp8.json" \
+    > "$OUT/keep/bench_ws_gemm1_dgrad_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-300 "$OUT/keep/bench_ws_gemm1_dgrad_fp8.log" | tail -12
+  timeout 200 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls megamoe-triton --precisions fp8 \
+    --routings random --iters 15 --warmup 3 --device-time --no-plot --switches WS_GEMM1_DGRAD_FP8=1 \
+    WS_GEMM1_DGRAD_FP8=1,WS_GEMM1_FP8=1 --out "$OUT/keep/layer_ep1_fp8_m.json" > "$OUT/keep/layer_fp8_m.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_fp8_m.log" | head -10
 elif [ "$PART" = k ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions bf16,fp8,fp8_bwd \
     --routings random --iters 20 --warmup 5 --device-time --no-plot \

@@ -24,6 +24,10 @@ def _compile_sm90_all() -> list[dict]:
         sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
         r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"fwd_fp8_{shape}", **r))
+        cfg = W.DGRAD_FP8_CONFIG
+        sig, cx = W.sm90_compile_args_dgrad_fp8(cfg, D, F)
+        r = compile_sm90(W._gemm1_dgrad_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"dgrad_fp8_{shape}", **r))
     return out
 
 
@@ -41,6 +45,20 @@ def test_ws_gemm1_fwd_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert r["shared"] >= FP8_FWD_CONFIG.smem_bytes(), (r["shared"], FP8_FWD_CONFIG.smem_bytes())
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # the cap, no spills
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("label", ["dgrad_fp8_30b", "dgrad_fp8_235b"])
+def test_ws_gemm1_dgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+
+    r = sm90_result(__file__, label)
+    assert r["target"], "PTX not built for sm_90a"
+    assert r["wgmma"] == 32, r  # two consumers x two halves of 2F x (lo, hi) x 4 k32 steps of m64n64
+    assert r["wgmma_waits"] == ["1", "0"] * 4, r["wgmma_waits"]  # the lo partial scaled under the hi MMA
+    assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
+    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
@@ -169,6 +187,95 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     ref_h = ref[:, :F] * torch.sigmoid(ref[:, :F]) * ref[:, F:]
     assert rel_err(gu[:n], ref) < 1e-2 and rel_err(h[:n], ref_h) < 1e-2
     assert rel_err(gu[:n], tgu[:n]) < 1e-2 and rel_err(h[:n], th[:n]) < 1e-2
+
+
+
+def _dgrad_operands(T, E, K, D, F, routing, seed, device):
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import make_routing
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=seed).to(device), E, 128)
+    dgu = torch.randn(lay.n_cap, 2 * F, device=device, generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, device=device, generator=g) / F ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device=device, generator=g) / F ** 0.5).bfloat16()
+    dq, ds = R.quantize_act_1x128(dgu)
+    w1q, w1s = R.quantize_weight_128x128(w1.transpose(1, 2).contiguous())
+    w3q, w3s = R.quantize_weight_128x128(w3.transpose(1, 2).contiguous())
+    return lay, dq, ds, w1q, w1s, w3q, w3s
+
+
+def test_ws_gemm1_dgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
+    from titan_megamoe.kernels import ws_gemm_fp8 as W
+
+    lay, dq, ds, w1q, w1s, w3q, w3s = _dgrad_operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="ws_gemm1_dgrad_fp8: .*(sm_90|Gluon|Triton)"):
+            W.ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay)
+    monkeypatch.setattr(W, "_platform_reason", lambda t: None)
+    assert W.ws_gemm1_dgrad_fp8_supported(dq, w1q) is None
+    assert "D % 128 == 0" in W.ws_gemm1_dgrad_fp8_supported(dq, w1q[:, :64].contiguous())
+    with pytest.raises(ValueError, match="ws_gemm1_dgrad_fp8: dgu_scale must be"):
+        W.ws_gemm1_dgrad_fp8(dq, ds[:, :1].contiguous(), w1q, w1s, w3q, w3s, lay)
+    with pytest.raises(ValueError, match="ws_gemm1_dgrad_fp8: w3t_fp8 must be"):
+        W.ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q.float(), w3s, lay)
+
+
+def test_fp8_backward_takes_the_gluon_dgrad_only_when_switched_on(monkeypatch):
+    """``WS_GEMM1_DGRAD_FP8`` on, off the interpreter, a supported case: the FP8 backward's dx rows come from the
+    Gluon dgrad; off: from the Triton one."""
+    import titan_megamoe.kernels.grouped_gemm_fp8_bwd as B8
+    import titan_megamoe.kernels.ws_gemm_fp8 as W
+    import titan_megamoe.ops.fp8_backend as fb
+    from titan_megamoe import switches
+
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8"].default == "0"
+    calls = []
+    monkeypatch.setattr(W, "ws_gemm1_dgrad_fp8_supported", lambda d, w: None)
+    monkeypatch.setattr(W, "ws_gemm1_dgrad_fp8", lambda *a, **k: calls.append("gluon") or "gluon rows")
+    monkeypatch.setattr(B8, "gemm1_dgrad_fp8", lambda *a, **k: calls.append("triton") or "triton rows")
+    monkeypatch.setattr(fb, "_interp", lambda: False)
+    for on, want in (("1", ["gluon"]), ("0", ["triton"])):
+        calls.clear()
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8": on}):
+            assert fb.WS_GEMM1_DGRAD_FP8 is (on == "1")
+            dx = fb._gemm1_dgrad_fp8_rows("dq", "ds", "w1tq", "w1ts", "w3tq", "w3ts", "layout")
+        assert calls == want and dx == f"{want[0]} rows"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 256, "zero_expert"),
+    (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
+], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"])
+def test_ws_gemm1_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm1_dgrad_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm1_dgrad_fp8
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import rel_err
+
+    T, E, K, D, F, routing = case
+    lay, dq, ds, w1q, w1s, w3q, w3s = _dgrad_operands(T, E, K, D, F, routing, 9, "cuda")
+    dx = torch.full((lay.n_cap, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay, out=dx)
+    tdx = gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay)
+    n = int(lay.offsets[-1])
+    valid = lay.row_pair[:n] >= 0
+    assert not torch.isnan(dx[:n]).any(), "live rows left unwritten"
+    assert (dx[:n][~valid] == 0).all(), "padding rows must be zero"
+    dgu = R.dequantize_act_1x128(dq, ds)[:n]
+    w1t, w3t = R.dequantize_weight_128x128(w1q, w1s), R.dequantize_weight_128x128(w3q, w3s)
+    ref = torch.zeros(n, D, device="cuda")
+    off = lay.offsets.tolist()
+    for e in range(E):
+        a, b = off[e], off[e + 1]
+        ref[a:b] = dgu[a:b, :F] @ w1t[e].T + dgu[a:b, F:] @ w3t[e].T
+    ref[~valid] = 0
+    assert rel_err(dx[:n], ref) < 1e-2
+    assert rel_err(dx[:n], tdx[:n]) < 1e-2
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_FP8_WGRAD", "fp8", values=("fp8", "bf16", "fp8_acc32"),
            attrs=(("titan_megamoe.ops.fp8_backend", "_WGRAD"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_FP8", "0", attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_FP8"),)),
+    Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", "0",
+           attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_DGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),

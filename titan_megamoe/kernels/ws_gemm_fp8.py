@@ -57,7 +57,8 @@ if HAVE_GLUON:
 
     from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _tile_of
 
-__all__ = ["FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_fp8", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
+__all__ = ["DGRAD_FP8_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_dgrad_fp8", "sm90_compile_args_fp8",
+           "ws_gemm1_dgrad_fp8", "ws_gemm1_dgrad_fp8_supported", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -198,6 +199,123 @@ if HAVE_GLUON:
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+if HAVE_GLUON:
+
+    # ---------------------------------------------------------------------------------------------
+    # GEMM1 dgrad: dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e], e4m3 operands, both by TMA
+    # ---------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _g1d8_producer(a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                       D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr):
+        # one warp: the dgate_up row tile and the transposed weight tile (K-major) of every K step, by TMA
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = w1t_desc.block_type.shape[0]
+        KH: gl.constexpr = F // BK  # K steps per half (dgate x w1, then dup x w3)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w1t_desc.block_type.nbytes
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        idx = 0
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            e = gl.load(tile_expert_ptr + pid_m)
+            for half in gl.static_range(2):
+                for k in range(KH):
+                    s = idx % STAGES
+                    mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [pid_m * BM, half * F + k * BK], bar, a_bufs.index(s))
+                    if half == 0:
+                        tma.async_copy_global_to_shared(w1t_desc, [e * D + pid_n * BN, k * BK], bar, b_bufs.index(s))
+                    else:
+                        tma.async_copy_global_to_shared(w3t_desc, [e * D + pid_n * BN, k * BK], bar, b_bufs.index(s))
+                    idx += 1
+
+    @gluon.jit
+    def _g1d8_consumer(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                       b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                       NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); the tile's BN
+        # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second
+        BMC: gl.constexpr = dx_desc.block_type.shape[0]
+        BH: gl.constexpr = dx_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KH: gl.constexpr = F // BK
+        NBW: gl.constexpr = D // BK  # weight scale blocks along D
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            row0 = pid_m * BM + C * BMC
+            col0 = pid_n * 2 * BH
+            rows = row0 + gl.arange(0, BMC, layout=row_layout)
+            ok = gl.load(row_pair_ptr + rows) >= 0
+            as_row = as_ptr + rows.to(gl.int64) * (2 * KH)  # dgate_up's 1x128 scales of each row
+            e = gl.load(tile_expert_ptr + pid_m)
+            ws_off = (e * NBW + col0 // BK) * KH
+            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * 2 * KH
+            for half in gl.static_range(2):
+                ws_ptr = w1ts_ptr if half == 0 else w3ts_ptr
+                for k in range(KH):
+                    idx = idx0 + half * KH + k
+                    s = idx % STAGES
+                    sc = gl.load(as_row + half * KH + k, mask=ok, other=0.0) * gl.load(ws_ptr + ws_off + k)
+                    mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                    b = b_bufs.index(s)
+                    p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
+                    p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                    p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                    acc_lo += p_lo * gl.expand_dims(sc, 1)  # scaled under the other half's MMA
+                    p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc_hi += p_hi * gl.expand_dims(sc, 1)
+            # epilogue: zeros on padding rows (a multiply, not a select: see ws_gemm.py), bf16, TMA store per half
+            vf = gl.expand_dims(ok.to(gl.float32), 1)
+            tma.store_wait(pendings=0)
+            c_smem.store((acc_lo * vf).to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dx_desc, [row0, col0], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store((acc_hi * vf).to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dx_desc, [row0, col0 + BH], c_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm1_dgrad_fp8_ws_kernel(a_desc, w1t_desc, w3t_desc, dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr,
+                                   tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
+                                   NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Blockwise-FP8 dx_rows of every live row tile (``ws_gemm1_dgrad_fp8``). Grid: (programs,)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w1t_desc.dtype, [STAGES] + w1t_desc.block_type.shape, w1t_desc.layout)
+        c0 = gl.allocate_shared_memory(dx_desc.dtype, dx_desc.block_type.shape, dx_desc.layout)
+        c1 = gl.allocate_shared_memory(dx_desc.dtype, dx_desc.block_type.shape, dx_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        gl.warp_specialize([
+            (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
+                              a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
+            (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
+                              a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
+            (_g1d8_producer, (a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                              empty, D, F, NUM_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def ws_gemm1_fwd_fp8_supported(x_fp8: Tensor, w1_fp8: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG) -> str | None:
     """None if the warp-specialized FP8 GEMM1 can take these operands, else why not."""
     reason = _platform_reason(x_fp8)
@@ -210,9 +328,10 @@ def ws_gemm1_fwd_fp8_supported(x_fp8: Tensor, w1_fp8: Tensor, cfg: Fp8WsConfig =
     return None
 
 
-def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> None:
+def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device,
+           fn: str = "ws_gemm1_fwd_fp8") -> None:
     if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != dev:
-        raise ValueError(f"ws_gemm1_fwd_fp8: {name} must be a contiguous {dtype} tensor of shape {shape} on {dev}; got "
+        raise ValueError(f"{fn}: {name} must be a contiguous {dtype} tensor of shape {shape} on {dev}; got "
                          f"{t.dtype} {tuple(t.shape)} {'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
 
 
@@ -301,4 +420,101 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> t
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+    return sig, cx
+
+
+#: Config of the FP8 GEMM1 dgrad: 128 x 128 tiles (each consumer two 64 x 64 halves), one TMA producer warp.
+DGRAD_FP8_CONFIG = Fp8WsConfig(block_n=128, stages=5, group_m=8, producer_regs=40, consumer_regs=232)
+
+
+def ws_gemm1_dgrad_fp8_supported(dgu_fp8: Tensor, w1t_fp8: Tensor, cfg: Fp8WsConfig = DGRAD_FP8_CONFIG) -> str | None:
+    """None if the warp-specialized FP8 GEMM1 dgrad can take these operands, else why not."""
+    reason = _platform_reason(dgu_fp8)
+    if reason:
+        return reason
+    E, D, F = w1t_fp8.shape
+    if F % cfg.block_k or D % cfg.block_n or cfg.block_n != cfg.block_k:
+        return (f"needs F % {cfg.block_k} == 0, D % {cfg.block_n} == 0 and block_n == {cfg.block_k} "
+                f"(F={F}, D={D}, block_n={cfg.block_n})")
+    return None
+
+
+def ws_gemm1_dgrad_fp8(dgu_fp8: Tensor, dgu_scale: Tensor, w1t_fp8: Tensor, w1t_scale: Tensor, w3t_fp8: Tensor,
+                       w3t_scale: Tensor, layout, *, out: Tensor | None = None, cfg: Fp8WsConfig = DGRAD_FP8_CONFIG,
+                       programs: int | None = None) -> Tensor:
+    """Blockwise-FP8 GEMM1 dgrad by the warp-specialized Gluon kernel: dx_rows[r] = dgate[r] @ w1[e] + dup[r] @ w3[e].
+
+    Same contract and result as ``grouped_gemm_fp8_bwd.gemm1_dgrad_fp8``: the dequantized operands, a fresh fp32
+    partial per 128-wide K block, scaled (dgate_up's 1x128 scale of the row times the weight's 128 x 128 block scale)
+    and accumulated in fp32 over 2F (dgate x w1 first, then dup x w3).
+
+    Args:
+        dgu_fp8: (N_cap, 2F) float8_e4m3fn, dgate_up quantized 1x128; dgu_scale: (N_cap, 2F // 128) fp32.
+        w1t_fp8, w3t_fp8: (E, D, F) float8_e4m3fn, w1 / w3 transposed; w1t_scale, w3t_scale: (E, D // 128, F // 128).
+        layout: the routing layout (block_m 128).
+        out: optional (N_cap, D) bf16 output. programs: persistent grid size (default: the SM count).
+
+    Returns:
+        dx_rows (N_cap, D) bf16: rows [0, offsets[E]) written (zeros on padding rows), the rest untouched.
+
+    Raises:
+        ValueError: an unsupported case (``ws_gemm1_dgrad_fp8_supported``'s reason), a layout with another block_m,
+            or an operand of another shape, dtype, layout or device.
+    """
+    reason = ws_gemm1_dgrad_fp8_supported(dgu_fp8, w1t_fp8, cfg)
+    if reason:
+        raise ValueError(f"ws_gemm1_dgrad_fp8: {reason}")
+    E, D, F = w1t_fp8.shape
+    n_cap, dev, bk = layout.n_cap, dgu_fp8.device, cfg.block_k
+    if layout.block_m != cfg.block_m:
+        raise ValueError(f"ws_gemm1_dgrad_fp8: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build "
+                         f"the routing layout with block_m {cfg.block_m})")
+    _check("dgu_fp8", dgu_fp8, (n_cap, 2 * F), FP8, dev, "ws_gemm1_dgrad_fp8")
+    _check("dgu_scale", dgu_scale, (n_cap, 2 * F // bk), torch.float32, dev, "ws_gemm1_dgrad_fp8")
+    for name, w, s in (("w1t", w1t_fp8, w1t_scale), ("w3t", w3t_fp8, w3t_scale)):
+        _check(f"{name}_fp8", w, (E, D, F), FP8, dev, "ws_gemm1_dgrad_fp8")
+        _check(f"{name}_scale", s, (E, D // bk, F // bk), torch.float32, dev, "ws_gemm1_dgrad_fp8")
+    dx = torch.empty((n_cap, D), dtype=torch.bfloat16, device=dev) if out is None else out
+    _check("out", dx, (n_cap, D), torch.bfloat16, dev, "ws_gemm1_dgrad_fp8")
+    if layout.n_tiles_cap == 0:
+        return dx
+    return launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_scale, layout, dx, cfg,
+                                  programs)
+
+
+def launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_scale, layout, dx: Tensor,
+                           cfg: Fp8WsConfig = DGRAD_FP8_CONFIG, programs: int | None = None) -> Tensor:
+    """``ws_gemm1_dgrad_fp8`` without its checks, for a caller that has made them; returns dx."""
+    E, D, F = w1t_fp8.shape
+    n_cap, dev = layout.n_cap, dgu_fp8.device
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_desc = _desc(dgu_fp8, (n_cap, 2 * F), (bm, bk))
+    w1t_desc = _desc(w1t_fp8, (E * D, F), (bn, bk))
+    w3t_desc = _desc(w3t_fp8, (E * D, F), (bn, bk))
+    dx_desc = _desc(dx, (n_cap, D), (bm // 2, bn // 2))
+    num_n = D // bn
+    if programs is None:
+        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    launch(_gemm1_dgrad_fp8_ws_kernel, (programs,),
+           a_desc, w1t_desc, w3t_desc, dx_desc, dgu_scale, w1t_scale, w3t_scale, layout.row_pair, layout.tile_expert,
+           layout.offsets, E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
+           num_warps=4, maxnreg=cfg.maxnreg)
+    return dx
+
+
+def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_gemm1_dgrad_fp8_ws_kernel`` for ``sm90_check.compile_sm90``."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+
+    def desc(block, dtype, name):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
+
+    fp8 = lambda block: desc(block, gl.float8e4nv, "fp8e4nv")  # noqa: E731
+    sig = {"a_desc": fp8([bm, bk]), "w1t_desc": fp8([bn, bk]), "w3t_desc": fp8([bn, bk]),
+           "dx_desc": desc([bm // 2, bn // 2], gl.bfloat16, "bf16"), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
+           "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
+    cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
+              CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx

@@ -59,6 +59,10 @@ FUSE_H_QUANT = True
 #: quantized in its epilogue. Opt-in (``TITAN_MEGAMOE_WS_GEMM1_FP8=1``): built for sm_90a, not yet run on a GPU.
 #: Read at import; a same-process switch.
 WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", False)
+#: The FP8 backward's GEMM1 dgrad by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm1_dgrad_fp8``)
+#: where it applies (sm_90, D and F multiples of 128) instead of the Triton one; same results. Opt-in
+#: (``TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8=1``) until measured in the layer. Read at import; a same-process switch.
+WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
@@ -443,7 +447,6 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
     from titan_megamoe.kernels.grouped_gemm_fp8_bwd import (
         fp8_bwd_config_for,
-        gemm1_dgrad_fp8,
         gemm2_dgrad_swiglu_bwd_fp8,
         wgrad_fp8,
     )
@@ -499,10 +502,21 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         mark("quant_x_T")
         dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype, _max_imprecise_acc=acc)
         mark("wgrad_w13")
-    dx_rows = gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
+    dx_rows = _gemm1_dgrad_fp8_rows(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
     mark("gemm1_dgrad")
     NONFINITE.record(f"{layer_name} backward", count)
     return dx_rows, part, dw1, dw2, dw3
+
+
+def _gemm1_dgrad_fp8_rows(dguq: Tensor, dgus: Tensor, w1tq: Tensor, w1ts: Tensor, w3tq: Tensor, w3ts: Tensor,
+                          layout: RoutingLayout) -> Tensor:
+    """The FP8 GEMM1 dgrad's (N_cap, D) bf16 dx rows: by the Gluon kernel where ``WS_GEMM1_DGRAD_FP8`` is on and the
+    case allows it (``ws_gemm_fp8.ws_gemm1_dgrad_fp8_supported``), else by the Triton kernel; the same result."""
+    from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm_fp8
+
+    if WS_GEMM1_DGRAD_FP8 and not _interp() and ws_gemm_fp8.ws_gemm1_dgrad_fp8_supported(dguq, w1tq) is None:
+        return ws_gemm_fp8.ws_gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
+    return grouped_gemm_fp8_bwd.gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
 
 
 def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
