@@ -110,7 +110,7 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
     import titan_megamoe.ops.fp8_backend as fb
     from titan_megamoe import switches
 
-    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_FP8"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_FP8"].default == "1"
     lay, xq, xs, w1q, w1s, w3q, w3s = _fp8_operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
     N, F = lay.n_cap, 128
     calls = []
@@ -230,7 +230,7 @@ def test_fp8_backward_takes_the_gluon_dgrad_only_when_switched_on(monkeypatch):
     import titan_megamoe.ops.fp8_backend as fb
     from titan_megamoe import switches
 
-    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8"].default == "1"
     calls = []
     monkeypatch.setattr(W, "ws_gemm1_dgrad_fp8_supported", lambda d, w: None)
     monkeypatch.setattr(W, "ws_gemm1_dgrad_fp8", lambda *a, **k: calls.append("gluon") or "gluon rows")

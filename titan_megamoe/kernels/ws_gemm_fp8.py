@@ -1,4 +1,4 @@
-"""Warp-specialized blockwise-FP8 GEMM1 (row gather + gate / up + SwiGLU) for Hopper, in Gluon.
+"""Warp-specialized blockwise-FP8 GEMM1 (row gather + gate / up + SwiGLU) and GEMM1 dgrad for Hopper, in Gluon.
 
 Why: the Triton FP8 GEMM1 (``grouped_gemm_fp8._gemm1_swiglu_fwd_fp8_kernel``) runs at 584 TF/s at the 30B shape on
 an H200 against 959 for ``torch._scaled_grouped_mm`` rowwise (``bench_fp8_1xh200_20261130.json``). Its per-K-block
@@ -29,8 +29,13 @@ Preconditions (``ws_gemm1_fwd_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon
 routing layout block 128, contiguous operands. h leaves as bf16: the 1x128 quantization of h for GEMM2 is a
 separate pass (a 64-column tile does not own a whole 128-column group).
 
-Status: built for sm_90a on the CPU machine (registers, shared memory, no wgmma serialization), **not yet run on a
-GPU**; opt-in (``TITAN_MEGAMOE_WS_GEMM1_FP8=1``) until its GPU tests and benchmark have run.
+Status (session 19): both kernels bitwise the Triton kernels' outputs on an H100 and an H200 (GPU tests in
+tests/test_ws_gemm_fp8.py). GEMM1 750 vs 586 TF/s at 30B (H100), GEMM1 dgrad 856 vs 663 TF/s at 30B and 914 vs 689 at
+235B (H200); both on by default (``ops/fp8_backend.WS_GEMM1_FP8``, ``WS_GEMM1_DGRAD_FP8``; docs/NOTES.md, session 19).
+
+The GEMM1 dgrad (``ws_gemm1_dgrad_fp8``) uses the same consumer scheme on contiguous operands: one TMA producer warp
+(dgate_up rows and the transposed e4m3 weights, K-major), each consumer's 128 columns as two 64-column halves whose
+MMAs are in flight together.
 """
 
 from __future__ import annotations

@@ -55,14 +55,16 @@ FP8_BLOCK_M = 128
 #: pass over a bf16 h (BN = 64 at 8 warps). Neither measured on a GPU yet: scripts/bench_fp8.py times both.
 FUSE_H_QUANT = True
 #: The "fp8" forward's GEMM1 by the warp-specialized Gluon FP8 kernel (``kernels/ws_gemm_fp8.py``: bf16 h, then the
-#: separate 1x128 pass) where it applies (sm_90, D and F multiples of 128), instead of the Triton kernel with h
-#: quantized in its epilogue. Opt-in (``TITAN_MEGAMOE_WS_GEMM1_FP8=1``): built for sm_90a, not yet run on a GPU.
-#: Read at import; a same-process switch.
-WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", False)
+#: separate 1x128 pass) where it applies (sm_90, D and F multiples of 128), instead of the Triton kernel with the fp32
+#: h quantized in its epilogue (h is then rounded to bf16 before its 1x128 quantization). On by default since session
+#: 19 (same process: forward -0.29 / -0.31 ms at 30B / 235B on an H200, docs/NOTES.md); ``TITAN_MEGAMOE_WS_GEMM1_FP8=0``
+#: turns it off. Read at import; a same-process switch.
+WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 #: The FP8 backward's GEMM1 dgrad by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm1_dgrad_fp8``)
-#: where it applies (sm_90, D and F multiples of 128) instead of the Triton one; same results. Opt-in
-#: (``TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8=1``) until measured in the layer. Read at import; a same-process switch.
-WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", False)
+#: where it applies (sm_90, D and F multiples of 128) instead of the Triton one; bitwise the same dx rows. On by
+#: default since session 19 (H200: kernel 1.244 -> 0.964 ms at 30B, 4.790 -> 3.609 at 235B; layer fwd+bwd -0.39 /
+#: -0.99 ms); ``TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8=0`` turns it off. Read at import; a same-process switch.
+WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
