@@ -25,6 +25,9 @@
 #   PART=k: compare.layer 30B, megamoe bf16 / fp8 / fp8_bwd, with --switches FP8_WGRAD=bf16, WS_GEMM1_FP8=1 and
 #     both, same process (fp8_bwd's forward runs the Gluon bf16 GEMM1 since session 19). PART=l: 235B, both switches.
 #   PART=m: the Gluon FP8 GEMM1 dgrad: GPU tests, bench-dgrad-fp8, compare.layer fp8 both shapes with it switched on.
+#   PART=n (for the next session): the final state of session 19 (both Gluon FP8 kernels on by default): the FP8 GPU
+#     tests (test_gpu.py's op tests at the 30B shape, test_ws_gemm_fp8.py), then compare.layer bf16 / fp8 / fp8_bwd
+#     beside stock compiled at both shapes.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s19.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -110,6 +113,14 @@ elif [ "$PART" = m ]; then
     --routings random --iters 15 --warmup 3 --device-time --no-plot --switches WS_GEMM1_DGRAD_FP8=1 \
     WS_GEMM1_DGRAD_FP8=1,WS_GEMM1_FP8=1 --out "$OUT/keep/layer_ep1_fp8_m.json" > "$OUT/keep/layer_fp8_m.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^|" "$OUT/keep/layer_fp8_m.log" | head -10
+elif [ "$PART" = n ]; then
+  timeout -s KILL 120 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py -k "fp8 and not builds_for_sm90a" \
+    > "$OUT/keep/tests_gpu_n.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_n.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_n.log" | head || true
+  timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16,fp8,fp8_bwd --routings random --iters 20 --warmup 5 --device-time --no-plot \
+    --out "$OUT/keep/layer_ep1_fp8_n.json" > "$OUT/keep/layer_fp8_n.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_n.log" | head -12
 elif [ "$PART" = k ]; then
   timeout 330 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions bf16,fp8,fp8_bwd \
     --routings random --iters 20 --warmup 5 --device-time --no-plot \
