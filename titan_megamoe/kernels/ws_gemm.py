@@ -301,6 +301,24 @@ if HAVE_GLUON:
                 idx += 1
 
     @gluon.jit
+    def _swiglu_store(gate, up, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr):
+        """GEMM1 forward epilogue (bf16 and FP8 kernels): SwiGLU in fp32 as the Triton kernel writes it, then gate, up
+        and h as bf16 through one staging tile and TMA stores (padding rows already zero in gate / up)."""
+        tma.store_wait(pendings=0)
+        c_smem.store(gate.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+        h = gate / (1.0 + gl.exp(-gate)) * up
+        tma.store_wait(pendings=0)
+        c_smem.store(up.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
+        tma.store_wait(pendings=0)
+        c_smem.store(h.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
+
+    @gluon.jit
     def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b,
                       empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr,
                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
@@ -340,21 +358,7 @@ if HAVE_GLUON:
             col0 = pid_n * BN
             valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
             vf = gl.expand_dims(valid.to(gl.float32), 1)
-            gate = acc_g * vf
-            up = acc_u * vf
-            tma.store_wait(pendings=0)
-            c_smem.store(gate.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
-            h = gate / (1.0 + gl.exp(-gate)) * up
-            tma.store_wait(pendings=0)
-            c_smem.store(up.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store(h.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
+            _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
         tma.store_wait(pendings=0)
 
     @gluon.jit

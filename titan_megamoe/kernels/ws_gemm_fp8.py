@@ -60,7 +60,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _tile_of
+    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _swiglu_store, _tile_of
 
 __all__ = ["DGRAD_FP8_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_dgrad_fp8", "sm90_compile_args_fp8",
            "ws_gemm1_dgrad_fp8", "ws_gemm1_dgrad_fp8_supported", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
@@ -155,21 +155,7 @@ if HAVE_GLUON:
             # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas), SwiGLU in
             # fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
             vf = gl.expand_dims(ok.to(gl.float32), 1)
-            gate = acc_g * vf
-            up = acc_u * vf
-            tma.store_wait(pendings=0)
-            c_smem.store(gate.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
-            h = gate / (1.0 + gl.exp(-gate)) * up
-            tma.store_wait(pendings=0)
-            c_smem.store(up.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store(h.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
+            _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
         tma.store_wait(pendings=0)
 
     @gluon.jit
