@@ -4,6 +4,9 @@
 #     the FP8 GPU tests (test_gpu.py's op tests at the 30B shape, test_ws_gemm_fp8.py), compare.profile of the fp8
 #     layer at 30B (where the FP8 step's device time goes, per kernel), then compare.layer bf16 / fp8 / fp8_bwd
 #     beside stock compiled at both shapes.
+#   PART=b: scripts/sweep_kernel_configs.py on the FP8 backward's Triton kernels (GEMM2 dgrad, both wgrads) at 30B,
+#     and the GEMM2 dgrad at 235B: BN 64 at 128 registers / 64-row wgrad tiles fit two programs per SM, so one's
+#     per-K-block promotion stall and epilogue can run under the other's MMAs.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s20.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -18,5 +21,20 @@ if [ "$PART" = a ]; then
     --precisions bf16,fp8,fp8_bwd --routings random --iters 15 --warmup 5 --device-time --no-plot \
     --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -12
+elif [ "$PART" = b ]; then
+  timeout 300 python3 scripts/sweep_kernel_configs.py 30b --kinds gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 \
+    --out "$OUT/keep/sweep_fp8_bwd_30b.json" > "$OUT/keep/sweep_fp8_bwd_30b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] sweep 30b rc $?"; python3 - "$OUT/keep/sweep_fp8_bwd_30b.log" <<'PY'
+import json, sys
+for ln in open(sys.argv[1]):
+    if ln.startswith("{"):
+        r = json.loads(ln); c = r.get("cfg", {})
+        print(r.get("kind", r.get("best")), c.get("block_m"), c.get("block_n"), c.get("num_warps"), c.get("num_stages"),
+              c.get("maxnreg"), c.get("group_m"), r.get("ms"), r.get("tflops"), r.get("bitwise_default"),
+              [(k["n_regs"], k["n_spills"], k["programs_per_sm"]) for k in r.get("compiled", [])], r.get("error", ""))
+PY
+  timeout 200 python3 scripts/sweep_kernel_configs.py 235b --kinds gemm2_dgrad_fp8 \
+    --out "$OUT/keep/sweep_fp8_bwd_235b.json" > "$OUT/keep/sweep_fp8_bwd_235b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] sweep 235b rc $?"; grep -E '"best"|error' "$OUT/keep/sweep_fp8_bwd_235b.log" | cut -c1-300
 fi
 session_pack "s20$PART"

@@ -3,7 +3,8 @@
     python scripts/sweep_kernel_configs.py 30b|235b [--out results.json] [--kinds gemm1,wgrad_w13,...] [--quick | --two-cta]
 
 Kinds: gemm1, gemm2, gemm2_dgrad, gemm2_dgrad_nohs (the same without its s*h store: an epilogue
-ablation), gemm1_dgrad, wgrad_w2, wgrad_w13.
+ablation), gemm1_dgrad, wgrad_w2, wgrad_w13; and the blockwise-FP8 backward's Triton kernels
+(``grouped_gemm_fp8_bwd.py``) gemm2_dgrad_fp8, wgrad_w2_fp8, wgrad_w13_fp8 (operands quantized as the op does).
 
 Every variant's output is checked against the default config's (same math, so rel. error ~0); a
 config that fails to compile or run is reported and skipped. Each row also gives what the compiled
@@ -28,6 +29,7 @@ import triton  # noqa: E402
 
 from titan_megamoe.kernels import grouped_gemm as gg  # noqa: E402
 from titan_megamoe.kernels import grouped_gemm_bwd as B  # noqa: E402
+from titan_megamoe.kernels import grouped_gemm_fp8_bwd as B8  # noqa: E402
 from titan_megamoe.kernels.configs import GemmConfig, config_for  # noqa: E402
 from titan_megamoe.kernels.routing import build_routing_layout  # noqa: E402
 from titan_megamoe.testing import BENCH_SHAPES as SHAPES, bench_layer_inputs, rel_err  # noqa: E402
@@ -38,6 +40,16 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
     """The default first, then tile / warps / stages / group / TMA alternatives."""
     r = dataclasses.replace
     out = [base]
+    if kind.endswith("_fp8"):  # BK = 128 (the scale block), BN <= 128; the dgrad's BM is the layout's 128
+        if kind == "gemm2_dgrad_fp8":  # (BN, warps, stages, maxnreg): BN 64 at 128 registers fits two per SM
+            alts = [(64, 8, 4, 128), (64, 8, 3, 128), (64, 4, 4, None), (64, 8, 4, None), (128, 8, 3, None),
+                    (128, 8, 5, None), (128, 8, 4, 168)]
+            out += [r(base, block_n=n, num_warps=w, num_stages=s_, maxnreg=m) for n, w, s_, m in alts]
+        else:  # (BM, BN, warps, stages, maxnreg)
+            alts = [(64, 128, 4, 4, None), (64, 128, 4, 3, None), (128, 64, 4, 4, None), (128, 128, 8, 5, None),
+                    (64, 128, 8, 4, 128)]  # 128 x 128 at 128 registers spills (224 B)
+            out += [r(base, block_m=m_, block_n=n, num_warps=w, num_stages=s_, maxnreg=m) for m_, n, w, s_, m in alts]
+        return list(dict.fromkeys(out + [r(base, group_m=8 if base.group_m == 1 else 1)]))
     if kind in ("wgrad_w2", "wgrad_w13"):  # BM is free here (an output tile of the weight)
         tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
                  (128, 128, 32, 8, 6), (128, 128, 64, 4, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 3),
@@ -69,6 +81,23 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
             seen.add(c)
             uniq.append(c)
     return uniq
+
+
+def _fp8_operands(x, dout, w2, gu, s, lay) -> dict:
+    """The FP8 backward's operands, made by the kernels the op uses (``ops/fp8_backend.py``)."""
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
+    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+    from titan_megamoe.ops.fp8_backend import quantize_weights
+
+    K = lay.top_k
+    o = {}
+    _, _, o["w2tq"], o["w2ts"] = quantize_weights(w2, transposed=True, forward=False, count=None, name="w2")
+    o["dq"], o["ds"] = quantize_act_1x128(dout)
+    dgu8, _, o["hsT"], o["hsTs"] = B8.gemm2_dgrad_swiglu_bwd_fp8(o["dq"], o["ds"], o["w2tq"], o["w2ts"], gu, s, lay)
+    _, _, o["dguTq"], o["dguTs"] = quantize_dual_1x128_128x1_t(dgu8, lay.row_pair >= 0)
+    o["doTq"], o["doTs"] = quantize_gather_128x1_t(dout, lay.row_pair, K)
+    o["xTq"], o["xTs"] = quantize_gather_128x1_t(x, lay.row_pair, K)
+    return o
 
 
 def _forget_compiled() -> None:
@@ -117,6 +146,7 @@ def main() -> int:
     P = T * K
     flop = 2 * P * D * F
     live = int(lay.offsets[-1])
+    q8 = _fp8_operands(x, dout, w2, gu, s, lay) if any(k.endswith("_fp8") for k in args.kinds.split(",")) else {}
 
     def run(kind: str, cfg: GemmConfig):
         if kind == "gemm1":
@@ -133,11 +163,24 @@ def main() -> int:
             return lambda: B.wgrad_w2(dout, gu, s, lay, cfg, hs_NF=hs), flop
         if kind == "wgrad_w13":
             return lambda: torch.stack(B.wgrad_w13(dgu, x, lay, cfg)), 2 * flop
+        if kind == "gemm2_dgrad_fp8":  # dgate_up and the 128x1 s*h (values and scales) side by side
+            def g2d():
+                dgu8, _, hsT, hsTs = B8.gemm2_dgrad_swiglu_bwd_fp8(q8["dq"], q8["ds"], q8["w2tq"], q8["w2ts"], gu, s,
+                                                                  lay, cfg)
+                return torch.cat([dgu8[:live].float().flatten(), hsT[:, :live].float().flatten(),
+                                  hsTs[: live // 128].flatten()])
+            return g2d, flop
+        if kind == "wgrad_w2_fp8":
+            return lambda: B8.wgrad_fp8(q8["doTq"], q8["doTs"], q8["hsT"], q8["hsTs"], lay, config=cfg)[0], flop
+        if kind == "wgrad_w13_fp8":
+            return lambda: torch.stack(B8.wgrad_fp8(q8["dguTq"], q8["dguTs"], q8["xTq"], q8["xTs"], lay, split=F,
+                                                    config=cfg)), 2 * flop
         raise ValueError(kind)
 
     rows = []
     for kind in args.kinds.split(","):
         base = (config_for(kind, D, F, False) if kind in ("gemm1", "gemm2")
+                else B8.fp8_bwd_config_for(kind.removesuffix("_fp8"), D, F, False) if kind.endswith("_fp8")
                 else B.default_bwd_config(kind.removesuffix("_nohs"), lay, D, F))
         ref = None
         todo = variants(base, kind)
@@ -156,6 +199,7 @@ def main() -> int:
                 if ref is None:
                     ref = got
                 rec["rel_err_vs_default"] = rel_err(got, ref)
+                rec["bitwise_default"] = bool(torch.equal(got, ref))
                 ms = triton.testing.do_bench(fn, warmup=10, rep=50)
                 rec.update(ms=round(ms, 4), tflops=round(nflop / ms / 1e9, 1))
             except Exception as err:  # one bad config must not hide the others
