@@ -5,7 +5,8 @@
 #     layer at 30B (where the FP8 step's device time goes, per kernel), then compare.layer bf16 / fp8 / fp8_bwd
 #     beside stock compiled at both shapes.
 #   PART=b: scripts/sweep_kernel_configs.py on the FP8 backward's Triton kernels (GEMM2 dgrad, both wgrads) at 30B,
-#     and the GEMM2 dgrad at 235B: BN 64 at 128 registers / 64-row wgrad tiles fit two programs per SM, so one's
+#     with the dual dgate_up and the gathered 128x1 quantization passes (warps, column block); the GEMM2 dgrad and the
+#     dual pass at 235B. BN 64 at 128 registers / 64-row wgrad tiles fit two programs per SM, so one's
 #     per-K-block promotion stall and epilogue can run under the other's MMAs.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s20.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
@@ -22,7 +23,7 @@ if [ "$PART" = a ]; then
     --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -12
 elif [ "$PART" = b ]; then
-  timeout 300 python3 scripts/sweep_kernel_configs.py 30b --kinds gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 \
+  timeout 300 python3 scripts/sweep_kernel_configs.py 30b --kinds quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 \
     --out "$OUT/keep/sweep_fp8_bwd_30b.json" > "$OUT/keep/sweep_fp8_bwd_30b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] sweep 30b rc $?"; python3 - "$OUT/keep/sweep_fp8_bwd_30b.log" <<'PY'
 import json, sys
@@ -33,7 +34,7 @@ for ln in open(sys.argv[1]):
               c.get("maxnreg"), c.get("group_m"), r.get("ms"), r.get("tflops"), r.get("bitwise_default"),
               [(k["n_regs"], k["n_spills"], k["programs_per_sm"]) for k in r.get("compiled", [])], r.get("error", ""))
 PY
-  timeout 200 python3 scripts/sweep_kernel_configs.py 235b --kinds gemm2_dgrad_fp8 \
+  timeout 200 python3 scripts/sweep_kernel_configs.py 235b --kinds quant_dual_fp8,gemm2_dgrad_fp8 \
     --out "$OUT/keep/sweep_fp8_bwd_235b.json" > "$OUT/keep/sweep_fp8_bwd_235b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] sweep 235b rc $?"; grep -E '"best"|error' "$OUT/keep/sweep_fp8_bwd_235b.log" | cut -c1-300
 fi

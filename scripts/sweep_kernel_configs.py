@@ -4,7 +4,9 @@
 
 Kinds: gemm1, gemm2, gemm2_dgrad, gemm2_dgrad_nohs (the same without its s*h store: an epilogue
 ablation), gemm1_dgrad, wgrad_w2, wgrad_w13; and the blockwise-FP8 backward's Triton kernels
-(``grouped_gemm_fp8_bwd.py``) gemm2_dgrad_fp8, wgrad_w2_fp8, wgrad_w13_fp8 (operands quantized as the op does).
+(``grouped_gemm_fp8_bwd.py``) gemm2_dgrad_fp8, wgrad_w2_fp8, wgrad_w13_fp8 (operands quantized as the op does);
+and its memory-bound quantization passes (``fp8_quant_bwd.py``: quant_dual_fp8 of dgate_up, quant_gather_t_fp8 of x)
+over their warps / column block (module constants, set for the sweep).
 
 Every variant's output is checked against the default config's (same math, so rel. error ~0); a
 config that fails to compile or run is reported and skipped. Each row also gives what the compiled
@@ -93,11 +95,55 @@ def _fp8_operands(x, dout, w2, gu, s, lay) -> dict:
     o = {}
     _, _, o["w2tq"], o["w2ts"] = quantize_weights(w2, transposed=True, forward=False, count=None, name="w2")
     o["dq"], o["ds"] = quantize_act_1x128(dout)
-    dgu8, _, o["hsT"], o["hsTs"] = B8.gemm2_dgrad_swiglu_bwd_fp8(o["dq"], o["ds"], o["w2tq"], o["w2ts"], gu, s, lay)
-    _, _, o["dguTq"], o["dguTs"] = quantize_dual_1x128_128x1_t(dgu8, lay.row_pair >= 0)
+    o["dgu"], _, o["hsT"], o["hsTs"] = B8.gemm2_dgrad_swiglu_bwd_fp8(o["dq"], o["ds"], o["w2tq"], o["w2ts"], gu, s,
+                                                                    lay)
+    _, _, o["dguTq"], o["dguTs"] = quantize_dual_1x128_128x1_t(o["dgu"], lay.row_pair >= 0)
     o["doTq"], o["doTs"] = quantize_gather_128x1_t(dout, lay.row_pair, K)
     o["xTq"], o["xTs"] = quantize_gather_128x1_t(x, lay.row_pair, K)
     return o
+
+
+def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
+    """Time one quantization pass of the FP8 backward under (warps, column block) variants, bitwise-checked
+    against the module's defaults; reports GB/s of its DRAM traffic (bf16 in, e4m3 out, scales ignored)."""
+    from titan_megamoe.kernels import fp8_quant_bwd as QB
+
+    saved = (QB._WARPS, QB._DUAL_WARPS, dict(QB._T_BLOCK_C))
+    if kind == "quant_dual_fp8":
+        src = q8["dgu"]
+        fn = lambda: QB.quantize_dual_1x128_128x1_t(src, lay.row_pair >= 0)  # noqa: E731
+        nbytes = src.numel() * (2 + 1 + 1)
+        todo = [(QB._DUAL_WARPS, None), (4, None), (16, None)]
+    elif kind == "quant_gather_t_fp8":
+        fn = lambda: QB.quantize_gather_128x1_t(x, lay.row_pair, lay.top_k)  # noqa: E731
+        nbytes = lay.n_cap * x.shape[1] * (2 + 1)
+        todo = [(QB._WARPS, QB._T_BLOCK_C[False]), (8, 64), (4, 32), (8, 128), (4, 128), (2, 32)]
+    else:
+        raise ValueError(kind)
+    out, ref = [], None
+    for warps, bc in todo:
+        rec = {"shape": shape, "kind": kind, "cfg": {"num_warps": warps, "block_c": bc}, "default": ref is None}
+        try:
+            QB._WARPS = QB._DUAL_WARPS = warps
+            if bc is not None:
+                QB._T_BLOCK_C[False] = bc
+            _forget_compiled()
+            got = [t.float() if t.dtype != torch.float32 else t for t in fn()]
+            rec["compiled"] = _compiled_stats()
+            ref = got if ref is None else ref
+            rec["bitwise_default"] = all(torch.equal(a, b) for a, b in zip(got, ref))
+            rec["rel_err_vs_default"] = 0.0 if rec["bitwise_default"] else 1.0
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+            rec.update(ms=round(ms, 4), gb_per_s=round(nbytes / ms / 1e6, 1))
+        except Exception as err:
+            rec["error"] = repr(err)[:200]
+        finally:
+            QB._WARPS, QB._DUAL_WARPS = saved[0], saved[1]
+            QB._T_BLOCK_C.clear()
+            QB._T_BLOCK_C.update(saved[2])
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
 
 
 def _forget_compiled() -> None:
@@ -146,7 +192,7 @@ def main() -> int:
     P = T * K
     flop = 2 * P * D * F
     live = int(lay.offsets[-1])
-    q8 = _fp8_operands(x, dout, w2, gu, s, lay) if any(k.endswith("_fp8") for k in args.kinds.split(",")) else {}
+    q8 = _fp8_operands(x, dout, w2, gu, s, lay) if "_fp8" in args.kinds else {}
 
     def run(kind: str, cfg: GemmConfig):
         if kind == "gemm1":
@@ -178,7 +224,9 @@ def main() -> int:
         raise ValueError(kind)
 
     rows = []
-    for kind in args.kinds.split(","):
+    for kind in [k for k in args.kinds.split(",") if k.startswith("quant_")]:
+        rows += _sweep_quant(kind, args.shape, x, lay, q8)
+    for kind in [k for k in args.kinds.split(",") if not k.startswith("quant_")]:
         base = (config_for(kind, D, F, False) if kind in ("gemm1", "gemm2")
                 else B8.fp8_bwd_config_for(kind.removesuffix("_fp8"), D, F, False) if kind.endswith("_fp8")
                 else B.default_bwd_config(kind.removesuffix("_nohs"), lay, D, F))
