@@ -31,7 +31,7 @@ for ln in open(sys.argv[1]):
     if ln.startswith("{"):
         r = json.loads(ln); c = r.get("cfg", {})
         print(r.get("kind", r.get("best")), c.get("block_m"), c.get("block_n"), c.get("num_warps"), c.get("num_stages"),
-              c.get("maxnreg"), c.get("group_m"), r.get("ms"), r.get("tflops") or r.get("gb_per_s"), r.get("bitwise_default"), c.get("block_c"),
+              c.get("maxnreg"), c.get("group_m"), r.get("ms"), r.get("tflops") or r.get("gb_per_s"), r.get("bitwise_default"), c.get("block_c", c.get("kernel")),
               [(k["n_regs"], k["n_spills"], k["programs_per_sm"]) for k in r.get("compiled", [])], r.get("error", ""))
 PY
   timeout 200 python3 scripts/sweep_kernel_configs.py 235b --kinds quant_dual_fp8,gemm2_dgrad_fp8 \

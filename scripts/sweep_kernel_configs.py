@@ -108,12 +108,12 @@ def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
     against the module's defaults; reports GB/s of its DRAM traffic (bf16 in, e4m3 out, scales ignored)."""
     from titan_megamoe.kernels import fp8_quant_bwd as QB
 
-    saved = (QB._WARPS, QB._DUAL_WARPS, dict(QB._T_BLOCK_C))
-    if kind == "quant_dual_fp8":
+    saved = (QB._WARPS, QB._DUAL_WARPS, dict(QB._T_BLOCK_C), QB.DUAL_QUANT, QB._DUAL_V2_WARPS)
+    if kind == "quant_dual_fp8":  # (warps, kernel): v1 one tile per program, read twice; v2 (fp8_quant_bwd.DUAL_QUANT)
         src = q8["dgu"]
         fn = lambda: QB.quantize_dual_1x128_128x1_t(src, lay.row_pair >= 0)  # noqa: E731
         nbytes = src.numel() * (2 + 1 + 1)
-        todo = [(QB._DUAL_WARPS, None), (4, None), (16, None)]
+        todo = [(QB._DUAL_WARPS, "v1"), (4, "v1"), (16, "v1"), (16, "v2"), (8, "v2")]
     elif kind == "quant_gather_t_fp8":
         fn = lambda: QB.quantize_gather_128x1_t(x, lay.row_pair, lay.top_k)  # noqa: E731
         nbytes = lay.n_cap * x.shape[1] * (2 + 1)
@@ -122,10 +122,13 @@ def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
         raise ValueError(kind)
     out, ref = [], None
     for warps, bc in todo:
-        rec = {"shape": shape, "kind": kind, "cfg": {"num_warps": warps, "block_c": bc}, "default": ref is None}
+        rec = {"shape": shape, "kind": kind, "cfg": {"num_warps": warps, ("kernel" if isinstance(bc, str) else "block_c"): bc},
+               "default": ref is None}
         try:
-            QB._WARPS = QB._DUAL_WARPS = warps
-            if bc is not None:
+            QB._WARPS = QB._DUAL_WARPS = QB._DUAL_V2_WARPS = warps
+            if isinstance(bc, str):
+                QB.DUAL_QUANT = bc
+            elif bc is not None:
                 QB._T_BLOCK_C[False] = bc
             _forget_compiled()
             got = [t.float() if t.dtype != torch.float32 else t for t in fn()]
@@ -138,7 +141,7 @@ def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
         except Exception as err:
             rec["error"] = repr(err)[:200]
         finally:
-            QB._WARPS, QB._DUAL_WARPS = saved[0], saved[1]
+            QB._WARPS, QB._DUAL_WARPS, QB.DUAL_QUANT, QB._DUAL_V2_WARPS = saved[0], saved[1], saved[3], saved[4]
             QB._T_BLOCK_C.clear()
             QB._T_BLOCK_C.update(saved[2])
         print(json.dumps(rec), flush=True)

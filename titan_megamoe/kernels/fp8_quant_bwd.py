@@ -71,6 +71,10 @@ __all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t", "transposed
 _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather pass
 _WARPS = 4
 _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
+#: The dual pass's kernel: "v2" (several tiles per program, each read once, the next one's loads issued before
+#: this one's stores) or "v1" (one tile per program, read twice). TITAN_MEGAMOE_FP8_DUAL_QUANT; a same-process switch.
+DUAL_QUANT = os.environ.get("TITAN_MEGAMOE_FP8_DUAL_QUANT", "v1")
+_DUAL_V2_WARPS = 16  # its whole tile is live in registers: 128 per thread at 16 warps (one program per SM)
 # TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
 _ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
 
@@ -219,6 +223,87 @@ def _quant_dual_kernel(
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
 
+@triton.jit
+def _quant_dual_v2_kernel(
+    x_ptr,  # (M, C) fp32 / bf16
+    valid_ptr,  # (M,) uint8, nonzero = valid row
+    y_ptr,  # (M, C) fp8e4nv out, 1x128
+    s_ptr,  # (M, C // 128) fp32 out
+    yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed, row stride LD
+    sT_ptr,  # (cdiv(M, 128), C) fp32 out
+    count_ptr,  # (1,) int32; CHECK only
+    end_ptr,  # (1,) int32; HAS_END only
+    M,  # i32 rows
+    LD,  # i32, row stride of yT (>= M)
+    C: tl.constexpr,  # a multiple of 128 * TILES
+    CHECK: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    EPS: tl.constexpr,
+    HAS_END: tl.constexpr,
+    TILES: tl.constexpr,  # 128 x 128 tiles per program, along the columns
+):
+    """The dual pass of ``_quant_dual_kernel`` over TILES consecutive tiles of one 128-row block, each
+    tile read once into registers (two 64-column halves, no second read) and the next tile's loads
+    issued before this tile's stores, so a program keeps a load in flight while it computes (the
+    one-tile kernel waited for each load, then computed, then re-read the tile). Same math and
+    outputs, bitwise.
+
+    Grid: (cdiv(M, 128), C // (128 * TILES)).
+    """
+    G: tl.constexpr = 128
+    H: tl.constexpr = 64
+    b = tl.program_id(0)
+    c0 = tl.program_id(1) * (TILES * G)
+    if HAS_END:
+        if b * G >= tl.load(end_ptr):
+            for t in tl.static_range(TILES):
+                tl.store(sT_ptr + b.to(tl.int64) * C + c0 + t * G + tl.arange(0, G),
+                         _scale_of(tl.zeros((G,), tl.float32), EPS))
+            return
+    rows = b * G + tl.arange(0, G)
+    row_ok = rows < M
+    live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+    rows64 = rows.to(tl.int64)
+    hcols = tl.arange(0, H)
+    x_base = x_ptr + rows64[:, None] * C + hcols[None, :]
+    n_bad = 0
+    lo = tl.load(x_base + c0, mask=live[:, None], other=0.0)
+    hi = tl.load(x_base + c0 + H, mask=live[:, None], other=0.0)
+    for t in tl.static_range(TILES):
+        cg = c0 + t * G  # first column of this tile
+        x_lo = lo.to(tl.float32)
+        x_hi = hi.to(tl.float32)
+        if t + 1 < TILES:  # the next tile's loads go out before this tile's stores
+            lo = tl.load(x_base + cg + G, mask=live[:, None], other=0.0)
+            hi = tl.load(x_base + cg + G + H, mask=live[:, None], other=0.0)
+        amax_M1 = tl.maximum(_amax(x_lo, 1), _amax(x_hi, 1), propagate_nan=tl.PropagateNan.ALL)
+        s_M1 = _scale_of(amax_M1, EPS)  # (128, 1)
+        for half in tl.static_range(2):
+            xh = x_lo if half == 0 else x_hi
+            cols = cg + half * H + hcols
+            s_1H = _scale_of(_amax(xh, 0), EPS)  # (1, 64)
+            qT = _to_e4m3(xh, tl.broadcast_to(s_1H, (G, H)), EXACT_ROUND)
+            tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows[:, None], qT, mask=row_ok[:, None])
+            s_col = tl.reshape(s_1H, (H,))
+            tl.store(sT_ptr + b.to(tl.int64) * C + cols, s_col)
+            q = _to_e4m3(xh, tl.broadcast_to(s_M1, (G, H)), EXACT_ROUND)
+            tl.store(y_ptr + rows64[:, None] * C + cols[None, :], q, mask=row_ok[:, None])
+            if CHECK:
+                n_bad += tl.sum((~(s_col < float("inf"))).to(tl.int32))  # NaN < inf is False
+        s_row = tl.reshape(s_M1, (G,))
+        tl.store(s_ptr + rows64 * (C // G) + cg // G, s_row, mask=row_ok)
+        if CHECK:
+            n_bad += tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32))
+    if CHECK:
+        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+
+
+def _dual_tiles(C: int) -> int:
+    """Tiles per program of the v2 dual pass: 2 where C / 128 is even, else 1. (sm_90a builds at C = 1536: 2 tiles
+    at 16 warps take 128 registers and no spills; 4 tiles spill at 8 and 16 warps; 1 tile at 8 warps takes 194.)"""
+    return 2 if (C // GROUP) % 2 == 0 else 1
+
+
 def _check_end_row(fn: str, end_row: Tensor | None, dev) -> None:
     if end_row is not None:
         _check_tensor(fn, "end_row", end_row, 1, (torch.int32,), dev)
@@ -347,8 +432,13 @@ def quantize_dual_1x128_128x1_t(
         return y, s, yT, sT
     interpret = interpret_mode()
     _check_end_row(fn, end_row, dev)
-    launch(_quant_dual_kernel, (Mb, C // GROUP),
-        x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
-        yT.stride(0), C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None, num_warps=_DUAL_WARPS,
-    )
+    args = (x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
+            yT.stride(0))
+    kw = dict(C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None,
+              num_warps=_DUAL_WARPS)
+    if DUAL_QUANT == "v2":
+        tiles = _dual_tiles(C)
+        launch(_quant_dual_v2_kernel, (Mb, C // (GROUP * tiles)), *args, TILES=tiles, **dict(kw, num_warps=_DUAL_V2_WARPS))
+    else:
+        launch(_quant_dual_kernel, (Mb, C // GROUP), *args, **kw)
     return y, s, yT, sT
