@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
 # GPU calls of session 20 (1 H200 asked; say in the results which card ran).
-#   PART=a: session 19's final state (both Gluon FP8 kernels on by default; was gpu_s19.sh PART n, never run):
-#     the FP8 GPU tests (test_gpu.py's op tests at the 30B shape, test_ws_gemm_fp8.py), compare.profile of the fp8
-#     layer at 30B (where the FP8 step's device time goes, per kernel), then compare.layer bf16 / fp8 / fp8_bwd
-#     beside stock compiled at both shapes.
-#   PART=b: scripts/sweep_kernel_configs.py on the FP8 backward's Triton kernels (GEMM2 dgrad, both wgrads) at 30B,
-#     with the dual dgate_up and the gathered 128x1 quantization passes (warps, column block); the GEMM2 dgrad and the
-#     dual pass at 235B. BN 64 at 128 registers / 64-row wgrad tiles fit two programs per SM, so one's
-#     per-K-block promotion stall and epilogue can run under the other's MMAs.
+#   PART=a: session 19's final state (both Gluon FP8 kernels on by default; was gpu_s19.sh PART n, never run): the
+#     FP8 GPU tests (test_gpu.py's op tests at the 30B shape, test_ws_gemm_fp8.py) and compare.profile of the fp8
+#     layer at 30B (where the FP8 step's device time goes, per kernel); then scripts/sweep_kernel_configs.py at 30B
+#     on the FP8 backward's Triton kernels (GEMM2 dgrad, both wgrads: BN 64 at 128 registers / 64-row wgrad tiles
+#     fit two programs per SM, so one's per-K-block promotion stall and epilogue can run under the other's MMAs)
+#     and its quantization passes (the dual dgate_up pass v1 / v2, the gathered 128x1 pass: warps, column block).
+#   PART=b: compare.layer bf16 / fp8 / fp8_bwd beside stock compiled at both shapes, with FP8_DUAL_QUANT=v2 rows;
+#     then the 235B sweep of the GEMM2 dgrad and the dual pass.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s20.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
+sweep() {  # sweep SHAPE KINDS LIMIT_S: scripts/sweep_kernel_configs.py, one line per variant
+  timeout "$3" python3 scripts/sweep_kernel_configs.py "$1" --kinds "$2" --out "$OUT/keep/sweep_fp8_bwd_$1.json" \
+    > "$OUT/keep/sweep_fp8_bwd_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] sweep $1 rc $?"; python3 - "$OUT/keep/sweep_fp8_bwd_$1.log" <<'PY'
+import json, sys
+for ln in open(sys.argv[1]):
+    if ln.startswith("{"):
+        r = json.loads(ln); c = r.get("cfg", {})
+        print(r.get("kind", r.get("best")), c.get("block_m"), c.get("block_n"), c.get("num_warps"), c.get("num_stages"),
+              c.get("maxnreg"), c.get("group_m"), c.get("block_c", c.get("kernel")), r.get("ms"),
+              r.get("tflops") or r.get("gb_per_s"), r.get("bitwise_default"),
+              [(k["n_regs"], k["n_spills"], k["programs_per_sm"]) for k in r.get("compiled", [])], r.get("error", ""))
+PY
+}
 if [ "$PART" = a ]; then
   timeout -s KILL 120 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py -k "fp8 and not builds_for_sm90a" \
     > "$OUT/keep/tests_gpu_a.log" 2>&1
@@ -18,24 +32,12 @@ if [ "$PART" = a ]; then
   timeout 70 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
     --top 30 --out "$OUT/keep/profile_30b_fp8.json" > "$OUT/keep/profile_30b_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -34 "$OUT/keep/profile_30b_fp8.log" | cut -c1-150
-  timeout 340 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
-    --precisions bf16,fp8,fp8_bwd --routings random --iters 15 --warmup 5 --device-time --no-plot \
-    --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -12
+  sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 300
 elif [ "$PART" = b ]; then
-  timeout 300 python3 scripts/sweep_kernel_configs.py 30b --kinds quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 \
-    --out "$OUT/keep/sweep_fp8_bwd_30b.json" > "$OUT/keep/sweep_fp8_bwd_30b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] sweep 30b rc $?"; python3 - "$OUT/keep/sweep_fp8_bwd_30b.log" <<'PY'
-import json, sys
-for ln in open(sys.argv[1]):
-    if ln.startswith("{"):
-        r = json.loads(ln); c = r.get("cfg", {})
-        print(r.get("kind", r.get("best")), c.get("block_m"), c.get("block_n"), c.get("num_warps"), c.get("num_stages"),
-              c.get("maxnreg"), c.get("group_m"), r.get("ms"), r.get("tflops") or r.get("gb_per_s"), r.get("bitwise_default"), c.get("block_c", c.get("kernel")),
-              [(k["n_regs"], k["n_spills"], k["programs_per_sm"]) for k in r.get("compiled", [])], r.get("error", ""))
-PY
-  timeout 200 python3 scripts/sweep_kernel_configs.py 235b --kinds quant_dual_fp8,gemm2_dgrad_fp8 \
-    --out "$OUT/keep/sweep_fp8_bwd_235b.json" > "$OUT/keep/sweep_fp8_bwd_235b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] sweep 235b rc $?"; grep -E '"best"|error' "$OUT/keep/sweep_fp8_bwd_235b.log" | cut -c1-300
+  timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
+    --precisions bf16,fp8,fp8_bwd --routings random --iters 12 --warmup 4 --device-time --no-plot \
+    --switches FP8_DUAL_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -20
+  sweep 235b quant_dual_fp8,gemm2_dgrad_fp8 150
 fi
 session_pack "s20$PART"
