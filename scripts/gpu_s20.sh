@@ -6,7 +6,7 @@
 #     on the FP8 backward's Triton kernels (GEMM2 dgrad, both wgrads: BN 64 at 128 registers / 64-row wgrad tiles
 #     fit two programs per SM, so one's per-K-block promotion stall and epilogue can run under the other's MMAs)
 #     and its quantization passes (the dual dgate_up pass v1 / v2, the gathered 128x1 pass: warps, column block).
-#   PART=b: compare.layer bf16 / fp8 / fp8_bwd beside stock compiled at both shapes, with FP8_DUAL_QUANT=v2 rows;
+#   PART=b: compare.layer bf16 / fp8 / fp8_bwd beside stock compiled at both shapes, with FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 rows;
 #     then the 235B sweep of the GEMM2 dgrad and the dual pass.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s20.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
@@ -19,8 +19,9 @@ import json, sys
 for ln in open(sys.argv[1]):
     if ln.startswith("{"):
         r = json.loads(ln); c = r.get("cfg", {})
-        print(r.get("kind", r.get("best")), c.get("block_m"), c.get("block_n"), c.get("num_warps"), c.get("num_stages"),
-              c.get("maxnreg"), c.get("group_m"), c.get("block_c", c.get("kernel")), r.get("ms"),
+        cfg = ([c.get(k) for k in ("block_m", "block_n", "num_warps", "num_stages", "maxnreg", "group_m")]
+               if "block_m" in c else c)
+        print(r.get("kind", r.get("best")), cfg, r.get("ms"),
               r.get("tflops") or r.get("gb_per_s"), r.get("bitwise_default"),
               [(k["n_regs"], k["n_spills"], k["programs_per_sm"]) for k in r.get("compiled", [])], r.get("error", ""))
 PY
@@ -36,7 +37,7 @@ if [ "$PART" = a ]; then
 elif [ "$PART" = b ]; then
   timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16,fp8,fp8_bwd --routings random --iters 12 --warmup 4 --device-time --no-plot \
-    --switches FP8_DUAL_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
+    --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -20
   sweep 235b quant_dual_fp8,gemm2_dgrad_fp8 150
 fi

@@ -104,32 +104,38 @@ def _fp8_operands(x, dout, w2, gu, s, lay) -> dict:
 
 
 def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
-    """Time one quantization pass of the FP8 backward under (warps, column block) variants, bitwise-checked
-    against the module's defaults; reports GB/s of its DRAM traffic (bf16 in, e4m3 out, scales ignored)."""
+    """Time one quantization pass of the FP8 backward under variants of its module settings (kernel v1 / v2,
+    warps, column block, tiles per program), bitwise-checked against the module's defaults; reports GB/s of
+    its DRAM traffic (bf16 in, e4m3 out, scales ignored; the gathered pass counts its rows' reads)."""
     from titan_megamoe.kernels import fp8_quant_bwd as QB
 
-    saved = (QB._WARPS, QB._DUAL_WARPS, dict(QB._T_BLOCK_C), QB.DUAL_QUANT, QB._DUAL_V2_WARPS)
-    if kind == "quant_dual_fp8":  # (warps, kernel): v1 one tile per program, read twice; v2 (fp8_quant_bwd.DUAL_QUANT)
+    names = ("DUAL_QUANT", "_DUAL_WARPS", "_DUAL_V2_WARPS", "GATHER_QUANT", "_WARPS", "_GATHER_V2_TILES",
+             "_GATHER_V2_WARPS")
+    saved = {n: getattr(QB, n) for n in names}
+    saved_bc = dict(QB._T_BLOCK_C)
+    if kind == "quant_dual_fp8":  # v1 one tile per program, read twice; v2 two tiles per program, each read once
         src = q8["dgu"]
         fn = lambda: QB.quantize_dual_1x128_128x1_t(src, lay.row_pair >= 0)  # noqa: E731
         nbytes = src.numel() * (2 + 1 + 1)
-        todo = [(QB._DUAL_WARPS, "v1"), (4, "v1"), (16, "v1"), (16, "v2"), (8, "v2")]
-    elif kind == "quant_gather_t_fp8":
+        todo = [{}, {"_DUAL_WARPS": 4}, {"_DUAL_WARPS": 16}, {"DUAL_QUANT": "v2"},
+                {"DUAL_QUANT": "v2", "_DUAL_V2_WARPS": 8}]
+    elif kind == "quant_gather_t_fp8":  # v2: TILES column blocks per program, the row index loaded once
         fn = lambda: QB.quantize_gather_128x1_t(x, lay.row_pair, lay.top_k)  # noqa: E731
         nbytes = lay.n_cap * x.shape[1] * (2 + 1)
-        todo = [(QB._WARPS, QB._T_BLOCK_C[False]), (8, 64), (4, 32), (8, 128), (4, 128), (2, 32)]
+        todo = [{}, {"_WARPS": 8}, {"block_c": 32}, {"_WARPS": 8, "block_c": 128}, {"block_c": 128},
+                {"GATHER_QUANT": "v2"}, {"GATHER_QUANT": "v2", "_GATHER_V2_TILES": 8},
+                {"GATHER_QUANT": "v2", "_GATHER_V2_TILES": 2, "block_c": 128}]
     else:
         raise ValueError(kind)
     out, ref = [], None
-    for warps, bc in todo:
-        rec = {"shape": shape, "kind": kind, "cfg": {"num_warps": warps, ("kernel" if isinstance(bc, str) else "block_c"): bc},
-               "default": ref is None}
+    for var in todo:
+        rec = {"shape": shape, "kind": kind, "cfg": dict(var), "default": not var}
         try:
-            QB._WARPS = QB._DUAL_WARPS = QB._DUAL_V2_WARPS = warps
-            if isinstance(bc, str):
-                QB.DUAL_QUANT = bc
-            elif bc is not None:
-                QB._T_BLOCK_C[False] = bc
+            for n, v in var.items():
+                if n == "block_c":
+                    QB._T_BLOCK_C[False] = v
+                else:
+                    setattr(QB, n, v)
             _forget_compiled()
             got = [t.float() if t.dtype != torch.float32 else t for t in fn()]
             rec["compiled"] = _compiled_stats()
@@ -141,9 +147,10 @@ def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
         except Exception as err:
             rec["error"] = repr(err)[:200]
         finally:
-            QB._WARPS, QB._DUAL_WARPS, QB.DUAL_QUANT, QB._DUAL_V2_WARPS = saved[0], saved[1], saved[3], saved[4]
+            for n, v in saved.items():
+                setattr(QB, n, v)
             QB._T_BLOCK_C.clear()
-            QB._T_BLOCK_C.update(saved[2])
+            QB._T_BLOCK_C.update(saved_bc)
         print(json.dumps(rec), flush=True)
         out.append(rec)
     return out

@@ -200,12 +200,23 @@ def _run_gemm2_dgrad(name):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_gather_128x1_t_matches_oracle(_poison_empty):
+@pytest.fixture(params=["v1", "v2"])
+def gather_impl(request, monkeypatch):
+    """Both kernels of the gathered 128x1 pass (``fp8_quant_bwd.GATHER_QUANT``); v2 with 2 column blocks per
+    program (the interpreter's block is 128 columns, the cases' D 256)."""
+    from titan_megamoe.kernels import fp8_quant_bwd as QB
+
+    monkeypatch.setattr(QB, "GATHER_QUANT", request.param)
+    monkeypatch.setattr(QB, "_GATHER_V2_TILES", 2)
+    return request.param
+
+
+def test_gather_128x1_t_matches_oracle(gather_impl, _poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_gather_128x1_t
 
     d = _case("one_expert_k1")
     L, K = d["layout"], d["c"].K
-    x = d["x"].clone()
+    x = _rand((d["x"].shape[0], 256), torch.Generator().manual_seed(5)).bfloat16()  # v2: two column blocks
     x[3, 5] = 3e4  # one large value: its column's group scale changes, the others' do not
     q, s = quantize_gather_128x1_t(x, L.row_pair, K)
     src = torch.where(d["valid"], L.row_pair.long() // K, 0)
@@ -247,7 +258,7 @@ def test_dual_quant_matches_oracle(C, dual_impl, _poison_empty):
     assert int(count) == 2  # one row group and one column group
 
 
-def test_quantizers_end_row_skip_spare_rows(dual_impl, _poison_empty):
+def test_quantizers_end_row_skip_spare_rows(dual_impl, gather_impl, _poison_empty):
     """end_row = offsets[E]: rows before it bitwise as without it (both quantizers), rows from it on left
     unwritten (NaN-poisoned buffers keep their poison there), scales finite, no non-finite count."""
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
@@ -544,6 +555,7 @@ COMPILE_CASES = [
     ("wgrad_w13_fp8_30b", "wgrad_w13", 2048, 768),
     ("gemm1_fwd_fp8_quant_h_30b", "gemm1_qh", 2048, 768),  # forward GEMM1, h quantized in the epilogue
     ("quant_gather_128x1_t_30b", "quant_t", 2048, 768),  # memory-bound quantizers: no wgmma
+    ("quant_gather_128x1_t_v2_30b", "quant_t_v2", 2048, 768),
     ("quant_dual_30b", "quant_dual", 2048, 768),
     ("quant_dual_v2_30b", "quant_dual_v2", 2048, 768),  # 2 tiles per program at C = 1536, 16 warps
 ]
@@ -594,12 +606,15 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
     if kind.startswith("quant"):
         from titan_megamoe.kernels import fp8_quant_bwd as QB
 
-        if kind == "quant_t":
-            fn = _kernel_variant(QB._quant_gather_128x1_t_kernel, False)
+        if kind in ("quant_t", "quant_t_v2"):
+            v2 = kind == "quant_t_v2"
+            fn = _kernel_variant(QB._quant_gather_128x1_t_v2_kernel if v2 else QB._quant_gather_128x1_t_kernel, False)
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
                        end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, BLOCK_C=QB._T_BLOCK_C[False],
                       HAS_END=True)
+            if v2:
+                cx["TILES"] = QB._GATHER_V2_TILES
         else:
             v2 = kind == "quant_dual_v2"
             fn = _kernel_variant(QB._quant_dual_v2_kernel if v2 else QB._quant_dual_kernel, False)
@@ -608,7 +623,8 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
             cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True)
             if v2:
                 cx["TILES"] = QB._dual_tiles(2 * F)
-        warps = {"quant_t": QB._WARPS, "quant_dual": QB._DUAL_WARPS, "quant_dual_v2": QB._DUAL_V2_WARPS}[kind]
+        warps = {"quant_t": QB._WARPS, "quant_t_v2": QB._GATHER_V2_WARPS, "quant_dual": QB._DUAL_WARPS,
+                 "quant_dual_v2": QB._DUAL_V2_WARPS}[kind]
         cfg = dataclasses.replace(cfg, num_warps=warps, num_stages=1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # row strides of the transposed operands: multiples of 128 (transposed_ld); M: N_cap, a multiple of 128

@@ -73,6 +73,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_DGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_FP8_DUAL_QUANT", "v1", values=("v1", "v2"),
            attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "DUAL_QUANT"),)),
+    Switch("TITAN_MEGAMOE_FP8_GATHER_QUANT", "v1", values=("v1", "v2"),
+           attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "GATHER_QUANT"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),
