@@ -5,7 +5,8 @@
 #     layer at 30B (where the FP8 step's device time goes, per kernel); then scripts/sweep_kernel_configs.py at 30B
 #     on the FP8 backward's Triton kernels (GEMM2 dgrad, both wgrads: BN 64 at 128 registers / 64-row wgrad tiles
 #     fit two programs per SM, so one's per-K-block promotion stall and epilogue can run under the other's MMAs)
-#     and its quantization passes (the dual dgate_up pass v1 / v2, the gathered 128x1 pass: warps, column block).
+#     and its quantization passes (the dual dgate_up pass v1 / v2, the gathered 128x1 pass: warps, column block);
+#     compare.layer 30B, megamoe bf16 / fp8 with and without both v2 quant passes, in the time left (560 s in all).
 #   PART=b: compare.layer bf16 / fp8 / fp8_bwd beside stock compiled at both shapes, with FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 rows;
 #     then the 235B sweep of the GEMM2 dgrad and the dual pass.
 # Call as: REV=<hash> PART=a bash scripts/gpu_s20.sh   (carry .whl; see scripts/gpu_env.sh)
@@ -27,13 +28,17 @@ for ln in open(sys.argv[1]):
 PY
 }
 if [ "$PART" = a ]; then
-  timeout -s KILL 120 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py -k "fp8 and not builds_for_sm90a" \
+  timeout -s KILL 100 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py -k "fp8 and not builds_for_sm90a" \
     > "$OUT/keep/tests_gpu_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_a.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_a.log" | head || true
-  timeout 70 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
+  timeout 60 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
     --top 30 --out "$OUT/keep/profile_30b_fp8.json" > "$OUT/keep/profile_30b_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -34 "$OUT/keep/profile_30b_fp8.log" | cut -c1-150
-  sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 300
+  sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 250
+  timeout $((560 - SECONDS + t0)) python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
+    --precisions bf16,fp8 --routings random --iters 12 --warmup 4 --device-time --no-plot \
+    --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8_a.json" > "$OUT/keep/layer_fp8_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_a.log" | head -8
 elif [ "$PART" = b ]; then
   timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \
     --precisions bf16,fp8,fp8_bwd --routings random --iters 12 --warmup 4 --device-time --no-plot \
