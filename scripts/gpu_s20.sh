@@ -35,7 +35,8 @@ if [ "$PART" = a ]; then
     --top 30 --out "$OUT/keep/profile_30b_fp8.json" > "$OUT/keep/profile_30b_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -34 "$OUT/keep/profile_30b_fp8.log" | cut -c1-150
   sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 250
-  timeout $((560 - SECONDS + t0)) python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
+  lim=$((560 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
     --precisions bf16,fp8 --routings random --iters 12 --warmup 4 --device-time --no-plot \
     --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8_a.json" > "$OUT/keep/layer_fp8_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_a.log" | head -8
