@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU calls of session 20 (1 H200 asked; say in the results which card ran).
+#   (session 20 adds the Gluon FP8 wgrad, kernels/ws_wgrad_fp8.py: its GPU tests, sweep rows and a layer row in PART a)
 #   PART=a: session 19's final state (both Gluon FP8 kernels on by default; was gpu_s19.sh PART n, never run): the
 #     FP8 GPU tests (test_gpu.py's op tests at the 30B shape, test_ws_gemm_fp8.py) and compare.profile of the fp8
 #     layer at 30B (where the FP8 step's device time goes, per kernel); then scripts/sweep_kernel_configs.py at 30B
@@ -28,17 +29,17 @@ for ln in open(sys.argv[1]):
 PY
 }
 if [ "$PART" = a ]; then
-  timeout -s KILL 100 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py -k "fp8 and not builds_for_sm90a" \
+  timeout -s KILL 100 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py tests/test_ws_wgrad_fp8.py -k "fp8 and not builds_for_sm90a" \
     > "$OUT/keep/tests_gpu_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_a.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_a.log" | head || true
   timeout 60 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
     --top 30 --out "$OUT/keep/profile_30b_fp8.json" > "$OUT/keep/profile_30b_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -34 "$OUT/keep/profile_30b_fp8.log" | cut -c1-150
-  sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 250
+  sweep 30b quant_dual_fp8,quant_gather_t_fp8,wgrad_w2_fp8,wgrad_w13_fp8,gemm2_dgrad_fp8 250
   lim=$((560 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
     --precisions bf16,fp8 --routings random --iters 12 --warmup 4 --device-time --no-plot \
-    --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8_a.json" > "$OUT/keep/layer_fp8_a.log" 2>&1
+    --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 WS_WGRAD_FP8=1 --out "$OUT/keep/layer_ep1_fp8_a.json" > "$OUT/keep/layer_fp8_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_a.log" | head -8
 elif [ "$PART" = b ]; then
   timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \

@@ -4,7 +4,8 @@
 
 Kinds: gemm1, gemm2, gemm2_dgrad, gemm2_dgrad_nohs (the same without its s*h store: an epilogue
 ablation), gemm1_dgrad, wgrad_w2, wgrad_w13; and the blockwise-FP8 backward's Triton kernels
-(``grouped_gemm_fp8_bwd.py``) gemm2_dgrad_fp8, wgrad_w2_fp8, wgrad_w13_fp8 (operands quantized as the op does);
+(``grouped_gemm_fp8_bwd.py``) gemm2_dgrad_fp8, wgrad_w2_fp8, wgrad_w13_fp8 (operands quantized as the op does; the
+wgrad kinds also time the Gluon kernel of ``ws_wgrad_fp8.py`` against the Triton default);
 and its memory-bound quantization passes (``fp8_quant_bwd.py``: quant_dual_fp8 of dgate_up, quant_gather_t_fp8 of x)
 over their warps / column block (module constants, set for the sweep).
 
@@ -51,6 +52,10 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
             alts = [(64, 128, 4, 4, None), (64, 128, 4, 3, None), (128, 64, 4, 4, None), (128, 128, 8, 5, None),
                     (64, 128, 8, 4, 128)]  # 128 x 128 at 128 registers spills (224 B)
             out += [r(base, block_m=m_, block_n=n, num_warps=w, num_stages=s_, maxnreg=m) for m_, n, w, s_, m in alts]
+            # the warp-specialized Gluon kernel (kernels/ws_wgrad_fp8.py) at 5 / 4 / 6 stages
+            from titan_megamoe.kernels.ws_wgrad_fp8 import Fp8WgradConfig
+
+            out += [Fp8WgradConfig(stages=st) for st in (5, 4, 6)]
         return list(dict.fromkeys(out + [r(base, group_m=8 if base.group_m == 1 else 1)]))
     if kind in ("wgrad_w2", "wgrad_w13"):  # BM is free here (an output tile of the weight)
         tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
@@ -226,11 +231,15 @@ def main() -> int:
                 return torch.cat([dgu8[:live].float().flatten(), hsT[:, :live].float().flatten(),
                                   hsTs[: live // 128].flatten()])
             return g2d, flop
-        if kind == "wgrad_w2_fp8":
-            return lambda: B8.wgrad_fp8(q8["doTq"], q8["doTs"], q8["hsT"], q8["hsTs"], lay, config=cfg)[0], flop
-        if kind == "wgrad_w13_fp8":
-            return lambda: torch.stack(B8.wgrad_fp8(q8["dguTq"], q8["dguTs"], q8["xTq"], q8["xTs"], lay, split=F,
-                                                    config=cfg)), 2 * flop
+        if kind in ("wgrad_w2_fp8", "wgrad_w13_fp8"):
+            ops = (q8["doTq"], q8["doTs"], q8["hsT"], q8["hsTs"]) if kind == "wgrad_w2_fp8" else (
+                q8["dguTq"], q8["dguTs"], q8["xTq"], q8["xTs"])
+            split = None if kind == "wgrad_w2_fp8" else F
+            if isinstance(cfg, GemmConfig):
+                return lambda: torch.cat(B8.wgrad_fp8(*ops, lay, split=split, config=cfg), 1), flop * (1 + bool(split))
+            from titan_megamoe.kernels.ws_wgrad_fp8 import ws_wgrad_fp8
+
+            return lambda: torch.cat(ws_wgrad_fp8(*ops, lay, split=split, cfg=cfg), 1), flop * (1 + bool(split))
         raise ValueError(kind)
 
     rows = []
@@ -243,9 +252,9 @@ def main() -> int:
         ref = None
         todo = variants(base, kind)
         if args.quick:
-            todo = [c for c in todo if c == base or (kind.startswith("wgrad") and c.block_m == 64)]
+            todo = [c for c in todo if c == base or (kind.startswith("wgrad") and getattr(c, "block_m", 0) == 64)]
         if args.two_cta:
-            todo = [c for c in todo if c == base or c.maxnreg is not None
+            todo = [c for c in todo if c == base or getattr(c, "maxnreg", None) is not None
                     or (kind.startswith("gemm2_dgrad") and c.num_stages == 4)]
         for cfg in todo:
             rec = {"shape": args.shape, "kind": kind, "cfg": dataclasses.asdict(cfg), "default": cfg == base}

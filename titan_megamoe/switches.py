@@ -71,6 +71,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM1_FP8", "1", attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_FP8"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", "1",
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_DGRAD_FP8"),)),
+    Switch("TITAN_MEGAMOE_WS_WGRAD_FP8", "0", attrs=(("titan_megamoe.ops.fp8_backend", "WS_WGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_FP8_DUAL_QUANT", "v1", values=("v1", "v2"),
            attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "DUAL_QUANT"),)),
     Switch("TITAN_MEGAMOE_FP8_GATHER_QUANT", "v1", values=("v1", "v2"),

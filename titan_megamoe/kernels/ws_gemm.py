@@ -710,7 +710,7 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype = torch.bfloat16):
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 

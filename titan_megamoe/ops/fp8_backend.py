@@ -65,6 +65,11 @@ WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 #: default since session 19 (H200: kernel 1.244 -> 0.964 ms at 30B, 4.790 -> 3.609 at 235B; layer fwd+bwd -0.39 /
 #: -0.99 ms); ``TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8=0`` turns it off. Read at import; a same-process switch.
 WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
+#: The FP8 weight gradients (dw2, dw1 | dw3) by the warp-specialized Gluon kernel (``kernels/ws_wgrad_fp8.py``: one
+#: TMA producer warp, two cooperative consumers, each tile's 128 columns as two halves in flight, the first scaled
+#: under the second) instead of the Triton one; the same math. Opt-in (session 20: CPU build only so far);
+#: ``TITAN_MEGAMOE_WS_WGRAD_FP8=1``. Read at import; a same-process switch.
+WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
@@ -447,11 +452,7 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     """
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
-    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import (
-        fp8_bwd_config_for,
-        gemm2_dgrad_swiglu_bwd_fp8,
-        wgrad_fp8,
-    )
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import fp8_bwd_config_for, gemm2_dgrad_swiglu_bwd_fp8
 
     w1tq, w1ts, w3tq, w3ts, w2tq, w2ts = wq_bwd[:6]
     K = layout.top_k
@@ -497,17 +498,31 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
         doTq, doTs = quantize_gather_128x1_t(dout, layout.row_pair, K, name=f"{layer_name} dout",
                                              end_row=end)  # counted above
         mark("quant_dout_T")
-        (dw2,) = wgrad_fp8(doTq, doTs, hsT, hsTs, layout, out_dtype=w_dtype, _max_imprecise_acc=acc)
+        (dw2,) = _wgrad_fp8(doTq, doTs, hsT, hsTs, layout, None, w_dtype, acc)
         mark("wgrad_w2")
         xTq, xTs = quantize_gather_128x1_t(x_rows.contiguous(), layout.row_pair, K, nonfinite_count=count,
                                            end_row=end, name=f"{layer_name} x")
         mark("quant_x_T")
-        dw1, dw3 = wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, split=F, out_dtype=w_dtype, _max_imprecise_acc=acc)
+        dw1, dw3 = _wgrad_fp8(dguTq, dguTs, xTq, xTs, layout, F, w_dtype, acc)
         mark("wgrad_w13")
     dx_rows = _gemm1_dgrad_fp8_rows(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
     mark("gemm1_dgrad")
     NONFINITE.record(f"{layer_name} backward", count)
     return dx_rows, part, dw1, dw2, dw3
+
+
+def _wgrad_fp8(aTq: Tensor, aTs: Tensor, bTq: Tensor, bTs: Tensor, layout: RoutingLayout, split: int | None,
+               w_dtype: torch.dtype, acc: int | None) -> tuple[Tensor, ...]:
+    """An FP8 weight gradient (``grouped_gemm_fp8_bwd.wgrad_fp8``'s contract): by the Gluon kernel where
+    ``WS_WGRAD_FP8`` is on and the case allows it (``ws_wgrad_fp8.ws_wgrad_fp8_supported``; not with the
+    ``fp8_acc32`` diagnosis), else by the Triton kernel."""
+    from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_wgrad_fp8
+
+    if (WS_WGRAD_FP8 and acc is None and not _interp()
+            and ws_wgrad_fp8.ws_wgrad_fp8_supported(aTq, aTq.shape[0], bTq.shape[0], split, layout) is None):
+        return ws_wgrad_fp8.ws_wgrad_fp8(aTq, aTs, bTq, bTs, layout, split=split, out_dtype=w_dtype)
+    return grouped_gemm_fp8_bwd.wgrad_fp8(aTq, aTs, bTq, bTs, layout, split=split, out_dtype=w_dtype,
+                                          _max_imprecise_acc=acc)
 
 
 def _gemm1_dgrad_fp8_rows(dguq: Tensor, dgus: Tensor, w1tq: Tensor, w1ts: Tensor, w3tq: Tensor, w3ts: Tensor,

@@ -1,0 +1,167 @@
+"""The warp-specialized blockwise-FP8 wgrad (kernels/ws_wgrad_fp8.py): sm_90a builds on the CPU machine (registers,
+shared memory, wgmma count and waits, no wgmma serialization by ptxas), its host-side errors, the opt-in switch's
+wiring in the FP8 backward, and on a GPU its results against the Triton FP8 wgrad and an fp32 reference of the
+dequantized operands (edge cases: experts without rows, all rows on one expert, top_k 1, fp32 outputs)."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from _sm90 import sm90_result  # noqa: E402
+
+# (label, MA, NC, split, out dtype): dw2 (D x F), dw1 | dw3 (2F x D split at F) at both Qwen3 shapes
+BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 768, torch.bfloat16),
+          ("w2_235b", 4096, 1536, None, torch.bfloat16), ("w13_235b", 3072, 4096, 1536, torch.bfloat16),
+          ("w2_30b_fp32", 2048, 768, None, torch.float32)]
+
+
+def _compile_sm90_all() -> list[dict]:
+    from titan_megamoe.kernels import ws_wgrad_fp8 as W
+    from titan_megamoe.kernels.sm90_check import compile_sm90
+
+    out = []
+    for label, MA, NC, split, dt in BUILDS:
+        sig, cx = W.sm90_compile_args_wgrad_fp8(MA, NC, split or MA, dt)
+        cfg = W.FP8_WGRAD_CONFIG
+        r = compile_sm90(W._wgrad_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=label, **r))
+    return out
+
+
+@pytest.mark.parametrize("label", [b[0] for b in BUILDS])
+def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG
+
+    r = sm90_result(__file__, label)
+    dt = dict((b[0], b[4]) for b in BUILDS)[label]
+    assert r["target"], "PTX not built for sm_90a"
+    assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
+    assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
+    assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
+    assert FP8_WGRAD_CONFIG.smem_bytes(dt) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # the cap, no spills
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+def _operands(T, E, K, D, F, routing, seed, device):
+    """The FP8 backward's wgrad operands as the op makes them: dout and x gathered and quantized 128x1 (transposed),
+    s * h and dgate_up random bf16 rows (zeros on padding rows), quantized the same way."""
+    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.testing import make_routing
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=seed).to(device), E, 128)
+    valid = lay.row_pair >= 0
+    dout = torch.randn(T, D, device=device, generator=g).bfloat16()
+    x = torch.randn(T, D, device=device, generator=g).bfloat16()
+    hs = torch.randn(lay.n_cap, F, device=device, generator=g).bfloat16()
+    dgu = torch.randn(lay.n_cap, 2 * F, device=device, generator=g).bfloat16()
+    doT = quantize_gather_128x1_t(dout, lay.row_pair, K)
+    xT = quantize_gather_128x1_t(x, lay.row_pair, K)
+    hsT = quantize_dual_1x128_128x1_t(hs, valid)[2:]
+    dguT = quantize_dual_1x128_128x1_t(dgu, valid)[2:]
+    return lay, doT, xT, hsT, dguT
+
+
+def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
+    from titan_megamoe.kernels import ws_wgrad_fp8 as W
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    lay, (doT, doTs), _, (hsT, hsTs), _ = _operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="ws_wgrad_fp8: .*(sm_90|Gluon|Triton)"):
+            W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay)
+    monkeypatch.setattr(W, "_platform_reason", lambda t: None)  # past the platform: the shape checks
+    assert W.ws_wgrad_fp8_supported(doT, 256, 128, None, lay) is None
+    assert "multiples of 128" in W.ws_wgrad_fp8_supported(doT, 256, 64, None, lay)
+    assert "multiples of 128" in W.ws_wgrad_fp8_supported(doT, 256, 128, 64, lay)
+    lay64 = build_routing_layout_torch(torch.randint(0, 4, (40, 2)), 4, 64)
+    assert "block_m 128" in W.ws_wgrad_fp8_supported(doT, 256, 128, None, lay64)
+    with pytest.raises(ValueError, match="ws_wgrad_fp8: aT_s must be a contiguous fp32"):
+        W.ws_wgrad_fp8(doT, doTs[:, :128].contiguous(), hsT, hsTs, lay)
+    with pytest.raises(ValueError, match="ws_wgrad_fp8: bT_q must be a"):
+        W.ws_wgrad_fp8(doT, doTs, hsT.float(), hsTs, lay)
+    with pytest.raises(ValueError, match="out_dtype must be bf16 or fp32"):
+        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"split=256 must be in \(0, 256\)"):
+        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, split=256)
+    with pytest.raises(ValueError, match="out must be 1 contiguous"):
+        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out=(torch.empty(4, 256, 64),))
+
+
+def test_fp8_backward_takes_the_gluon_wgrad_only_when_switched_on(monkeypatch):
+    """``WS_WGRAD_FP8`` on, off the interpreter, a supported case, no fp32-promotion diagnosis: the FP8 backward's weight
+    gradients come from the Gluon kernel; off (or with the diagnosis): from the Triton one, with the same arguments."""
+    import titan_megamoe.kernels.grouped_gemm_fp8_bwd as B8
+    import titan_megamoe.kernels.ws_wgrad_fp8 as W
+    import titan_megamoe.ops.fp8_backend as fb
+    from titan_megamoe import switches
+
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_WGRAD_FP8"].default == "0"
+    calls = []
+    monkeypatch.setattr(W, "ws_wgrad_fp8_supported", lambda *a: None)
+    monkeypatch.setattr(W, "ws_wgrad_fp8", lambda *a, **k: calls.append(("gluon", k["split"], k["out_dtype"])) or "g")
+    monkeypatch.setattr(B8, "wgrad_fp8", lambda *a, **k: calls.append(
+        ("triton", k["split"], k["out_dtype"], k["_max_imprecise_acc"])) or "t")
+    monkeypatch.setattr(fb, "_interp", lambda: False)
+    aT = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    for on, acc, want in (("1", None, ("gluon", 128, torch.float32)), ("0", None, ("triton", 128, torch.float32, None)),
+                          ("1", 32, ("triton", 128, torch.float32, 32))):
+        calls.clear()
+        with switches.override({"TITAN_MEGAMOE_WS_WGRAD_FP8": on}):
+            assert fb.WS_WGRAD_FP8 is (on == "1")
+            got = fb._wgrad_fp8(aT, "aTs", aT, "bTs", "layout", 128, torch.float32, acc)
+        assert calls == [want] and got == want[0][0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (4096, 16, 4, 512, 256, "uniform", torch.bfloat16), (1000, 8, 1, 256, 128, "uniform", torch.float32),
+    (3000, 32, 4, 384, 256, "zero_expert", torch.bfloat16), (2048, 16, 2, 256, 384, "one_expert", torch.float32),
+    (16384, 128, 8, 2048, 768, "uniform", torch.bfloat16),
+], ids=["uniform", "top1-odd-T-fp32", "zero-expert", "one-expert-fp32", "30b"])
+def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import wgrad_fp8
+    from titan_megamoe.kernels.ws_wgrad_fp8 import ws_wgrad_fp8
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import rel_err
+
+    T, E, K, D, F, routing, dt = case
+    lay, doT, xT, hsT, dguT = _operands(T, E, K, D, F, routing, 11, "cuda")
+    off = lay.offsets.tolist()
+    empty = (lay.counts == 0).nonzero().squeeze(1)
+    if routing == "zero_expert":
+        assert len(empty) > 0, "the case needs an expert without rows"
+
+    def ref(aT, bT):  # fp32 math of the dequantized operands, per expert
+        a = R.dequantize_act_128x1(aT[0].T.contiguous(), aT[1])
+        b = R.dequantize_act_128x1(bT[0].T.contiguous(), bT[1])
+        return torch.stack([a[off[e]:off[e + 1]].T @ b[off[e]:off[e + 1]] for e in range(E)])
+
+    for name, aT, bT, split in (("dw2", doT, hsT, None), ("dw13", dguT, xT, F)):
+        shapes = [(E, aT[0].shape[0], bT[0].shape[0])] if split is None else [(E, F, D), (E, F, D)]
+        out = tuple(torch.full(sh, float("nan"), device="cuda", dtype=dt) for sh in shapes)  # poisoned
+        got = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=out)
+        assert all(g is o for g, o in zip(got, out))
+        tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
+        got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
+        assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"
+        assert (got[empty] == 0).all(), f"{name}: experts without rows get exact zeros"
+        err_ref, err_tri = rel_err(got, ref(aT, bT)), rel_err(got, tri)
+        print(f"{name} {case[5]} {dt}: rel err vs fp32 {err_ref:.2e}, vs Triton {err_tri:.2e}, "
+              f"bitwise Triton {torch.equal(got, tri)}")
+        assert err_ref < 2e-3 if dt == torch.float32 else err_ref < 1e-2
+        assert err_tri < 1e-5 if dt == torch.float32 else err_tri < 1e-2
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile-sm90"]:
+        print(json.dumps(_compile_sm90_all()))
+    else:
+        raise SystemExit("usage: python tests/test_ws_wgrad_fp8.py compile-sm90")

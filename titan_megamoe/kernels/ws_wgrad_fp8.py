@@ -1,0 +1,288 @@
+"""Warp-specialized blockwise-FP8 weight gradients (dw2, dw1 | dw3) for Hopper, in Gluon.
+
+Why: the Triton FP8 wgrad (``grouped_gemm_fp8_bwd._wgrad_fp8_kernel``) ran at 366 / 409 TF/s (dw2 / dw1 | dw3) at
+the 30B shape on an H200 (``bench_fp8_persistent_1xh200_20261201.json``), below our bf16 wgrads (449 / 489): Triton
+waits for every wgmma group before it scales the K block's partial (DeepSeek-V3's per-128 promotion), so the
+tensor cores idle while the partials are scaled (``ws_gemm_fp8.py`` says why Triton cannot overlap it). The same
+consumer scheme as ``ws_gemm_fp8.ws_gemm1_dgrad_fp8`` (856-914 TF/s against the Triton kernel's 663-689 on an H200):
+
+* one TMA producer warp loads, per 128-row K step of expert e's segment [offsets[e], offsets[e+1]), the A tile
+  aT[m0 : m0 + 128, r0 : r0 + 128] and the B tile bT[n0 : n0 + 128, r0 : r0 + 128] (both transposed, K-major,
+  as the 128x1 quantizers of ``fp8_quant_bwd.py`` store them) into a ring of STAGES buffers;
+* two cooperative consumer warpgroups, each on 64 output rows of the 128 x 128 tile, its 128 columns as two
+  64-column halves whose MMAs are in flight together; per K step both partials start fresh (``use_acc=False``),
+  the first is scaled under the second's MMA: acc += (partial * a_scale[row]) * b_scale[col], the scales of this
+  step's 128-row group (the Triton kernel's expression, so the compiler contracts it the same way);
+* persistent grid over E x (MA / 128) x (NC / 128) tiles in expert order (an expert's operands stay in L2 while its
+  tiles run); experts without rows store zeros (empty K loop); bf16 or fp32 output tiles by TMA store.
+
+Math per output element (dequantized operands): dW[e][m, n] = sum over the 128-row groups g of expert e of
+(sum_{r in g} aT[m, r] bT[n, r]) * a_s[g, m] * b_s[g, n], in row order. The same as ``wgrad_fp8``'s (the tests
+compare both on a GPU).
+
+Preconditions (``ws_wgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, MA, NC, split multiples of 128,
+routing layout block 128 (a scale group never straddles two experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from titan_megamoe.kernels.configs import _sm_count
+from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from titan_megamoe.kernels.ws_wgrad import _wg_count, _wg_tile
+
+__all__ = ["FP8_WGRAD_CONFIG", "Fp8WgradConfig", "sm90_compile_args_wgrad_fp8", "ws_wgrad_fp8",
+           "ws_wgrad_fp8_supported"]
+
+FP8 = torch.float8_e4m3fn
+_G = 128  # scale group = K step = tile edge
+
+
+@dataclass(frozen=True)
+class Fp8WgradConfig:
+    """Pipeline of the FP8 wgrad (tiles are 128 x 128, K steps 128 rows: the scale groups).
+
+    Attributes:
+        stages: operand buffers in the ring (two 128 x 128 e4m3 tiles each: 32 KiB).
+        maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split (two consumer
+            warpgroups with four 64 x 64 fp32 tiles each, 128 registers, and a one-warp TMA producer).
+    """
+
+    stages: int = 5
+    maxnreg: int = 168
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Shared memory of the operand ring and the two consumers' 64 x 64 output staging tiles."""
+        return self.stages * 2 * _G * _G + 2 * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
+
+
+#: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
+FP8_WGRAD_CONFIG = Fp8WgradConfig()
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _wg8_producer(a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT: gl.constexpr,
+                      NT: gl.constexpr, STAGES: gl.constexpr):
+        # one warp: the A and B tiles of every 128-row step of the tile's expert, by TMA
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        idx = 0
+        for j in range(_wg_count(E, MT, NT)):
+            e, m, n = _wg_tile(j, MT, NT)
+            start = gl.load(offsets_ptr + e)
+            end = gl.load(offsets_ptr + e + 1)
+            for r0 in range(start, end, BK):
+                s = idx % STAGES
+                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [m * BM, r0], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [n * BN, r0], bar, b_bufs.index(s))
+                idx += 1
+
+    @gluon.jit
+    def _wg8_consumer(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
+                      C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, MT: gl.constexpr,
+                      NT: gl.constexpr, STAGES: gl.constexpr):
+        # cooperative: both consumers take every tile, C its output rows [C * 64, C * 64 + 64); the tile's 128
+        # columns as two 64-column halves, both MMAs of a K step in flight, the first scaled under the second
+        BMC: gl.constexpr = out0_desc.block_type.shape[0]
+        BH: gl.constexpr = out0_desc.block_type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        idx = 0
+        for j in range(_wg_count(E, MT, NT)):
+            e, m, n = _wg_tile(j, MT, NT)
+            start = gl.load(offsets_ptr + e)
+            end = gl.load(offsets_ptr + e + 1)
+            row0 = m * 2 * BMC + C * BMC
+            col0 = n * 2 * BH
+            rows = row0 + gl.arange(0, BMC, layout=row_layout)
+            cols = col0 + gl.arange(0, BH, layout=col_layout)
+            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            for r0 in range(start, end, BK):
+                s = idx % STAGES
+                g = r0 // BK  # this step's scale group
+                sa = gl.expand_dims(gl.load(as_ptr + g * MA + rows), 1)
+                sb_lo = gl.expand_dims(gl.load(bs_ptr + g * NC + cols), 0)
+                sb_hi = gl.expand_dims(gl.load(bs_ptr + g * NC + BH + cols), 0)
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s)
+                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
+                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                acc_lo += (p_lo * sa) * sb_lo  # scaled under the other half's MMA
+                p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_hi += (p_hi * sa) * sb_hi
+                idx += 1
+            # epilogue: the two halves through this consumer's staging tile, TMA stores into dW[e] (or the
+            # second output past row M1: dw3 of the stacked dgate_up)
+            dt: gl.constexpr = out0_desc.dtype
+            for half in gl.static_range(2):
+                tma.store_wait(pendings=0)  # the previous store has read c_smem
+                c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
+                fence_async_shared()
+                if row0 < M1:
+                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
+                else:
+                    tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
+                                                    c_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _wgrad_fp8_ws_kernel(a_desc, b_desc, out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, MA: gl.constexpr,
+                             NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+        """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,)."""
+        MT: gl.constexpr = MA // a_desc.block_type.shape[0]
+        NT: gl.constexpr = NC // b_desc.block_type.shape[0]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c0 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
+        c1 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        gl.warp_specialize([
+            (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
+                             0, MA, NC, M1, MT, NT, STAGES)),
+            (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
+                             1, MA, NC, M1, MT, NT, STAGES)),
+            (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def ws_wgrad_fp8_supported(aT_q: Tensor, MA: int, NC: int, split: int | None, layout) -> str | None:
+    """None if the warp-specialized FP8 wgrad can take this case, else why not."""
+    reason = _platform_reason(aT_q)
+    if reason:
+        return reason
+    if MA % _G or NC % _G or (split is not None and split % _G):
+        return f"needs MA, NC and split multiples of {_G} (MA={MA}, NC={NC}, split={split})"
+    if layout.block_m != _G:
+        return f"needs a routing layout with block_m {_G} (got {layout.block_m})"
+    return None
+
+
+def _k_major(t: Tensor) -> Tensor:
+    """The (C, ld) storage behind a transposed (C, M) operand with row stride ld: TMA reads [C, ld] (the K loop stops
+    at offsets[E] <= M, so the columns past M are never read)."""
+    return t.as_strided((t.shape[0], t.stride(0)), (t.stride(0), 1))
+
+
+def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout, *, split: int | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, out: tuple[Tensor, ...] | None = None,
+                 cfg: Fp8WgradConfig = FP8_WGRAD_CONFIG, programs: int | None = None) -> tuple[Tensor, ...]:
+    """Blockwise-FP8 K-grouped weight gradient by the warp-specialized Gluon kernel: dW[e] = sum over expert e's rows r
+    of aT[:, r] outer bT[:, r], each 128-row group's fp32 partial scaled by a_s[g, m] * b_s[g, n].
+
+    Same contract as ``grouped_gemm_fp8_bwd.wgrad_fp8`` (dw2 = ``ws_wgrad_fp8(doutT, doutT_s, hsT, hsT_s, layout)``;
+    dw1, dw3 = ``ws_wgrad_fp8(dguT, dguT_s, xT, xT_s, layout, split=F)``).
+
+    Args:
+        aT_q: (MA, N_cap) float8_e4m3fn, unit column stride, row stride a multiple of 16 (the 128x1 quantizers'
+            ``empty_transposed``); aT_s: (N_cap // 128, MA) fp32.
+        bT_q: (NC, N_cap) float8_e4m3fn, as aT_q; bT_s: (N_cap // 128, NC) fp32.
+        layout: routing layout with block_m = 128.
+        split: None -> one (E, MA, NC) output; M1 -> rows [0, M1) and [M1, MA) as two outputs (a multiple of 128).
+        out_dtype: bf16 or fp32.
+        out: optional output buffers, contiguous ``out_dtype``: (dW,) of (E, MA, NC), or (dW_top, dW_bottom) of
+            (E, split, NC) and (E, MA - split, NC).
+        programs: persistent grid size (default: the SM count).
+
+    Returns:
+        (dW,) or (dW_top, dW_bottom) in ``out_dtype``; experts without rows get zeros.
+
+    Raises:
+        ValueError: an unsupported case (``ws_wgrad_fp8_supported``'s reason) or an operand of another shape, dtype
+            or device.
+    """
+    from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed
+
+    fn = "ws_wgrad_fp8"
+    MA, NC, n_cap, E, dev = aT_q.shape[0], bT_q.shape[0], layout.n_cap, layout.num_experts, aT_q.device
+    reason = ws_wgrad_fp8_supported(aT_q, MA, NC, split, layout)
+    if reason:
+        raise ValueError(f"{fn}: {reason}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{fn}: out_dtype must be bf16 or fp32, got {out_dtype}")
+    _check_transposed(fn, "aT_q", aT_q, (MA, n_cap), dev)
+    _check_transposed(fn, "bT_q", bT_q, (NC, n_cap), dev)
+    for name, t, c in (("aT_s", aT_s, MA), ("bT_s", bT_s, NC)):
+        if tuple(t.shape) != (n_cap // _G, c) or t.dtype != torch.float32 or not t.is_contiguous() or t.device != dev:
+            raise ValueError(f"{fn}: {name} must be a contiguous fp32 tensor of shape {(n_cap // _G, c)} on {dev}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    M1 = MA if split is None else split
+    if not 0 < M1 <= MA or (split is not None and M1 == MA):
+        raise ValueError(f"{fn}: split={split} must be in (0, {MA})")
+    shapes = [(E, M1, NC)] + ([(E, MA - M1, NC)] if split is not None else [])
+    if out is None:
+        out = tuple(torch.empty(sh, dtype=out_dtype, device=dev) for sh in shapes)
+    elif len(out) != len(shapes) or any(tuple(o.shape) != sh or o.dtype != out_dtype or not o.is_contiguous()
+                                         or o.device != dev for o, sh in zip(out, shapes)):
+        raise ValueError(f"{fn}: out must be {len(shapes)} contiguous {out_dtype} tensor(s) of shape(s) {shapes} on "
+                         f"{dev}, got {[(o.dtype, tuple(o.shape)) for o in out]}")
+    out1, out2 = out[0], out[-1]
+    tiles = E * (MA // _G) * (NC // _G)
+    if tiles == 0:
+        return (out1,) if split is None else (out1, out2)
+    a_desc = _desc(_k_major(aT_q), (MA, aT_q.stride(0)), (_G, _G))
+    b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (_G, _G))
+    o1 = _desc(out1, (E * M1, NC), (64, 64))
+    o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
+    if programs is None:
+        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    launch(_wgrad_fp8_ws_kernel, (max(1, min(programs, tiles)),),
+           a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, MA, NC, M1, cfg.stages, cfg.producer_regs,
+           cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+    return (out1,) if split is None else (out1, out2)
+
+
+def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtype = torch.bfloat16,
+                                cfg: Fp8WgradConfig = FP8_WGRAD_CONFIG) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_wgrad_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
+    def desc(block, dtype, name):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
+
+    fp8 = desc([_G, _G], gl.float8e4nv, "fp8e4nv")
+    out = (desc([64, 64], gl.bfloat16, "bf16") if out_dtype == torch.bfloat16
+           else desc([64, 64], gl.float32, "fp32"))
+    sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
+           "offsets_ptr": "*i32", "E": "i32"}
+    cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
+              CONSUMER_REGS=cfg.consumer_regs)
+    return sig, cx
