@@ -29,17 +29,23 @@ for ln in open(sys.argv[1]):
 PY
 }
 if [ "$PART" = a ]; then
-  timeout -s KILL 100 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py tests/test_ws_wgrad_fp8.py -k "fp8 and not builds_for_sm90a" \
-    > "$OUT/keep/tests_gpu_a.log" 2>&1
+  timeout -s KILL 130 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py tests/test_ws_wgrad_fp8.py -k "fp8 and not builds_for_sm90a" \
+    -p no:cacheprovider > "$OUT/keep/tests_gpu_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_a.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_a.log" | head || true
-  timeout 60 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
+  timeout 50 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
     --top 30 --out "$OUT/keep/profile_30b_fp8.json" > "$OUT/keep/profile_30b_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -34 "$OUT/keep/profile_30b_fp8.log" | cut -c1-150
-  sweep 30b quant_dual_fp8,quant_gather_t_fp8,wgrad_w2_fp8,wgrad_w13_fp8,gemm2_dgrad_fp8 250
+  # the Gluon wgrad only where its GPU tests passed (a failing or hanging kernel must not eat the call)
+  sw="FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 WS_WGRAD_FP8=1"
+  if ! grep -q "PASSED.*test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu\[30b\]" "$OUT/keep/tests_gpu_a.log" \
+      || grep -q "FAILED.*ws_wgrad" "$OUT/keep/tests_gpu_a.log"; then
+    export SWEEP_NO_GLUON_WGRAD=1; sw="FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2"; echo "Gluon wgrad left out"
+  fi
+  sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 250
   lim=$((560 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
-    --precisions bf16,fp8 --routings random --iters 12 --warmup 4 --device-time --no-plot \
-    --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 WS_WGRAD_FP8=1 --out "$OUT/keep/layer_ep1_fp8_a.json" > "$OUT/keep/layer_fp8_a.log" 2>&1
+    --precisions bf16,fp8 --routings random --iters 8 --warmup 3 --device-time --no-plot \
+    --switches $sw --out "$OUT/keep/layer_ep1_fp8_a.json" > "$OUT/keep/layer_fp8_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_a.log" | head -8
 elif [ "$PART" = b ]; then
   timeout 400 python3 -m compare.layer --shapes qwen3-30b-a3b,qwen3-235b-a22b --impls tt-compile,megamoe-triton \

@@ -55,7 +55,8 @@ def variants(base: GemmConfig, kind: str) -> list[GemmConfig]:
             # the warp-specialized Gluon kernel (kernels/ws_wgrad_fp8.py) at 5 / 4 / 6 stages
             from titan_megamoe.kernels.ws_wgrad_fp8 import Fp8WgradConfig
 
-            out += [Fp8WgradConfig(stages=st) for st in (5, 4, 6)]
+            if os.environ.get("SWEEP_NO_GLUON_WGRAD") != "1":  # set by a session script whose GPU tests failed
+                out += [Fp8WgradConfig(stages=st) for st in (5, 4, 6)]
         return list(dict.fromkeys(out + [r(base, group_m=8 if base.group_m == 1 else 1)]))
     if kind in ("wgrad_w2", "wgrad_w13"):  # BM is free here (an output tile of the weight)
         tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
