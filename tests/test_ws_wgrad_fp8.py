@@ -68,10 +68,15 @@ def _operands(T, E, K, D, F, routing, seed, device):
 
 
 def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
+    """Host-side checks only (CPU tensors of the right shapes, pure-PyTorch layout: also on a GPU machine)."""
     from titan_megamoe.kernels import ws_wgrad_fp8 as W
+    from titan_megamoe.kernels.fp8_quant_bwd import empty_transposed
     from titan_megamoe.kernels.routing import build_routing_layout_torch
 
-    lay, (doT, doTs), _, (hsT, hsTs), _ = _operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
+    lay = build_routing_layout_torch(torch.randint(0, 4, (40, 2), generator=torch.Generator().manual_seed(0)), 4, 128)
+    n = lay.n_cap
+    doT, hsT = empty_transposed(256, n, "cpu"), empty_transposed(128, n, "cpu")
+    doTs, hsTs = torch.ones(n // 128, 256), torch.ones(n // 128, 128)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="ws_wgrad_fp8: .*(sm_90|Gluon|Triton)"):
             W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay)
