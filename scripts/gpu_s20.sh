@@ -29,7 +29,7 @@ for ln in open(sys.argv[1]):
 PY
 }
 if [ "$PART" = a ]; then
-  timeout -s KILL 130 python3 -m pytest -q -rA tests/test_gpu.py tests/test_ws_gemm_fp8.py tests/test_ws_wgrad_fp8.py -k "fp8 and not builds_for_sm90a" \
+  timeout -s KILL 130 python3 -m pytest -q -rA tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py tests/test_gpu.py -k "fp8 and not builds_for_sm90a" \
     -p no:cacheprovider > "$OUT/keep/tests_gpu_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_a.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_a.log" | head || true
   timeout 50 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
