@@ -54,5 +54,7 @@ elif [ "$PART" = b ]; then
     --switches FP8_DUAL_QUANT=v2,FP8_GATHER_QUANT=v2 --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -20
   sweep 235b quant_dual_fp8,gemm2_dgrad_fp8 150
+elif [ "$PART" = c ]; then
+  sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 300
 fi
 session_pack "s20$PART"

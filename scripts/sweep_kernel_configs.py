@@ -178,6 +178,9 @@ def _compiled_stats() -> list[dict]:
     out = []
     for cache in L._CACHES.values():
         for k in cache.values():
+            k = next((v for v in (k if isinstance(k, tuple) else (k,)) if hasattr(v, "metadata")), None)
+            if k is None:  # an entry of the fast launch path's cache that holds no compiled kernel
+                continue
             regs, shared = getattr(k, "n_regs", 0), k.metadata.shared
             threads = 32 * k.metadata.num_warps
             by_regs = 65536 // max(1, regs * threads)
