@@ -110,27 +110,25 @@ def _fp8_operands(x, dout, w2, gu, s, lay) -> dict:
 
 
 def _sweep_quant(kind: str, shape: str, x, lay, q8: dict) -> list[dict]:
-    """Time one quantization pass of the FP8 backward under variants of its module settings (kernel v1 / v2,
-    warps, column block, tiles per program), bitwise-checked against the module's defaults; reports GB/s of
+    """Time one quantization pass of the FP8 backward under variants of its module settings (warps, column
+    block), bitwise-checked against the module's defaults; reports GB/s of
     its DRAM traffic (bf16 in, e4m3 out, scales ignored; the gathered pass counts its rows' reads)."""
     from titan_megamoe.kernels import fp8_quant_bwd as QB
 
-    names = ("DUAL_QUANT", "_DUAL_WARPS", "_DUAL_V2_WARPS", "GATHER_QUANT", "_WARPS", "_GATHER_V2_TILES",
-             "_GATHER_V2_WARPS")
+    names = ("_DUAL_WARPS", "_WARPS")
     saved = {n: getattr(QB, n) for n in names}
     saved_bc = dict(QB._T_BLOCK_C)
-    if kind == "quant_dual_fp8":  # v1 one tile per program, read twice; v2 two tiles per program, each read once
+    # (session 20 also timed v2 kernels of both passes here, several tiles per program with a register prefetch:
+    # slower, removed; sweep_fp8_bwd_30b_1xh100_s20c_20261206.json)
+    if kind == "quant_dual_fp8":
         src = q8["dgu"]
         fn = lambda: QB.quantize_dual_1x128_128x1_t(src, lay.row_pair >= 0)  # noqa: E731
         nbytes = src.numel() * (2 + 1 + 1)
-        todo = [{}, {"_DUAL_WARPS": 4}, {"_DUAL_WARPS": 16}, {"DUAL_QUANT": "v2"},
-                {"DUAL_QUANT": "v2", "_DUAL_V2_WARPS": 8}]
-    elif kind == "quant_gather_t_fp8":  # v2: TILES column blocks per program, the row index loaded once
+        todo = [{}, {"_DUAL_WARPS": 4}, {"_DUAL_WARPS": 16}]
+    elif kind == "quant_gather_t_fp8":
         fn = lambda: QB.quantize_gather_128x1_t(x, lay.row_pair, lay.top_k)  # noqa: E731
         nbytes = lay.n_cap * x.shape[1] * (2 + 1)
-        todo = [{}, {"_WARPS": 8}, {"block_c": 32}, {"_WARPS": 8, "block_c": 128}, {"block_c": 128},
-                {"GATHER_QUANT": "v2"}, {"GATHER_QUANT": "v2", "_GATHER_V2_TILES": 8},
-                {"GATHER_QUANT": "v2", "_GATHER_V2_TILES": 2, "block_c": 128}]
+        todo = [{}, {"_WARPS": 4}, {"block_c": 32}, {"_WARPS": 4, "block_c": 32}, {"block_c": 128}]
     else:
         raise ValueError(kind)
     out, ref = [], None

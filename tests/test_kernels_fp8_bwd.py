@@ -200,23 +200,12 @@ def _run_gemm2_dgrad(name):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["v1", "v2"])
-def gather_impl(request, monkeypatch):
-    """Both kernels of the gathered 128x1 pass (``fp8_quant_bwd.GATHER_QUANT``); v2 with 2 column blocks per
-    program (the interpreter's block is 128 columns, the cases' D 256)."""
-    from titan_megamoe.kernels import fp8_quant_bwd as QB
-
-    monkeypatch.setattr(QB, "GATHER_QUANT", request.param)
-    monkeypatch.setattr(QB, "_GATHER_V2_TILES", 2)
-    return request.param
-
-
-def test_gather_128x1_t_matches_oracle(gather_impl, _poison_empty):
+def test_gather_128x1_t_matches_oracle(_poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_gather_128x1_t
 
     d = _case("one_expert_k1")
     L, K = d["layout"], d["c"].K
-    x = _rand((d["x"].shape[0], 256), torch.Generator().manual_seed(5)).bfloat16()  # v2: two column blocks
+    x = d["x"].clone()
     x[3, 5] = 3e4  # one large value: its column's group scale changes, the others' do not
     q, s = quantize_gather_128x1_t(x, L.row_pair, K)
     src = torch.where(d["valid"], L.row_pair.long() // K, 0)
@@ -225,25 +214,12 @@ def test_gather_128x1_t_matches_oracle(gather_impl, _poison_empty):
     assert torch.equal(q.T.contiguous().view(U8), rq.view(U8)) and torch.equal(s, rs)
 
 
-@pytest.fixture(params=["v1", "v2"])
-def dual_impl(request, monkeypatch):
-    """Both kernels of the dual pass (``fp8_quant_bwd.DUAL_QUANT``)."""
-    from titan_megamoe.kernels import fp8_quant_bwd as QB
-
-    monkeypatch.setattr(QB, "DUAL_QUANT", request.param)
-    return request.param
-
-
-# C / 128 = 2, 3, 5: v2 takes 2, 1 and 1 tiles per program
-@pytest.mark.parametrize("C", [256, 384, 640])
-def test_dual_quant_matches_oracle(C, dual_impl, _poison_empty):
+def test_dual_quant_matches_oracle(_poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t
 
-    if dual_impl == "v1" and C != 256:
-        pytest.skip("v1 has one tile per program whatever C is")
     d = _case("uniform_k2")
     g = torch.Generator().manual_seed(7)
-    x = _rand((d["layout"].n_cap, C), g).bfloat16()
+    x = _rand((d["layout"].n_cap, 256), g).bfloat16()
     x[~d["valid"]] = float("nan")  # invalid rows are masked to zero, whatever they hold
     count = torch.zeros(1, dtype=torch.int32, device=DEV)
     q, s, qT, sT = quantize_dual_1x128_128x1_t(x, d["valid"], nonfinite_count=count)
@@ -253,12 +229,12 @@ def test_dual_quant_matches_oracle(C, dual_impl, _poison_empty):
     assert torch.equal(q.view(U8), rq.view(U8)) and torch.equal(s, rs)
     assert torch.equal(qT.T.contiguous().view(U8), rqT.view(U8)) and torch.equal(sT, rsT)
     assert int(count) == 0
-    x[int(torch.nonzero(d["valid"])[0]), C - 1] = float("inf")  # in the last tile of the row
+    x[int(torch.nonzero(d["valid"])[0]), 0] = float("inf")
     quantize_dual_1x128_128x1_t(x, d["valid"], nonfinite_count=count)
     assert int(count) == 2  # one row group and one column group
 
 
-def test_quantizers_end_row_skip_spare_rows(dual_impl, gather_impl, _poison_empty):
+def test_quantizers_end_row_skip_spare_rows(_poison_empty):
     """end_row = offsets[E]: rows before it bitwise as without it (both quantizers), rows from it on left
     unwritten (NaN-poisoned buffers keep their poison there), scales finite, no non-finite count."""
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
@@ -555,9 +531,7 @@ COMPILE_CASES = [
     ("wgrad_w13_fp8_30b", "wgrad_w13", 2048, 768),
     ("gemm1_fwd_fp8_quant_h_30b", "gemm1_qh", 2048, 768),  # forward GEMM1, h quantized in the epilogue
     ("quant_gather_128x1_t_30b", "quant_t", 2048, 768),  # memory-bound quantizers: no wgmma
-    ("quant_gather_128x1_t_v2_30b", "quant_t_v2", 2048, 768),
     ("quant_dual_30b", "quant_dual", 2048, 768),
-    ("quant_dual_v2_30b", "quant_dual_v2", 2048, 768),  # 2 tiles per program at C = 1536, 16 warps
 ]
 
 
@@ -606,26 +580,18 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
     if kind.startswith("quant"):
         from titan_megamoe.kernels import fp8_quant_bwd as QB
 
-        if kind in ("quant_t", "quant_t_v2"):
-            v2 = kind == "quant_t_v2"
-            fn = _kernel_variant(QB._quant_gather_128x1_t_v2_kernel if v2 else QB._quant_gather_128x1_t_kernel, False)
+        if kind == "quant_t":
+            fn = _kernel_variant(QB._quant_gather_128x1_t_kernel, False)
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
                        end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, BLOCK_C=QB._T_BLOCK_C[False],
                       HAS_END=True)
-            if v2:
-                cx["TILES"] = QB._GATHER_V2_TILES
         else:
-            v2 = kind == "quant_dual_v2"
-            fn = _kernel_variant(QB._quant_dual_v2_kernel if v2 else QB._quant_dual_kernel, False)
+            fn = _kernel_variant(QB._quant_dual_kernel, False)
             sig = dict(x_ptr="*bf16", valid_ptr="*u8", y_ptr="*fp8e4nv", s_ptr="*fp32", yT_ptr="*fp8e4nv",
                        sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True)
-            if v2:
-                cx["TILES"] = QB._dual_tiles(2 * F)
-        warps = {"quant_t": QB._WARPS, "quant_t_v2": QB._GATHER_V2_WARPS, "quant_dual": QB._DUAL_WARPS,
-                 "quant_dual_v2": QB._DUAL_V2_WARPS}[kind]
-        cfg = dataclasses.replace(cfg, num_warps=warps, num_stages=1)
+        cfg = dataclasses.replace(cfg, num_warps=QB._WARPS if kind == "quant_t" else QB._DUAL_WARPS, num_stages=1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # row strides of the transposed operands: multiples of 128 (transposed_ld); M: N_cap, a multiple of 128
     div = tuple(n for n in ("LD_HS", "LD_DGU", "LDA", "LDB", "LD", "M") if n in sig)

@@ -69,18 +69,9 @@ from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP, check_gr
 __all__ = ["quantize_gather_128x1_t", "quantize_dual_1x128_128x1_t", "transposed_ld", "empty_transposed"]
 
 _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather pass
-#: The gathered 128x1 pass's kernel: "v2" (TILES column blocks per program, the row index loaded once, the next
-#: block's loads before this block's stores) or "v1" (one column block per program). TITAN_MEGAMOE_FP8_GATHER_QUANT;
-#: a same-process switch.
-GATHER_QUANT = os.environ.get("TITAN_MEGAMOE_FP8_GATHER_QUANT", "v1")
-_GATHER_V2_TILES = 4  # sm_90a at C = 2048, BLOCK_C 64: 127 registers at 8 warps (two programs per SM), 250 at 4
-_GATHER_V2_WARPS = 8
-_WARPS = 4
+# 8 warps: 0.428 vs 0.455 ms at 4 (30B, H100, bitwise; sweep_fp8_bwd_30b_1xh100_s20c_20261206.json)
+_WARPS = 8
 _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
-#: The dual pass's kernel: "v2" (several tiles per program, each read once, the next one's loads issued before
-#: this one's stores) or "v1" (one tile per program, read twice). TITAN_MEGAMOE_FP8_DUAL_QUANT; a same-process switch.
-DUAL_QUANT = os.environ.get("TITAN_MEGAMOE_FP8_DUAL_QUANT", "v1")
-_DUAL_V2_WARPS = 16  # its whole tile is live in registers: 128 per thread at 16 warps (one program per SM)
 # TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
 _ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
 
@@ -165,66 +156,6 @@ def _quant_gather_128x1_t_kernel(
 
 
 @triton.jit
-def _quant_gather_128x1_t_v2_kernel(
-    x_ptr,  # (T, C) fp32 / bf16, source rows
-    row_index_ptr,  # (M,) int32, source index (// TOP_K) of each output row, < 0 -> zero row
-    yT_ptr,  # (C, M) fp8e4nv out, transposed, row stride LD
-    scale_ptr,  # (cdiv(M, 128), C) fp32 out
-    count_ptr,  # (1,) int32, += non-finite groups; CHECK only
-    end_ptr,  # (1,) int32; HAS_END only
-    M,  # i32, output rows (N_cap)
-    LD,  # i32, row stride of yT (>= M)
-    C: tl.constexpr,  # a multiple of BLOCK_C * TILES
-    TOP_K: tl.constexpr,
-    CHECK: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
-    EPS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_END: tl.constexpr,
-    TILES: tl.constexpr,  # column blocks per program
-):
-    """``_quant_gather_128x1_t_kernel`` over TILES consecutive column blocks of one 128-row block: the row
-    index is loaded once per program (not once per column block), and the next block's gathered loads go out
-    before this block's stores, so the index -> rows load chain is paid once and a load is in flight while
-    the program computes. Same math and outputs, bitwise.
-
-    Grid: (cdiv(M, 128), C // (BLOCK_C * TILES)).
-    """
-    G: tl.constexpr = 128
-    b = tl.program_id(0)
-    c0 = tl.program_id(1) * (TILES * BLOCK_C)
-    bcols = tl.arange(0, BLOCK_C)
-    if HAS_END:
-        if b * G >= tl.load(end_ptr):
-            for t in tl.static_range(TILES):
-                tl.store(scale_ptr + b.to(tl.int64) * C + c0 + t * BLOCK_C + bcols,
-                         _scale_of(tl.zeros((BLOCK_C,), tl.float32), EPS))
-            return
-    rows = b * G + tl.arange(0, G)
-    row_ok = rows < M
-    idx = tl.load(row_index_ptr + rows, mask=row_ok, other=-1)
-    live = idx >= 0
-    src = tl.where(live, idx // TOP_K, 0).to(tl.int64)  # int64: src * C can pass 2^31
-    x_base = x_ptr + src[:, None] * C + bcols[None, :]
-    n_bad = 0
-    nxt = tl.load(x_base + c0, mask=live[:, None], other=0.0)
-    for t in tl.static_range(TILES):
-        cols = c0 + t * BLOCK_C + bcols
-        x = nxt.to(tl.float32)
-        if t + 1 < TILES:  # the next block's loads go out before this block's stores
-            nxt = tl.load(x_base + c0 + (t + 1) * BLOCK_C, mask=live[:, None], other=0.0)
-        scale_1C = _scale_of(_amax(x, 0), EPS)  # (1, BC)
-        q = _to_e4m3(x, tl.broadcast_to(scale_1C, (G, BLOCK_C)), EXACT_ROUND)
-        scale = tl.reshape(scale_1C, (BLOCK_C,))
-        tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows[:, None], q, mask=row_ok[:, None])
-        tl.store(scale_ptr + b.to(tl.int64) * C + cols, scale)
-        if CHECK:
-            n_bad += tl.sum((~(scale < float("inf"))).to(tl.int32))  # NaN < inf is False
-    if CHECK:
-        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-
-@triton.jit
 def _quant_dual_kernel(
     x_ptr,  # (M, C) fp32 / bf16
     valid_ptr,  # (M,) uint8, nonzero = valid row
@@ -287,87 +218,6 @@ def _quant_dual_kernel(
     if CHECK:
         n_bad += tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32))
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-
-@triton.jit
-def _quant_dual_v2_kernel(
-    x_ptr,  # (M, C) fp32 / bf16
-    valid_ptr,  # (M,) uint8, nonzero = valid row
-    y_ptr,  # (M, C) fp8e4nv out, 1x128
-    s_ptr,  # (M, C // 128) fp32 out
-    yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed, row stride LD
-    sT_ptr,  # (cdiv(M, 128), C) fp32 out
-    count_ptr,  # (1,) int32; CHECK only
-    end_ptr,  # (1,) int32; HAS_END only
-    M,  # i32 rows
-    LD,  # i32, row stride of yT (>= M)
-    C: tl.constexpr,  # a multiple of 128 * TILES
-    CHECK: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
-    EPS: tl.constexpr,
-    HAS_END: tl.constexpr,
-    TILES: tl.constexpr,  # 128 x 128 tiles per program, along the columns
-):
-    """The dual pass of ``_quant_dual_kernel`` over TILES consecutive tiles of one 128-row block, each
-    tile read once into registers (two 64-column halves, no second read) and the next tile's loads
-    issued before this tile's stores, so a program keeps a load in flight while it computes (the
-    one-tile kernel waited for each load, then computed, then re-read the tile). Same math and
-    outputs, bitwise.
-
-    Grid: (cdiv(M, 128), C // (128 * TILES)).
-    """
-    G: tl.constexpr = 128
-    H: tl.constexpr = 64
-    b = tl.program_id(0)
-    c0 = tl.program_id(1) * (TILES * G)
-    if HAS_END:
-        if b * G >= tl.load(end_ptr):
-            for t in tl.static_range(TILES):
-                tl.store(sT_ptr + b.to(tl.int64) * C + c0 + t * G + tl.arange(0, G),
-                         _scale_of(tl.zeros((G,), tl.float32), EPS))
-            return
-    rows = b * G + tl.arange(0, G)
-    row_ok = rows < M
-    live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
-    rows64 = rows.to(tl.int64)
-    hcols = tl.arange(0, H)
-    x_base = x_ptr + rows64[:, None] * C + hcols[None, :]
-    n_bad = 0
-    lo = tl.load(x_base + c0, mask=live[:, None], other=0.0)
-    hi = tl.load(x_base + c0 + H, mask=live[:, None], other=0.0)
-    for t in tl.static_range(TILES):
-        cg = c0 + t * G  # first column of this tile
-        x_lo = lo.to(tl.float32)
-        x_hi = hi.to(tl.float32)
-        if t + 1 < TILES:  # the next tile's loads go out before this tile's stores
-            lo = tl.load(x_base + cg + G, mask=live[:, None], other=0.0)
-            hi = tl.load(x_base + cg + G + H, mask=live[:, None], other=0.0)
-        amax_M1 = tl.maximum(_amax(x_lo, 1), _amax(x_hi, 1), propagate_nan=tl.PropagateNan.ALL)
-        s_M1 = _scale_of(amax_M1, EPS)  # (128, 1)
-        for half in tl.static_range(2):
-            xh = x_lo if half == 0 else x_hi
-            cols = cg + half * H + hcols
-            s_1H = _scale_of(_amax(xh, 0), EPS)  # (1, 64)
-            qT = _to_e4m3(xh, tl.broadcast_to(s_1H, (G, H)), EXACT_ROUND)
-            tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows[:, None], qT, mask=row_ok[:, None])
-            s_col = tl.reshape(s_1H, (H,))
-            tl.store(sT_ptr + b.to(tl.int64) * C + cols, s_col)
-            q = _to_e4m3(xh, tl.broadcast_to(s_M1, (G, H)), EXACT_ROUND)
-            tl.store(y_ptr + rows64[:, None] * C + cols[None, :], q, mask=row_ok[:, None])
-            if CHECK:
-                n_bad += tl.sum((~(s_col < float("inf"))).to(tl.int32))  # NaN < inf is False
-        s_row = tl.reshape(s_M1, (G,))
-        tl.store(s_ptr + rows64 * (C // G) + cg // G, s_row, mask=row_ok)
-        if CHECK:
-            n_bad += tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32))
-    if CHECK:
-        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-
-def _dual_tiles(C: int) -> int:
-    """Tiles per program of the v2 dual pass: 2 where C / 128 is even, else 1. (sm_90a builds at C = 1536: 2 tiles
-    at 16 warps take 128 registers and no spills; 4 tiles spill at 8 and 16 warps; 1 tile at 8 warps takes 194.)"""
-    return 2 if (C // GROUP) % 2 == 0 else 1
 
 
 def _check_end_row(fn: str, end_row: Tensor | None, dev) -> None:
@@ -437,16 +287,11 @@ def quantize_gather_128x1_t(
     interpret = interpret_mode()
     bc = _T_BLOCK_C[interpret]
     _check_end_row(fn, end_row, dev)
-    args = (x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
-            out.stride(0))
-    kw = dict(C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc,
-              HAS_END=end_row is not None, num_warps=_WARPS)
-    tiles = _GATHER_V2_TILES
-    if GATHER_QUANT == "v2" and C % (bc * tiles) == 0:
-        launch(_quant_gather_128x1_t_v2_kernel, (cdiv(M, GROUP), C // (bc * tiles)), *args, TILES=tiles,
-               **dict(kw, num_warps=_GATHER_V2_WARPS))
-    else:
-        launch(_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, bc)), *args, **kw)
+    launch(_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, bc)),
+        x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
+        out.stride(0), C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc,
+        HAS_END=end_row is not None, num_warps=_WARPS,
+    )
     return out, scale_out
 
 
@@ -503,13 +348,8 @@ def quantize_dual_1x128_128x1_t(
         return y, s, yT, sT
     interpret = interpret_mode()
     _check_end_row(fn, end_row, dev)
-    args = (x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
-            yT.stride(0))
-    kw = dict(C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None,
-              num_warps=_DUAL_WARPS)
-    if DUAL_QUANT == "v2":
-        tiles = _dual_tiles(C)
-        launch(_quant_dual_v2_kernel, (Mb, C // (GROUP * tiles)), *args, TILES=tiles, **dict(kw, num_warps=_DUAL_V2_WARPS))
-    else:
-        launch(_quant_dual_kernel, (Mb, C // GROUP), *args, **kw)
+    launch(_quant_dual_kernel, (Mb, C // GROUP),
+        x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
+        yT.stride(0), C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None, num_warps=_DUAL_WARPS,
+    )
     return y, s, yT, sT
