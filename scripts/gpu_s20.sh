@@ -66,6 +66,10 @@ elif [ "$PART" = e ]; then  # PART d cut to what ~300 s of device time allows
     --precision fp8 --iters 5 --top 14 --out "$OUT/keep/profile_30b_fp8_wswgrad.json" > "$OUT/keep/profile_30b_fp8_wswgrad.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -18 "$OUT/keep/profile_30b_fp8_wswgrad.log" | cut -c1-120
   sweep 30b wgrad_w2_fp8 70
+elif [ "$PART" = f ]; then  # the profile of PART e alone
+  TITAN_MEGAMOE_WS_WGRAD_FP8=1 timeout 70 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton \
+    --precision fp8 --iters 5 --top 14 --out "$OUT/keep/profile_30b_fp8_wswgrad.json" > "$OUT/keep/profile_30b_fp8_wswgrad.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -18 "$OUT/keep/profile_30b_fp8_wswgrad.log" | cut -c1-120
 elif [ "$PART" = c ]; then
   sweep 30b quant_dual_fp8,quant_gather_t_fp8,gemm2_dgrad_fp8,wgrad_w2_fp8,wgrad_w13_fp8 300
 fi
