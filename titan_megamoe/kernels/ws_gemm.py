@@ -579,6 +579,13 @@ def _check_operands(fn: str, fp32: tuple[str, ...] = (), **tensors: Tensor) -> N
                              f"tensor.to({want}).contiguous())")
 
 
+def _programs(dev: torch.device, tiles: int, programs: int | None) -> int:
+    """Persistent grid size: ``programs`` (default: the device's SM count), at most ``tiles``, at least 1."""
+    if programs is None:
+        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return max(1, min(programs, tiles))
+
+
 def _platform_reason(t: Tensor) -> str | None:
     """Why the Gluon kernels cannot run on ``t``'s device with this Triton (None: they can)."""
     if not HAVE_GLUON:
@@ -698,9 +705,7 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
     gu_desc = _desc(gu, (n_cap, 2 * F), (bm // 2, bn))
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // bn
-    if programs is None:
-        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_fwd_ws_kernel, (programs,),
            x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
@@ -784,9 +789,7 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     w3_desc = _desc(w3_EFD, (E * F, D), (bk, bn))
     dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bn))
     num_n = -(-D // bn)
-    if programs is None:
-        programs = _sm_count(dx.device.index if dx.device.index is not None else torch.cuda.current_device())
-    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    programs = _programs(dx.device, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_dgrad_ws_kernel, (programs,),
            a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs,
@@ -871,9 +874,7 @@ def launch_gemm2_dgrad(dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, sco
     hs_desc = _desc(hs, (n_cap, F), (bm // 2, bn // 2))
     gu_desc = _desc(gate_up_N2F, (n_cap, 2 * F), (bm, bn))  # the epilogue's gate / up tiles
     num_n = F // bn
-    if programs is None:
-        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm2_dgrad_ws_kernel, (programs,),
            dout_TD, w2_desc, dgu_desc, hs_desc, gu_desc, scores_TK, dscore_part, layout.row_pair,
            layout.tile_expert, layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk,

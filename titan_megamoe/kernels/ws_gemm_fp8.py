@@ -45,9 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.configs import _sm_count
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason
+from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -387,9 +386,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     gu_desc = _desc(gu, (n_cap, 2 * F), (bm // 2, bn))
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // bn
-    if programs is None:
-        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
@@ -484,9 +481,7 @@ def launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_
     w3t_desc = _desc(w3t_fp8, (E * D, F), (bn, bk))
     dx_desc = _desc(dx, (n_cap, D), (bm // 2, bn // 2))
     num_n = D // bn
-    if programs is None:
-        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    programs = max(1, min(programs, layout.n_tiles_cap * num_n))
+    programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_dgrad_fp8_ws_kernel, (programs,),
            a_desc, w1t_desc, w3t_desc, dx_desc, dgu_scale, w1t_scale, w3t_scale, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.configs import _sm_count
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _check_operands, _desc, _platform_reason
+from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _check_operands, _desc, _platform_reason, _programs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -236,12 +235,6 @@ def ws_wgrad_supported(D: int, F: int, layout, ref: Tensor, cfg: WgradConfig = W
     if layout.block_m % cfg.block_k:
         return f"needs the routing layout's block_m ({layout.block_m}) a multiple of block_k {cfg.block_k}"
     return None
-
-
-def _programs(dev: torch.device, tiles: int, programs: int | None) -> int:
-    if programs is None:
-        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    return max(1, min(programs, tiles))
 
 
 def _out(out: Tensor | None, shape, dev, name: str, fn: str) -> Tensor:

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.configs import _sm_count
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason
+from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -263,9 +262,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (_G, _G))
     o1 = _desc(out1, (E * M1, NC), (64, 64))
     o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
-    if programs is None:
-        programs = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    launch(_wgrad_fp8_ws_kernel, (max(1, min(programs, tiles)),),
+    launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, MA, NC, M1, cfg.stages, cfg.producer_regs,
            cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
     return (out1,) if split is None else (out1, out2)
