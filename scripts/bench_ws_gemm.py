@@ -9,6 +9,8 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py bench-fwd-fp8 [--out f]  # blockwise-FP8 GEMM1 (kernels/ws_gemm_fp8.py) vs the
                                                              # Triton FP8 GEMM1 (checks: tests/test_ws_gemm_fp8.py)
     python scripts/bench_ws_gemm.py bench-dgrad-fp8 [--out f]  # FP8 GEMM1 dgrad, Gluon vs Triton (same checks file)
+    python scripts/bench_ws_gemm.py bench-g2d-fp8 [--out f]  # FP8 GEMM2 dgrad (kernels/ws_gemm2_dgrad_fp8.py) vs the
+                                                             # Triton one (checks: tests/test_ws_gemm2_dgrad_fp8.py)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -398,10 +400,61 @@ def bench_dgrad_fp8(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def bench_g2d_fp8(out_path: str | None, shapes: list[str]) -> int:
+    """Blockwise-FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h): Triton vs Gluon, a few configs;
+    TF/s of the main loop's 2 * P * F * D FLOPs."""
+    import dataclasses
+
+    import triton
+
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm2_dgrad_swiglu_bwd_fp8
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import (
+        GEMM2_DGRAD_FP8_CONFIG,
+        launch_gemm2_dgrad_fp8,
+        ws_gemm2_dgrad_fp8,
+    )
+    from titan_megamoe.testing import make_routing
+
+    rows = []
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    for sh in shapes:
+        D, F = SHAPES[sh]
+        E, K, T = 128, 8, 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+        dq, ds = quantize_act_1x128(torch.randn(T, D, device="cuda", generator=g).bfloat16())
+        w2t = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        gu = (2 * torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g)).bfloat16()
+        gu[lay.row_pair < 0] = 0
+        sc = torch.rand(T, K, device="cuda", generator=g)
+        ops = (dq, ds, *quantize_weight_128x128(w2t), gu, sc, lay)
+        flops = 2 * T * K * F * D
+        n = int(lay.offsets[-1])
+        t = gemm2_dgrad_swiglu_bwd_fp8(*ops)
+        ms = bench(lambda: gemm2_dgrad_swiglu_bwd_fp8(*ops))
+        rows.append(dict(shape=sh, kernel="triton gemm2_dgrad_swiglu_bwd_fp8 (default config)", ms=ms,
+                         tflops=flops / ms / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+        for cfg in (GEMM2_DGRAD_FP8_CONFIG, dataclasses.replace(GEMM2_DGRAD_FP8_CONFIG, stages=3),
+                    dataclasses.replace(GEMM2_DGRAD_FP8_CONFIG, group_m=1)):
+            out = ws_gemm2_dgrad_fp8(*ops, cfg=cfg)
+            same = [bool(torch.equal(a[:n], b[:n])) for a, b in ((out[0], t[0]), (out[3], t[3]))]
+            same.append(bool(torch.equal(out[2][:, :n].view(torch.uint8), t[2][:, :n].view(torch.uint8))))
+            diff = float((out[0][:n].float() - t[0][:n].float()).abs().max())
+            ms = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg))
+            rows.append(dict(shape=sh, kernel="gluon ws_gemm2_dgrad_fp8", cfg=repr(cfg), ms=ms,
+                             tflops=flops / ms / 1e9, bitwise_triton_dgu_hsTs_hsT=same, max_abs_diff_dgu=diff))
+            print(json.dumps(rows[-1]), flush=True)
+    _write(out_path, "bench-g2d-fp8", rows)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
-                                      "bench-dgrad-fp8"])
+                                      "bench-dgrad-fp8", "bench-g2d-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -418,6 +471,8 @@ def main(argv=None) -> int:
         return bench_fwd_fp8(a.out, a.shapes.split(","))
     if a.what == "bench-dgrad-fp8":
         return bench_dgrad_fp8(a.out, a.shapes.split(","))
+    if a.what == "bench-g2d-fp8":
+        return bench_g2d_fp8(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

@@ -71,6 +71,11 @@ WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
 #: kernel and ~1.1 ms faster per step at kernel level at 30B, but the layer's device time did not move (docs/NOTES.md);
 #: ``TITAN_MEGAMOE_WS_WGRAD_FP8=1``. Read at import; a same-process switch.
 WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", False)
+#: The FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h) by the warp-specialized Gluon kernel
+#: (``kernels/ws_gemm2_dgrad_fp8.py``) instead of the Triton one: the same dgate_up and s * h, d score partials per 64
+#: columns instead of 128 (so d score is summed in another order). Opt-in until measured on a GPU;
+#: ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=1``. Read at import; a same-process switch.
+WS_GEMM2_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
@@ -453,7 +458,7 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     """
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
-    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import fp8_bwd_config_for, gemm2_dgrad_swiglu_bwd_fp8
+    from titan_megamoe.kernels.grouped_gemm_fp8_bwd import fp8_bwd_config_for
 
     w1tq, w1ts, w3tq, w3ts, w2tq, w2ts = wq_bwd[:6]
     K = layout.top_k
@@ -473,8 +478,7 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     end = layout.offsets[-1:]  # rows past the last expert's segment: read by no FP8 GEMM
     # bf16 wgrads: the dgrad stores s * h as bf16 rows for the bf16 dw2 instead of quantizing it transposed
     hs = torch.empty((gate_up.shape[0], F), dtype=torch.bfloat16, device=gate_up.device) if _WGRAD == "bf16" else None
-    dgu, part, hsT, hsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout,
-                                                      c2, nonfinite_count=count, hs_out=hs)
+    dgu, part, hsT, hsTs = _gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gate_up, scores.contiguous(), layout, c2, count, hs)
     mark("gemm2_dgrad")
     dguq, dgus, dguTq, dguTs = quantize_dual_1x128_128x1_t(dgu, layout.row_pair >= 0, nonfinite_count=count,
                                                            end_row=end, name=f"{layer_name} dgate_up")
@@ -524,6 +528,21 @@ def _wgrad_fp8(aTq: Tensor, aTs: Tensor, bTq: Tensor, bTs: Tensor, layout: Routi
         return ws_wgrad_fp8.ws_wgrad_fp8(aTq, aTs, bTq, bTs, layout, split=split, out_dtype=w_dtype)
     return grouped_gemm_fp8_bwd.wgrad_fp8(aTq, aTs, bTq, bTs, layout, split=split, out_dtype=w_dtype,
                                           _max_imprecise_acc=acc)
+
+
+def _gemm2_dgrad_fp8(dq: Tensor, ds: Tensor, w2tq: Tensor, w2ts: Tensor, gate_up: Tensor, scores: Tensor,
+                     layout: RoutingLayout, cfg, count: Tensor, hs: Tensor | None) -> tuple:
+    """The FP8 GEMM2 dgrad (``grouped_gemm_fp8_bwd.gemm2_dgrad_swiglu_bwd_fp8``'s contract): by the Gluon kernel where
+    ``WS_GEMM2_DGRAD_FP8`` is on and the case allows it (``ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8_supported``: not with
+    ``hs_out``), else by the Triton kernel with ``cfg``."""
+    from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm2_dgrad_fp8
+
+    if (WS_GEMM2_DGRAD_FP8 and not _interp()
+            and ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8_supported(dq, w2tq, hs) is None):
+        return ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout,
+                                                     nonfinite_count=count)
+    return grouped_gemm_fp8_bwd.gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout, cfg,
+                                                           nonfinite_count=count, hs_out=hs)
 
 
 def _gemm1_dgrad_fp8_rows(dguq: Tensor, dgus: Tensor, w1tq: Tensor, w1ts: Tensor, w3tq: Tensor, w3ts: Tensor,
