@@ -2,6 +2,7 @@
 each kernel launch (the CPU counterpart of ``scripts/host_profile.py``'s timeline on the GPU machine).
 
     TRITON_INTERPRET=0 python scripts/host_timeline_cpu.py [--iters 300] [--rounds 5] [--baseline-tree DIR]
+                                                         [--precision bf16|fp8|fp8_bwd]
 
 The layer runs through the host-only sm_90a driver (``kernels/host_driver.py``): Triton binds, specializes and
 calls the launcher of the real compiled kernels, which records nothing and launches nothing. The GPU machine's
@@ -13,6 +14,10 @@ Protocol, as compare.layer times the forward: each timed forward follows the pre
 host-only), so the forward starts with the caches the backward left, not with a hot loop of forwards. The
 30B layer dims (D 2048, F 768, top-8) with few tokens and experts (T 64, E 8: CPU tensors stay small; the host
 path does not depend on T or E).
+
+``--precision fp8`` / ``fp8_bwd``: the FP8 layer (``[megamoe] precision``), its FP8 platform check passed as on an
+H100 / H200 and its Gluon FP8 kernels taken as there; the FP8 layer does not take the fused eager path (bf16
+only), so its forward goes through the router module, ``mega_moe``'s checks and the FP8 custom op.
 
 ``--baseline-tree DIR`` (a checkout of another revision, e.g. ``git worktree add /tmp/base REV``): the same
 timeline of DIR's package, in subprocesses alternating with this tree's, rounds of ``--iters`` forwards each;
@@ -31,7 +36,7 @@ import statistics
 import subprocess
 import sys
 
-#: Run in a subprocess: argv = [tree, this tree's host_driver.py, iters]; prints one JSON line.
+#: Run in a subprocess: argv = [tree, this tree's host_driver.py, iters, precision]; prints one JSON line.
 _TIMER = r"""
 import importlib.util, json, os, statistics, sys, time
 os.environ["TRITON_INTERPRET"] = "0"
@@ -50,6 +55,16 @@ try:  # the Gluon kernels as on an sm_90 GPU with 132 SMs
     torch.cuda.current_device = lambda: 0
 except ImportError:
     pass
+precision = sys.argv[4]
+if precision != "bf16":  # the FP8 platform check and the Gluon FP8 kernels (each module binds _platform_reason)
+    import importlib
+    from titan_megamoe.ops import fp8_backend
+    fp8_backend.check_fp8_supported = lambda *a, **k: None
+    for name in ("ws_gemm_fp8", "ws_wgrad", "ws_wgrad_fp8", "ws_gemm2_dgrad_fp8"):
+        try:
+            importlib.import_module("titan_megamoe.kernels." + name)._platform_reason = lambda t: None
+        except ImportError:  # a baseline tree without that kernel
+            pass
 iters = int(sys.argv[3])
 T, K, E, D, F = 64, 8, 8, 2048, 768
 from titan_megamoe.kernels import router as fr
@@ -60,7 +75,8 @@ with hd.host_only_driver(record=False):
     from titan_megamoe.config import MegaMoEConfig
     from titan_megamoe.layer import MegaMoE
     layer = MegaMoE(MoEArgs(num_experts=E, top_k=K, score_func="softmax", route_norm=True, num_shared_experts=0,
-                            score_before_experts=False), D, F, config=MegaMoEConfig(backend="triton"))
+                            score_before_experts=False), D, F,
+                     config=MegaMoEConfig(backend="triton", precision=precision))
     with torch.no_grad():
         layer.init_weights(0.02, torch.device("cpu"))
     layer = layer.to(torch.bfloat16)
@@ -99,11 +115,12 @@ print(json.dumps({"package": os.path.dirname(titan_megamoe.__file__), "fwd_us": 
 """
 
 
-def _run(tree: str, iters: int) -> dict:
+def _run(tree: str, iters: int, precision: str = "bf16") -> dict:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     drv = os.path.join(here, "titan_megamoe", "kernels", "host_driver.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", _TIMER, tree, drv, str(iters)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _TIMER, tree, drv, str(iters), precision], capture_output=True,
+                         text=True,
                          env=env)
     if out.returncode:
         raise RuntimeError(f"timeline of {tree} failed:\n{out.stderr[-3000:]}")
@@ -133,13 +150,14 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline-tree", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp8_bwd"])
     a = p.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = ([a.baseline_tree] if a.baseline_tree else []) + [here]
     runs: dict[str, list] = {t: [] for t in trees}
     for _ in range(a.rounds):
         for t in trees:
-            runs[t].append(_run(t, a.iters))
+            runs[t].append(_run(t, a.iters, a.precision))
     result = {t: _summary(r) for t, r in runs.items()}
     for t, s in result.items():
         print(json.dumps({"tree": t, **s}))

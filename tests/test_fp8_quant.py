@@ -371,6 +371,28 @@ def test_nonfinite_not_read_is_not_counted():
     fq.check_nonfinite_count(count)  # no raise
 
 
+def test_act_1x128_row_valid_quantizes_rows_in_place():
+    """``row_valid`` (h's quantization: rows in layout order, zero where row_pair < 0): bitwise the gather with the
+    index "the row itself, or -1", into poisoned buffers; a NaN row it leaves out is neither read nor counted."""
+    fq = _fq()
+    x = _wide_range((300, 256), torch.bfloat16, seed=8)
+    x[7] = float("nan")
+    valid = torch.arange(300, dtype=torch.int32, device=DEV) % 5 - 1  # -1 on every fifth row, others >= 0
+    valid[7] = -1
+    idx = torch.where(valid >= 0, torch.arange(300, dtype=torch.int32, device=DEV), -1)
+    out = torch.full((300, 256), 0x7F, dtype=torch.uint8, device=DEV).view(E4M3)
+    scale_out = torch.full((300, 2), float("nan"), device=DEV)
+    count = fq.new_nonfinite_count(DEV)
+    got = fq.quantize_act_1x128(x, row_valid=valid, out=out, scale_out=scale_out, nonfinite_count=count)
+    assert got[0] is out and count.item() == 0
+    assert_bitwise(got, ref.quantize_act_1x128(x, idx), "row_valid")
+    assert torch.all(got[1][valid < 0] == EPS_SCALE) and (got[0][valid < 0].view(torch.uint8) == 0).all()
+    with pytest.raises(ValueError, match="row_index .* or row_valid .*, not both"):
+        fq.quantize_act_1x128(x, idx, row_valid=valid)
+    with pytest.raises(ValueError, match="row_valid has 299 entries, x has 300 rows"):
+        fq.quantize_act_1x128(x, row_valid=valid[:299].contiguous())
+
+
 def test_launcher_argument_errors():
     fq = _fq()
     x = torch.zeros(8, 128, device=DEV)

@@ -145,6 +145,7 @@ def _to_e4m3(x, scale_b, EXACT_ROUND: tl.constexpr):
 def _quant_act_1x128_kernel(
     x_ptr,  # (M_in, D) fp32 / bf16 / fp16, source rows
     row_index_ptr,  # (M,) int32, source index of each output row (// TOP_K), < 0 -> zero row; GATHER only
+    # (with SELF_ROWS: row r reads x[r] where row_index[r] >= 0, a zero row elsewhere)
     y_ptr,  # (M, D) fp8e4nv out
     scale_ptr,  # (M, D // 128) fp32 out
     count_ptr,  # (1,) int32, += number of non-finite groups; CHECK only
@@ -156,6 +157,7 @@ def _quant_act_1x128_kernel(
     EXACT_ROUND: tl.constexpr,  # interpreter: round to the e4m3 grid before the cast
     EPS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SELF_ROWS: tl.constexpr = False,
 ):
     """1x128 quantization of BLOCK_M output rows x one 128-channel group.
 
@@ -170,7 +172,10 @@ def _quant_act_1x128_kernel(
     if GATHER:
         idx = tl.load(row_index_ptr + rows, mask=row_ok, other=-1)
         live = idx >= 0
-        src = tl.where(live, idx // TOP_K, 0).to(tl.int64)  # int64: src * D can pass 2^31
+        if SELF_ROWS:
+            src = tl.where(live, rows, 0).to(tl.int64)
+        else:
+            src = tl.where(live, idx // TOP_K, 0).to(tl.int64)  # int64: src * D can pass 2^31
     else:
         live = row_ok
         src = rows.to(tl.int64)
@@ -338,6 +343,7 @@ def quantize_act_1x128(
     out: Tensor | None = None,
     scale_out: Tensor | None = None,
     name: str | None = None,
+    row_valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-(row, 128 channels) FP8 quantization, optionally of gathered rows (dispatch layout order).
 
@@ -356,13 +362,16 @@ def quantize_act_1x128(
             non-finite scale (inf / NaN input). Never reset here. None: no check.
         out, scale_out: optional (M, D) float8_e4m3fn / (M, D // 128) fp32 contiguous buffers.
         name: tensor / layer named in error messages.
+        row_valid: optional (M_in,) int32 contiguous, instead of ``row_index``: output row i = x[i] where
+            row_valid[i] >= 0, a zero row elsewhere (e.g. ``layout.row_pair`` for h, whose padding rows and rows
+            past the last expert GEMM1 may leave unwritten). One index read, no gather index to build.
 
     Returns:
         (x_fp8 (M, D) float8_e4m3fn, scale (M, D // 128) fp32 row-major).
 
     Raises:
         ValueError: D not a multiple of 128 (use precision = 'bf16'), wrong dtype / shape / device /
-            contiguity, top_k < 1.
+            contiguity, top_k < 1, both ``row_index`` and ``row_valid``.
 
     Host syncs: none. Example (``test_worked_example``): x rows [896, 0, ...] and [1, 0, ...], row_index
     [1, -1, 0] -> scales [1/448, 1e-12/448, 2], x_fp8 rows [448, 0, ...], zeros, [448, 0, ...].
@@ -372,8 +381,15 @@ def quantize_act_1x128(
     M_in, D = x.shape
     check_group_dim(D, "channel dim D (last dim)", fn, name)
     dev = x.device
+    if row_valid is not None:
+        if row_index is not None:
+            raise ValueError(f"{fn}: give row_index (a gather) or row_valid (rows in place), not both")
+        _check_tensor(fn, "row_valid", row_valid, 1, (torch.int32,), dev)
+        if row_valid.shape[0] != M_in:
+            raise ValueError(f"{fn}: row_valid has {row_valid.shape[0]} entries, x has {M_in} rows")
+        row_index, top_k = row_valid, 1
     gather = row_index is not None
-    if gather:
+    if gather and row_valid is None:
         _check_tensor(fn, "row_index", row_index, 1, (torch.int32,), dev)
         if top_k < 1:
             raise ValueError(f"{fn}: top_k={top_k} must be >= 1")
@@ -391,7 +407,7 @@ def quantize_act_1x128(
     launch(_quant_act_1x128_kernel, grid,
         x, row_index if gather else x, out, scale_out, count if check else scale_out, M,
         D=D, TOP_K=top_k if gather else 1, GATHER=gather, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS,
-        BLOCK_M=bm, num_warps=_ACT_WARPS,
+        BLOCK_M=bm, SELF_ROWS=row_valid is not None, num_warps=_ACT_WARPS,
     )
     return out, scale_out
 

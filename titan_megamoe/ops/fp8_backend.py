@@ -376,7 +376,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         if WS_GEMM1_FP8 and not interp and ws_gemm1_fwd_fp8_supported(xq, w1q) is None:
             gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout)
             mark("gemm1")
-            hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
+            hq, hs = quantize_act_1x128(h, row_valid=layout.row_pair, nonfinite_count=count, name=f"{layer_name} h")
             mark("quant_h")
         elif FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
             c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
@@ -387,7 +387,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
             c1 = dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, h = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1)
             mark("gemm1")
-            hq, hs = quantize_act_1x128(h, _live_rows(layout), 1, nonfinite_count=count, name=f"{layer_name} h")
+            hq, hs = quantize_act_1x128(h, row_valid=layout.row_pair, nonfinite_count=count, name=f"{layer_name} h")
             mark("quant_h")
         c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
         y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, by_row=by_row, config=c2)
