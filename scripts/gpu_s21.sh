@@ -32,4 +32,16 @@ if [ "$PART" = a ]; then
     --switches $sw --out "$OUT/keep/layer_ep1_fp8.json" > "$OUT/keep/layer_fp8.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8.log" | head -24
 fi
+# PART=b: why the Gluon FP8 wgrad shows in compare.profile (2.02 vs 3.20 ms of wgrad kernels) but not in compare.layer
+#   (fp8 bwd device 6.40 vs 6.38 ms): compare.profile uses the layer's own router (init weights), compare.layer
+#   injects a routing. The default profile, then compare.layer fp8 rows at random and skewed routing with the switch.
+if [ "$PART" = b ]; then
+  timeout 60 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 --top 12 \
+    --out "$OUT/keep/profile_30b_fp8_default.json" > "$OUT/keep/profile_30b_fp8_default.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -15 "$OUT/keep/profile_30b_fp8_default.log" | cut -c1-130
+  timeout 150 python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8 \
+    --routings random,skewed --iters 10 --warmup 3 --device-time --no-plot --switches WS_WGRAD_FP8=1 WS_WGRAD_FP8=0 \
+    --out "$OUT/keep/layer_ep1_fp8_wgrad.json" > "$OUT/keep/layer_fp8_wgrad.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_wgrad.log" | head -12
+fi
 session_pack "s21$PART"
