@@ -11,6 +11,8 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py bench-dgrad-fp8 [--out f]  # FP8 GEMM1 dgrad, Gluon vs Triton (same checks file)
     python scripts/bench_ws_gemm.py bench-g2d-fp8 [--out f]  # FP8 GEMM2 dgrad (kernels/ws_gemm2_dgrad_fp8.py) vs the
                                                              # Triton one (checks: tests/test_ws_gemm2_dgrad_fp8.py)
+    python scripts/bench_ws_gemm.py ablate-g2d-fp8 [--out f]  # the same Gluon kernel with parts of its epilogue left
+                                                              # out (``launch_gemm2_dgrad_fp8``'s ablate bits)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -400,7 +402,7 @@ def bench_dgrad_fp8(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
-def bench_g2d_fp8(out_path: str | None, shapes: list[str]) -> int:
+def bench_g2d_fp8(out_path: str | None, shapes: list[str], ablate: tuple[int, ...] = ()) -> int:
     """Blockwise-FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h): Triton vs Gluon, a few configs;
     TF/s of the main loop's 2 * P * F * D FLOPs."""
     import dataclasses
@@ -447,14 +449,19 @@ def bench_g2d_fp8(out_path: str | None, shapes: list[str]) -> int:
             rows.append(dict(shape=sh, kernel="gluon ws_gemm2_dgrad_fp8", cfg=repr(cfg), ms=ms,
                              tflops=flops / ms / 1e9, bitwise_triton_dgu_hsTs_hsT=same, max_abs_diff_dgu=diff))
             print(json.dumps(rows[-1]), flush=True)
-    _write(out_path, "bench-g2d-fp8", rows)
+        for ab in ablate:  # timing only: these outputs are wrong by design
+            ms = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, GEMM2_DGRAD_FP8_CONFIG, None, ab))
+            rows.append(dict(shape=sh, kernel="gluon ws_gemm2_dgrad_fp8, epilogue ablated", ablate=ab, ms=ms,
+                             tflops=flops / ms / 1e9))
+            print(json.dumps(rows[-1]), flush=True)
+    _write(out_path, "ablate-g2d-fp8" if ablate else "bench-g2d-fp8", rows)
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
-                                      "bench-dgrad-fp8", "bench-g2d-fp8"])
+                                      "bench-dgrad-fp8", "bench-g2d-fp8", "ablate-g2d-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -473,6 +480,8 @@ def main(argv=None) -> int:
         return bench_dgrad_fp8(a.out, a.shapes.split(","))
     if a.what == "bench-g2d-fp8":
         return bench_g2d_fp8(a.out, a.shapes.split(","))
+    if a.what == "ablate-g2d-fp8":
+        return bench_g2d_fp8(a.out, a.shapes.split(","), ablate=(0, 1, 2, 4, 7, 8, 31))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

@@ -35,7 +35,12 @@ fi
 # PART=b: why the Gluon FP8 wgrad shows in compare.profile (2.02 vs 3.20 ms of wgrad kernels) but not in compare.layer
 #   (fp8 bwd device 6.40 vs 6.38 ms): compare.profile uses the layer's own router (init weights), compare.layer
 #   injects a routing. The default profile, then compare.layer fp8 rows at random and skewed routing with the switch.
+#   First: the Gluon FP8 GEMM2 dgrad ran 2x slower than the Triton one in PART a (2.53 vs 1.26 ms at 30B); fitting the
+#   two shapes says ~39 us per tile on top of a fast main loop: its epilogue, ablated part by part.
 if [ "$PART" = b ]; then
+  timeout 100 python3 scripts/bench_ws_gemm.py ablate-g2d-fp8 --shapes 30b --out "$OUT/keep/ablate_g2d_fp8.json" \
+    > "$OUT/keep/ablate_g2d_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ablate rc $?"; cut -c1-200 "$OUT/keep/ablate_g2d_fp8.log" | tail -12
   timeout 60 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 --top 12 \
     --out "$OUT/keep/profile_30b_fp8_default.json" > "$OUT/keep/profile_30b_fp8_default.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -15 "$OUT/keep/profile_30b_fp8_default.log" | cut -c1-130

@@ -88,7 +88,7 @@ if HAVE_GLUON:
                        row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a, ready_b, empty, g_smem,
                        u_smem, q0_smem, q1_smem, epi_bar, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CHECK: gl.constexpr, EPS: gl.constexpr):
+                       CHECK: gl.constexpr, EPS: gl.constexpr, ABLATE: gl.constexpr):
         # consumer C owns columns [C F/2 + BH pid_n, + BH) of g for all BM rows, as two BM / 2 row halves
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -109,9 +109,10 @@ if HAVE_GLUON:
             col0 = C * (F // 2) + pid_n * BH
             # this tile's gate / up under its main loop; the buffers staged the previous tile's stores
             tma.store_wait(pendings=0)
-            mbarrier.expect(epi_bar, 2 * gu_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(gu_desc, [row0, col0], epi_bar, g_smem)
-            tma.async_copy_global_to_shared(gu_desc, [row0, F + col0], epi_bar, u_smem)
+            if (ABLATE & 16) == 0:
+                mbarrier.expect(epi_bar, 2 * gu_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(gu_desc, [row0, col0], epi_bar, g_smem)
+                tma.async_copy_global_to_shared(gu_desc, [row0, F + col0], epi_bar, u_smem)
             rows0 = row0 + gl.arange(0, HM, layout=row_layout)
             rows1 = rows0 + HM
             pair0 = gl.load(row_pair_ptr + rows0)
@@ -149,7 +150,8 @@ if HAVE_GLUON:
 
             # epilogue. Padding rows: g = 0 (zero-filled rows), s = 0, gate = up = 0 (GEMM1 wrote zeros); the
             # multiplies by vf keep every padding output at zero without a select (see ws_gemm.py)
-            mbarrier.wait(epi_bar, j & 1)
+            if (ABLATE & 16) == 0:
+                mbarrier.wait(epi_bar, j & 1)
             s0 = gl.expand_dims(gl.load(scores_ptr + pair0, mask=ok0, other=0.0), 1)
             s1 = gl.expand_dims(gl.load(scores_ptr + pair1, mask=ok1, other=0.0), 1)
             vf0 = gl.expand_dims(ok0.to(gl.float32), 1)
@@ -158,14 +160,15 @@ if HAVE_GLUON:
             # blocked layout of 32-row chunks (with both halves' g live, (HM, BH) tiles here spilled); the integer
             # max of |x|'s bits keeps NaN, as fp8_quant._amax
             bits = gl.zeros((BH,), gl.int32, layout=gl.SliceLayout(0, ep_layout))
-            for c in gl.static_range(BM // 32):
-                pr = gl.load(row_pair_ptr + row0 + c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_layout)))
-                sc = gl.expand_dims(gl.load(scores_ptr + pr, mask=pr >= 0, other=0.0), 1)
-                vc = gl.expand_dims((pr >= 0).to(gl.float32), 1)
-                gate = g_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
-                sig, silu = _silu_parts(gate)
-                t = silu * u_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
-                bits = gl.maximum(bits, gl.max(gl.abs(t * sc * vc).to(gl.int32, bitcast=True), axis=0))
+            if (ABLATE & 1) == 0:
+                for c in gl.static_range(BM // 32):
+                    pr = gl.load(row_pair_ptr + row0 + c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_layout)))
+                    sc = gl.expand_dims(gl.load(scores_ptr + pr, mask=pr >= 0, other=0.0), 1)
+                    vc = gl.expand_dims((pr >= 0).to(gl.float32), 1)
+                    gate = g_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
+                    sig, silu = _silu_parts(gate)
+                    t = silu * u_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
+                    bits = gl.maximum(bits, gl.max(gl.abs(t * sc * vc).to(gl.int32, bitcast=True), axis=0))
             bits = gl.convert_layout(bits, col_layout)
             amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
             scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
@@ -177,23 +180,33 @@ if HAVE_GLUON:
                 else:
                     g, sr, vf, rows, q_smem = acc1, s1, vf1, rows1, q1_smem
                 # ordered so that few (HM, BH) fp32 tiles are live at once (the other half's g is one of them)
-                gate = g_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
+                if ABLATE & 8:
+                    gate = g
+                else:
+                    gate = g_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
                 sig, silu = _silu_parts(gate)
                 dsig = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate
-                t = silu * u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
+                if ABLATE & 8:
+                    t = silu * g
+                else:
+                    t = silu * u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
                 h = t.to(gl.bfloat16).to(gl.float32)  # the bf16 h of the forward
                 gl.store(part_ptr + rows.to(gl.int64) * NBP + col0 // BH, gl.sum(g * h * vf, axis=1))
-                y = gl.div_rn(t * sr * vf, scale_b)  # s * h, quantized
-                q_smem.store(gl.permute(gl.minimum(gl.maximum(y, -448.0), 448.0).to(gl.float8e4nv), (1, 0)))
-                dh = g * sr
-                up = u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                g_smem.slice(half * HM, HM, dim=0).store((dh * up * dsig * vf).to(gl.bfloat16))
-                u_smem.slice(half * HM, HM, dim=0).store((dh * silu * vf).to(gl.bfloat16))
+                if (ABLATE & 2) == 0:
+                    y = gl.div_rn(t * sr * vf, scale_b)  # s * h, quantized
+                    q_smem.store(gl.permute(gl.minimum(gl.maximum(y, -448.0), 448.0).to(gl.float8e4nv), (1, 0)))
+                if (ABLATE & 4) == 0:
+                    dh = g * sr
+                    up = u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
+                    g_smem.slice(half * HM, HM, dim=0).store((dh * up * dsig * vf).to(gl.bfloat16))
+                    u_smem.slice(half * HM, HM, dim=0).store((dh * silu * vf).to(gl.bfloat16))
             fence_async_shared()
-            tma.async_copy_shared_to_global(dgu_desc, [row0, col0], g_smem)
-            tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], u_smem)
-            tma.async_copy_shared_to_global(hsT_desc, [col0, row0], q0_smem)
-            tma.async_copy_shared_to_global(hsT_desc, [col0, row0 + HM], q1_smem)
+            if (ABLATE & 4) == 0:
+                tma.async_copy_shared_to_global(dgu_desc, [row0, col0], g_smem)
+                tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], u_smem)
+            if (ABLATE & 2) == 0:
+                tma.async_copy_shared_to_global(hsT_desc, [col0, row0], q0_smem)
+                tma.async_copy_shared_to_global(hsT_desc, [col0, row0 + HM], q1_smem)
             gl.store(hsTs_ptr + pid_m.to(gl.int64) * F + col0 + gl.arange(0, BH, layout=col_layout), scale)
             if CHECK:
                 n_bad = gl.sum((~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
@@ -206,7 +219,8 @@ if HAVE_GLUON:
                                    offsets_ptr, E, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                    BM: gl.constexpr, BK: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   ABLATE: gl.constexpr = 0):
         """Blockwise-FP8 dgate_up, d score partials and 128x1 s * h of every live row tile (module docstring).
         Grid: (programs,)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
@@ -237,11 +251,11 @@ if HAVE_GLUON:
             (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
                               count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
                               ready_b, empty, g0, u0, q00, q01, epi.index(0), 0, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS)),
+                              CHECK, EPS, ABLATE)),
             (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
                               count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
                               ready_b, empty, g1, u1, q10, q11, epi.index(1), 1, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS)),
+                              CHECK, EPS, ABLATE)),
             (_g1f_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                              a_bufs, b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -329,8 +343,10 @@ def ws_gemm2_dgrad_fp8(dout_q: Tensor, dout_s: Tensor, w2t_q: Tensor, w2t_s: Ten
 
 def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout, dgu, part, hsT, hsTs,
                            nonfinite_count=None, cfg: Fp8WsConfig = GEMM2_DGRAD_FP8_CONFIG,
-                           programs: int | None = None) -> None:
-    """``ws_gemm2_dgrad_fp8`` without its checks, into the caller's outputs."""
+                           programs: int | None = None, ablate: int = 0) -> None:
+    """``ws_gemm2_dgrad_fp8`` without its checks, into the caller's outputs. ``ablate``: timing diagnosis only (wrong
+    outputs), a bitmask of epilogue parts left out: 1 the s * h column amax, 2 the s * h quantization and its stores,
+    4 dgate / dup and their stores, 8 the gate / up reads of pass 2, 16 the gate / up loads (with 1 and 8)."""
     E, F, D = w2t_q.shape
     n_cap, dev = layout.n_cap, dout_q.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -348,7 +364,7 @@ def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, lay
            dout_q, dout_s, lo, hi, w2t_s, gu_desc, dgu_desc, hsT_desc, scores_TK, part, hsTs,
            nonfinite_count if check else hsTs, layout.row_pair, layout.tile_expert, layout.offsets, E, D, F,
            layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, check, AMAX_EPS, cfg.producer_regs,
-           cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, ablate, num_warps=4, maxnreg=cfg.maxnreg)
 
 
 def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
@@ -367,5 +383,5 @@ def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: i
            "part_ptr": "*fp32", "hsTs_ptr": "*fp32", "count_ptr": "*i32", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // (2 * bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ABLATE=0)
     return sig, cx
