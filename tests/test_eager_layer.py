@@ -94,6 +94,56 @@ def test_fused_layer_matches_the_modular_path(case, dx_in_scatter, monkeypatch):
     assert torch.equal(again[1], got[1]) and all(torch.equal(again[2][n], got[2][n]) for n in got[2])
 
 
+FP8_CASES = [  # (precision, T, E, K, score_func, shared): the edge each row covers (D = F = 128: one scale group)
+    ("fp8", 37, 4, 2, "softmax", 0),  # FP8 forward and backward; T not a multiple of the block
+    ("fp8_bwd", 20, 8, 1, "sigmoid", 1),  # bf16 forward, FP8 backward; top_k = 1, empty experts, a shared expert
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"{c[0]}-T{c[1]}-K{c[3]}" for c in FP8_CASES])
+def test_fused_fp8_layer_matches_the_modular_path(case, monkeypatch):
+    """ops/eager_layer_fp8.py: precision fp8 / fp8_bwd through one autograd node gives the modular FP8 path's
+    output, counts and expert-weight gradients bitwise, dx and the gate gradient within bf16 error."""
+    from titan_megamoe.ops import eager_layer_fp8
+
+    precision, T, E, K, score_func, shared = case
+    layer = _layer(128, 128, E, K, score_func=score_func, route_norm=score_func == "softmax", shared=shared,
+                   precision=precision)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, T, 128, generator=g).bfloat16().to(DEV)
+    dy = torch.randn(1, T, 128, generator=g).bfloat16().to(DEV)
+    calls = []
+    real = eager_layer_fp8.FusedFp8LayerFunction.apply
+    monkeypatch.setattr(eager_layer_fp8.FusedFp8LayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(eager_layer, "FUSED_GATE", False)
+    monkeypatch.setattr(eager_layer, "ENABLED", False)
+    ref = _step(layer, x, dy)
+    assert not calls
+    monkeypatch.setattr(eager_layer, "ENABLED", True)
+    got = _step(layer, x, dy)
+    assert calls, "the fused FP8 layer path did not run"
+    assert torch.equal(got[0], ref[0]), "forward output"
+    assert torch.equal(got[3], ref[3]), "tokens_per_expert"
+    assert got[2].keys() == ref[2].keys() and "experts.w1" in got[2] and "router.gate.weight" in got[2]
+    for name in got[2]:
+        if name == "router.gate.weight":
+            assert_close_rel(got[2][name].float(), ref[2][name].float(), torch.bfloat16, name)
+        else:
+            assert torch.equal(got[2][name], ref[2][name]), name
+    assert_close_rel(got[1].float(), ref[1].float(), torch.bfloat16, "dx")
+
+
+def test_fused_fp8_layer_leaves_dims_it_cannot_take_to_the_modular_path():
+    """D not a multiple of 128: no fused node; the modular path raises the FP8 configuration error."""
+    from titan_megamoe.errors import MegaMoEConfigError
+
+    layer = _layer(64, 128, 4, 2, precision="fp8")
+    x = torch.randn(1, 8, 64).bfloat16().to(DEV)
+    assert layer._fused_layer_operands(x.view(-1, 64)) is None
+    with pytest.raises(MegaMoEConfigError, match="multiples of 128"):
+        layer(x)
+
+
 class _GateGivenLogits(torch.autograd.Function):
     """The gate linear's autograd with given forward values (the fused kernel's logits)."""
 

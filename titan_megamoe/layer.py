@@ -37,6 +37,25 @@ def _has_global_module_hooks() -> bool:
 
 _BF16, _FP32 = torch.bfloat16, torch.float32
 _PLAIN = (Parameter, Tensor)  # not subclasses such as DTensor
+#: Precisions the fused eager node takes (bf16: ``ops/eager_layer.py``; fp8 / fp8_bwd: ``ops/eager_layer_fp8.py``).
+_FUSED_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+_FP8_OK: dict = {}  # (device, D, F) -> whether fp8_backend.check_fp8_supported passes (it reads the device once)
+
+
+def _fp8_ok(device: torch.device, D: int, F: int) -> bool:
+    key = (device, D, F)
+    ok = _FP8_OK.get(key)
+    if ok is None:
+        from titan_megamoe.errors import MegaMoEConfigError
+        from titan_megamoe.ops.fp8_backend import check_fp8_supported
+
+        try:
+            check_fp8_supported(device, D, F, "", "fp8")
+            ok = True
+        except MegaMoEConfigError:
+            ok = False
+        _FP8_OK[key] = ok
+    return ok
 
 
 class MegaMoERouter(TokenChoiceTopKRouter):
@@ -219,7 +238,8 @@ class MegaMoE(MoE):
         and experts as one autograd node (``ops/eager_layer.py``), else None (the modular path runs).
 
         It runs when all hold: eager mode, ``TITAN_MEGAMOE_FUSED_LAYER`` on, the fused router's conditions, a gate
-        without bias, the triton backend in bf16 at EP = 1 with scores after the experts, x (T, D) and the gate,
+        without bias, the triton backend in bf16, fp8 or fp8_bwd (FP8: a GPU with FP8 tensor cores, D and F multiples of
+        128) at EP = 1 with scores after the experts, x (T, D) and the gate,
         w1, w2, w3 weights (plain tensors, not DTensors) bf16, contiguous, of matching shapes on one device,
         tokens_per_expert a contiguous fp32 (E,) tensor there, expert_bias None or an (E,) floating tensor there,
         no module hooks on the layer's router, gate or experts (FSDP's all-gather, profilers) and no global ones,
@@ -238,7 +258,7 @@ class MegaMoE(MoE):
                 and type(router) is MegaMoERouter and "forward" not in router.__dict__):
             return None
         cfg = experts.config
-        if cfg.backend != "triton" or cfg.precision != "bf16" or experts.score_before_experts:
+        if cfg.backend != "triton" or cfg.precision not in _FUSED_PRECISIONS or experts.score_before_experts:
             return None
         gate = router._modules["gate"]
         gp, ep = gate._parameters, experts._parameters
@@ -277,6 +297,8 @@ class MegaMoE(MoE):
             return None
         if D % 16 or F % 16:
             tb.check_triton_inputs(x, None, None, w1, w2, w3, self.layer_name)  # raises, naming the fix
+        if cfg.precision != "bf16" and not _fp8_ok(x.device, D, F):
+            return None  # the modular path raises MegaMoEConfigError, naming the fix
         return router, gate_w, bias, counts, w1, w2, w3
 
     def forward(self, x: Tensor) -> Tensor:
@@ -291,8 +313,18 @@ class MegaMoE(MoE):
         if fused is not None:
             r = fused[0]
             args = (x, *fused[1:], r.top_k, r.score_func, r.route_norm, r.route_scale)
+            precision = experts.config.precision
             # the kernels first, then the autograd node: its host time after GEMM1 is enqueued
-            out = eager_layer.FusedLayerFunction.apply(*args, eager_layer.fused_forward(*args))
+            if precision == "bf16":
+                out = eager_layer.FusedLayerFunction.apply(*args, eager_layer.fused_forward(*args))
+            else:
+                from titan_megamoe.ops import eager_layer_fp8, fp8_backend
+
+                fp8_forward = precision == "fp8"
+                wq = fp8_backend.prepare_weights(*fused[4:], fp8_forward=fp8_forward, cache=experts.fp8_cache,
+                                                 layer_name=experts.layer_name)
+                args += (wq, fp8_forward, experts.layer_name)
+                out = eager_layer_fp8.FusedFp8LayerFunction.apply(*args, eager_layer_fp8.fused_forward_fp8(*args))
             if self.shared_experts is not None:
                 out = self.shared_experts(x) + out
             return out.reshape(bs, slen, dim)

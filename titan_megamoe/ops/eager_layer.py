@@ -32,7 +32,8 @@ from titan_megamoe.kernels import router as fused_router
 from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import triton_backend as tb
 
-__all__ = ["ENABLED", "FUSED_GATE", "ROUTER_DX_IN_SCATTER", "FusedLayerFunction", "fused_forward"]
+__all__ = ["ENABLED", "FUSED_GATE", "ROUTER_DX_IN_SCATTER", "FusedLayerFunction", "fused_forward", "route",
+           "router_backward"]
 
 #: Run MegaMoE's eager forward through :class:`FusedLayerFunction` where it applies (``MegaMoE._fused_layer_ok``).
 ENABLED = env_flag("TITAN_MEGAMOE_FUSED_LAYER", True)
@@ -42,6 +43,39 @@ FUSED_GATE = env_flag("TITAN_MEGAMOE_FUSED_GATE", True)
 #: In the backward, add the router's dx (d logits @ gate weight) inside the experts' ``scatter_dx`` kernel
 #: (E <= 128, bf16) instead of a cuBLAS ``addmm_`` over dx afterwards (docs/NOTES.md session 17).
 ROUTER_DX_IN_SCATTER = env_flag("TITAN_MEGAMOE_ROUTER_DX_IN_SCATTER", True)
+
+
+def route(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, top_k: int, score_func: str,
+          route_norm: bool, route_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The gate linear and the fused top-k router, outside autograd: (logits (T, E) bf16, top scores (T, K) fp32,
+    expert ids (T, K) int64); the per-expert counts are added into ``counts_into``. The gate inside the router's
+    kernel with ``FUSED_GATE`` where it applies, else ``torch.mm`` then the router kernel."""
+    if FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None:
+        return fused_router.launch_gate_topk_route(x_TD, gate_w, top_k, score_func, expert_bias, route_norm,
+                                                   route_scale, counts_into)
+    with torch.no_grad():  # outside the node, x may require grad: no graph for these
+        logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
+        top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
+                                              route_norm=route_norm, route_scale=route_scale, counts_into=counts_into)
+    return logits, top, ids
+
+
+def router_backward(dx_rows: Tensor, layout, dscores: Tensor, x: Tensor, gate_w: Tensor, logits: Tensor, ids: Tensor,
+                    score_func: str, route_norm: bool, route_scale: float,
+                    need_gate_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """(dx (T, D), d gate weight (E, D) or None) from the experts' dx rows and d scores: the router's closed-form
+    gradient, the gate linear's two GEMMs, the experts' rows summed per token with the router's dx added
+    (``ROUTER_DX_IN_SCATTER``: inside ``scatter_dx``, else one in-place ``addmm_``)."""
+    from titan_megamoe.kernels.grouped_gemm_bwd import SCATTER_ROUTER_MAX_E, scatter_dx  # needs triton
+
+    dlogits = fused_router.topk_route_backward(logits, ids, dscores, score_func, route_norm, route_scale)
+    dgate_w = dlogits.t().mm(x) if need_gate_grad else None
+    T, K = dscores.shape
+    if ROUTER_DX_IN_SCATTER and gate_w.shape[0] <= SCATTER_ROUTER_MAX_E and dlogits.dtype == torch.bfloat16:
+        return scatter_dx(dx_rows, layout, T, K, router_dlogits=dlogits, gate_w=gate_w), dgate_w
+    dx = scatter_dx(dx_rows, layout, T, K)
+    dx.addmm_(dlogits, gate_w)  # dx: scatter_dx's fresh (T, D) output, no other reader
+    return dx, dgate_w
 
 
 def fused_forward(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, w1: Tensor,
@@ -57,15 +91,7 @@ def fused_forward(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, coun
     Shapes as :class:`FusedLayerFunction`. Returns (out (T, D) bf16, the tensors the backward keeps, its
     constants).
     """
-    if FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None:
-        logits, top, ids = fused_router.launch_gate_topk_route(
-            x_TD, gate_w, top_k, score_func, expert_bias, route_norm, route_scale, counts_into)
-    else:
-        with torch.no_grad():  # outside the node, x may require grad: no graph for these
-            logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
-            top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,
-                                                  route_norm=route_norm, route_scale=route_scale,
-                                                  counts_into=counts_into)
+    logits, top, ids = route(x_TD, gate_w, expert_bias, counts_into, top_k, score_func, route_norm, route_scale)
     out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
     saved = (x_TD, gate_w, logits, ids, top, w1, w2, w3, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row,
              L.tile_expert)
@@ -95,18 +121,10 @@ class FusedLayerFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        from titan_megamoe.kernels.grouped_gemm_bwd import SCATTER_ROUTER_MAX_E, scatter_dx  # needs triton
-
         x, gate_w, logits, ids, top, w1, w2, w3, gate_up, *layout = ctx.saved_tensors
         top_k, score_func, route_norm, route_scale, block_m = ctx.cfg
         L = tb.layout_from_tensors(*layout, block_m, w1.shape[0], top_k)
         dx_rows, dscores, dw1, dw2, dw3 = tb.triton_bwd_rows(dout, x, top, w1, w2, w3, gate_up, L)
-        dlogits = fused_router.topk_route_backward(logits, ids, dscores, score_func, route_norm, route_scale)
-        dgate_w = dlogits.t().mm(x) if ctx.needs_input_grad[1] else None
-        T, K = top.shape
-        if ROUTER_DX_IN_SCATTER and gate_w.shape[0] <= SCATTER_ROUTER_MAX_E and dlogits.dtype == torch.bfloat16:
-            dx = scatter_dx(dx_rows, L, T, K, router_dlogits=dlogits, gate_w=gate_w)
-        else:
-            dx = scatter_dx(dx_rows, L, T, K)
-            dx.addmm_(dlogits, gate_w)  # dx: scatter_dx's fresh (T, D) output, no other reader
+        dx, dgate_w = router_backward(dx_rows, L, dscores, x, gate_w, logits, ids, score_func, route_norm,
+                                      route_scale, ctx.needs_input_grad[1])
         return dx, dgate_w, None, None, dw1, dw2, dw3, None, None, None, None, None
