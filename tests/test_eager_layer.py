@@ -196,8 +196,8 @@ def test_fused_gate_matches_the_modular_path_on_its_logits(case, monkeypatch):
 
 
 def test_fused_layer_falls_back_where_it_does_not_apply(monkeypatch):
-    """Hooks on the experts (FSDP's all-gather would run there), a gate bias, fp8 and the switch off all take
-    the modular path, whose results stay right."""
+    """Hooks on the experts (FSDP's all-gather would run there), a gate bias and the switch off all take the modular
+    path, whose results stay right (fp8 has its own node now: ops/eager_layer_fp8.py)."""
     calls = []
     real = eager_layer.FusedLayerFunction.apply
     monkeypatch.setattr(eager_layer.FusedLayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
@@ -223,7 +223,10 @@ def test_fused_layer_falls_back_where_it_does_not_apply(monkeypatch):
     monkeypatch.setattr(eager_layer, "ENABLED", False)
     assert not layer._fused_layer_ok(x.view(-1, 32))
     monkeypatch.setattr(eager_layer, "ENABLED", True)
-    assert not _layer(128, 128, 4, 2, precision="fp8")._fused_layer_ok(torch.zeros(4, 128).bfloat16().to(DEV))
+    fp8 = _layer(128, 128, 4, 2, precision="fp8")
+    assert fp8._fused_layer_ok(torch.zeros(4, 128).bfloat16().to(DEV))
+    fp8.experts.w1.data = fp8.experts.w1.data.float()  # fp32 master weights: the modular FP8 path
+    assert not fp8._fused_layer_ok(torch.zeros(4, 128).bfloat16().to(DEV))
     layer(x)
     assert calls == [1]
 
