@@ -91,3 +91,23 @@ def test_override_sets_a_multi_valued_switch_as_its_string():
     with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DGRAD": "pingpong"}):
         assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "pingpong"
     assert grouped_gemm_bwd.WS_GEMM1_DGRAD == "coop"
+
+
+def test_override_restores_a_module_it_imported_first():
+    """A switch whose module the process has not imported yet: after the override it holds the environment's value,
+    not the overridden one (the module must be imported before the variable is set; sessions 20-21's compare.layer
+    fp8 rows ran the Gluon wgrad after a bf16 row had flipped it, for want of that)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from titan_megamoe import switches\n"
+            "assert 'titan_megamoe.ops.fp8_backend' not in sys.modules\n"
+            "with switches.override({'TITAN_MEGAMOE_WS_WGRAD_FP8': '1'}):\n"
+            "    from titan_megamoe.ops import fp8_backend as fb\n"
+            "    assert fb.WS_WGRAD_FP8 is True\n"
+            "print(fb.WS_WGRAD_FP8)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TITAN_MEGAMOE_WS_WGRAD_FP8"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout

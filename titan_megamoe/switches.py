@@ -130,6 +130,12 @@ def override(settings: dict[str, str]):
     for env, value in settings.items():
         if env not in SWITCHES or value not in SWITCHES[env].values:
             raise ValueError(f"override: {env}={value!r} is not a known switch value (see parse_switches)")
+    # import every module that reads a switch at import before any variable is set: a module first imported
+    # inside the override would read the overridden value, save it as the "old" one and keep it after the exit
+    # (the fp8 layer rows of sessions 20-21 ran the Gluon FP8 wgrad "by default" after a bf16 row with the switch on)
+    for env in settings:
+        for mod, _ in SWITCHES[env].attrs + SWITCHES[env].caches:
+            importlib.import_module(mod)
     saved_env = {env: os.environ.get(env) for env in settings}
     saved_attrs = []
     try:
