@@ -106,7 +106,7 @@ def test_fp8_backward_takes_the_gluon_wgrad_only_when_switched_on(monkeypatch):
     import titan_megamoe.ops.fp8_backend as fb
     from titan_megamoe import switches
 
-    assert switches.SWITCHES["TITAN_MEGAMOE_WS_WGRAD_FP8"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_WGRAD_FP8"].default == "1"
     calls = []
     monkeypatch.setattr(W, "ws_wgrad_fp8_supported", lambda *a: None)
     monkeypatch.setattr(W, "ws_wgrad_fp8", lambda *a, **k: calls.append(("gluon", k["split"], k["out_dtype"])) or "g")

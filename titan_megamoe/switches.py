@@ -71,7 +71,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM1_FP8", "1", attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_FP8"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", "1",
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM1_DGRAD_FP8"),)),
-    Switch("TITAN_MEGAMOE_WS_WGRAD_FP8", "0", attrs=(("titan_megamoe.ops.fp8_backend", "WS_WGRAD_FP8"),)),
+    Switch("TITAN_MEGAMOE_WS_WGRAD_FP8", "1", attrs=(("titan_megamoe.ops.fp8_backend", "WS_WGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", "0",
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_DGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",

@@ -20,9 +20,9 @@ Math per output element (dequantized operands): dW[e][m, n] = sum over the 128-r
 (sum_{r in g} aT[m, r] bT[n, r]) * a_s[g, m] * b_s[g, n], in row order. The same as ``wgrad_fp8``'s (the tests
 compare both on a GPU).
 
-Status (session 20, one H100): bitwise the Triton wgrad in its GPU tests (tests/test_ws_wgrad_fp8.py); at 30B dw2
-1.415 -> 0.920 ms and dw1 | dw3 2.588 -> 1.915 (both timings with an output copy); the fp8 layer's device time did not
-move with it (8.88 -> 8.90 ms, unexplained: docs/NOTES.md, session 20), so it is opt-in
+Status (sessions 20-21, one H100): bitwise the Triton wgrad in its GPU tests (tests/test_ws_wgrad_fp8.py); at 30B
+dw2 1.415 -> 0.920 ms and dw1 | dw3 2.588 -> 1.915 (both timings with an output copy); in the fp8 layer 10.09 -> 8.90
+ms fwd+bwd (session 21; session 20's "no gain" was a ``switches.override`` leak). On by default
 (``ops/fp8_backend.WS_WGRAD_FP8``).
 
 Preconditions (``ws_wgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, MA, NC, split multiples of 128,

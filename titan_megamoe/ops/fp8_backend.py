@@ -67,10 +67,10 @@ WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
 #: The FP8 weight gradients (dw2, dw1 | dw3) by the warp-specialized Gluon kernel (``kernels/ws_wgrad_fp8.py``: one
 #: TMA producer warp, two cooperative consumers, each tile's 128 columns as two halves in flight, the first scaled
-#: under the second) instead of the Triton one; the same math. Opt-in: on an H100 (session 20) bitwise the Triton
-#: kernel and ~1.1 ms faster per step at kernel level at 30B, but the layer's device time did not move (docs/NOTES.md);
-#: ``TITAN_MEGAMOE_WS_WGRAD_FP8=1``. Read at import; a same-process switch.
-WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", False)
+#: under the second) instead of the Triton one; bitwise the same (GPU tests). On by default since session 21 (one H100,
+#: 30B, same process: fp8 fwd+bwd 10.09 -> 8.90 ms, device 9.60 -> 8.47; session 20's "no gain" was a switches.override
+#: leak, docs/NOTES.md); ``TITAN_MEGAMOE_WS_WGRAD_FP8=0`` turns it off. Read at import; a same-process switch.
+WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", True)
 #: The FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h) by the warp-specialized Gluon kernel
 #: (``kernels/ws_gemm2_dgrad_fp8.py``) instead of the Triton one: the same dgate_up and s * h, d score partials per 64
 #: columns instead of 128 (so d score is summed in another order). Opt-in until measured on a GPU;
