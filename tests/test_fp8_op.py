@@ -133,6 +133,31 @@ def test_weight_cache_hits_until_the_weight_changes():
     assert c2.misses == 2
 
 
+def test_prepare_weights_served_by_the_cache_launches_and_records_nothing(monkeypatch):
+    """A call whose three weights all hit the cache makes no non-finite counter and queues no check (no launch, no
+    copy per layer call); a miss makes one counter for the call and records it, as before."""
+    from titan_megamoe.ops import fp8_backend as fb
+
+    g = torch.Generator().manual_seed(4)
+    ws = [torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16()) for _ in range(2)]
+    w2 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=g).bfloat16())
+    records, zeros = [], []
+    monkeypatch.setattr(fb.NONFINITE, "record", lambda name, count: records.append((name, count)))
+    real_zeros = torch.zeros
+    monkeypatch.setattr(fb.torch, "zeros", lambda *a, **k: zeros.append(a) or real_zeros(*a, **k))
+    cache = Fp8WeightCache()
+    first = fb.prepare_weights(ws[0], w2, ws[1], fp8_forward=True, cache=cache, layer_name="L")
+    assert len(zeros) == 1 and len(records) == 1 and records[0][0] == "L expert weights"
+    assert int(records[0][1]) == 0  # finite weights: nothing counted
+    again = fb.prepare_weights(ws[0], w2, ws[1], fp8_forward=True, cache=cache, layer_name="L")
+    assert len(zeros) == 1 and len(records) == 1, "a call served by the cache launched or recorded something"
+    assert all(a is b for a, b in zip(first, again)) and (cache.hits, cache.misses) == (3, 3)
+    with torch.no_grad():
+        w2.mul_(2.0)  # one weight changes: one counter for the call
+    fb.prepare_weights(ws[0], w2, ws[1], fp8_forward=True, cache=cache, layer_name="L")
+    assert len(zeros) == 2 and len(records) == 2 and cache.misses == 4
+
+
 def test_converter_hook_invalidates_caches_and_experts_own_one():
     from titan_megamoe.converter import MegaMoEConverter
     from titan_megamoe.experts import MegaMoEExperts

@@ -221,14 +221,18 @@ class Fp8WeightCache:
     def key(w: Tensor) -> tuple:
         return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
 
-    def get(self, name: str, w: Tensor, *, forward: bool, count: Tensor | None = None) -> tuple:
-        """(q, s, qT, sT) of ``w`` (see :func:`quantize_weights`); recomputed on a key change."""
+    def get(self, name: str, w: Tensor, *, forward: bool, count: Tensor | None = None,
+            new_count=None) -> tuple:
+        """(q, s, qT, sT) of ``w`` (see :func:`quantize_weights`); recomputed on a key change. ``new_count``: called
+        for the non-finite counter on a miss, instead of ``count`` (a hit quantizes nothing and needs none)."""
         key = self.key(w)
         ent = self._entries.get(name)
         if ent is not None and ent[0] == key and (ent[1][0] is not None or not forward):
             self.hits += 1
             return ent[1]
         self.misses += 1
+        if new_count is not None:
+            count = new_count()
         val = quantize_weights(w.detach(), transposed=True, forward=forward, count=count, name=name)
         self._entries[name] = (key, val)
         return val
@@ -244,18 +248,26 @@ def prepare_weights(w1: Tensor, w2: Tensor, w3: Tensor, *, fp8_forward: bool, ca
     """The op's weight operand list: [w1t_q, w1t_s, w3t_q, w3t_s, w2t_q, w2t_s] (+ [w1_q, w1_s, w3_q,
     w3_s, w2_q, w2_s] when ``fp8_forward``), from the cache when given (else quantized now)."""
     dev = w1.device
-    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    counter: list[Tensor] = []  # made on the first quantization: a call served by the cache launches nothing
+
+    def new_count() -> Tensor:
+        if not counter:
+            counter.append(torch.zeros(1, dtype=torch.int32, device=dev))
+        return counter[0]
+
     out_bwd, out_fwd = [], []
     for nm, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         name = f"{layer_name}.{nm}"
         if cache is not None:
-            q, s, qT, sT = cache.get(name, w, forward=fp8_forward, count=count)
+            q, s, qT, sT = cache.get(name, w, forward=fp8_forward, new_count=new_count)
         else:
-            q, s, qT, sT = quantize_weights(w.detach(), transposed=True, forward=fp8_forward, count=count, name=name)
+            q, s, qT, sT = quantize_weights(w.detach(), transposed=True, forward=fp8_forward, count=new_count(),
+                                            name=name)
         out_bwd += [qT, sT]
         if fp8_forward:
             out_fwd += [q, s]
-    NONFINITE.record(f"{layer_name} expert weights", count)
+    if counter:
+        NONFINITE.record(f"{layer_name} expert weights", counter[0])
     return out_bwd + out_fwd
 
 
