@@ -57,13 +57,13 @@ if [ "$PART" = b ]; then
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_fp8_b.log" | head -12
 fi
 # PART=c: the session's final defaults (Gluon FP8 wgrad on, the fused eager FP8 node, the override fix): the FP8 GPU
-#   tests through the layer and the op, then compare.layer 30B bf16 / fp8 / fp8_bwd beside stock compiled (~200 s).
+#   tests through the layer and the op, then compare.layer 30B bf16 / fp8 / fp8_bwd (~170 s; no stock rows: the budget).
 if [ "$PART" = c ]; then
   timeout -s KILL 80 python3 -m pytest -q -rA tests/test_eager_layer.py tests/test_gpu.py -k fp8 -p no:cacheprovider \
     > "$OUT/keep/tests_gpu_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head || true
-  lim=$((230 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
-  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton \
+  lim=$((170 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton \
     --precisions bf16,fp8,fp8_bwd --routings random --iters 10 --warmup 3 --device-time --no-plot \
     --out "$OUT/keep/layer_ep1_c.json" > "$OUT/keep/layer_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_c.log" | head -12
