@@ -100,14 +100,16 @@ def test_override_restores_a_module_it_imported_first():
     import subprocess
     import sys
 
+    default = switches.SWITCHES["TITAN_MEGAMOE_WS_WGRAD_FP8"].default == "1"
+    flipped = "0" if default else "1"
     code = ("import sys\n"
             "from titan_megamoe import switches\n"
             "assert 'titan_megamoe.ops.fp8_backend' not in sys.modules\n"
-            "with switches.override({'TITAN_MEGAMOE_WS_WGRAD_FP8': '1'}):\n"
+            f"with switches.override({{'TITAN_MEGAMOE_WS_WGRAD_FP8': '{flipped}'}}):\n"
             "    from titan_megamoe.ops import fp8_backend as fb\n"
-            "    assert fb.WS_WGRAD_FP8 is True\n"
+            f"    assert fb.WS_WGRAD_FP8 is {not default}\n"
             "print(fb.WS_WGRAD_FP8)\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TITAN_MEGAMOE_WS_WGRAD_FP8"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
+    assert out.stdout.strip().splitlines()[-1] == str(default), out.stdout
