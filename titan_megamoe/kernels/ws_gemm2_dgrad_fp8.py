@@ -33,6 +33,10 @@ bitwise the Triton path's.
 
 Preconditions (``ws_gemm2_dgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, D % 128 == 0, F % 128 == 0,
 routing layout block 128, contiguous operands, the 128x1 s * h output (not ``hs_out``'s bf16 rows).
+
+Status (session 21, one H100): correct in its GPU tests, but 2x slower than the Triton kernel (30B 2.53 vs 1.26 ms):
+the main loop alone runs 0.61 ms, the epilogue's s * h column amax pass costs ~1.35 ms (``launch_gemm2_dgrad_fp8``'s
+``ablate`` bits, docs/NOTES.md). Opt-in (``ops/fp8_backend.WS_GEMM2_DGRAD_FP8``).
 """
 
 from __future__ import annotations

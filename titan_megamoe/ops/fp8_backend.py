@@ -73,8 +73,9 @@ WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
 WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", True)
 #: The FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h) by the warp-specialized Gluon kernel
 #: (``kernels/ws_gemm2_dgrad_fp8.py``) instead of the Triton one: the same dgate_up and s * h, d score partials per 64
-#: columns instead of 128 (so d score is summed in another order). Opt-in until measured on a GPU;
-#: ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=1``. Read at import; a same-process switch.
+#: columns instead of 128 (so d score is summed in another order). Opt-in: correct on an H100 but 2x slower than the
+#: Triton kernel (its epilogue, docs/NOTES.md session 21); ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=1``. Read at import; a
+#: same-process switch.
 WS_GEMM2_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
@@ -221,18 +222,16 @@ class Fp8WeightCache:
     def key(w: Tensor) -> tuple:
         return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
 
-    def get(self, name: str, w: Tensor, *, forward: bool, count: Tensor | None = None,
-            new_count=None) -> tuple:
+    def get(self, name: str, w: Tensor, *, forward: bool, new_count: Callable[[], Tensor] | None = None) -> tuple:
         """(q, s, qT, sT) of ``w`` (see :func:`quantize_weights`); recomputed on a key change. ``new_count``: called
-        for the non-finite counter on a miss, instead of ``count`` (a hit quantizes nothing and needs none)."""
+        on a miss for the (1,) int32 non-finite counter of that quantization (a hit quantizes nothing, needs none)."""
         key = self.key(w)
         ent = self._entries.get(name)
         if ent is not None and ent[0] == key and (ent[1][0] is not None or not forward):
             self.hits += 1
             return ent[1]
         self.misses += 1
-        if new_count is not None:
-            count = new_count()
+        count = None if new_count is None else new_count()
         val = quantize_weights(w.detach(), transposed=True, forward=forward, count=count, name=name)
         self._entries[name] = (key, val)
         return val
