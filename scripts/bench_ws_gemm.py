@@ -13,6 +13,7 @@ against the Triton ones (GPU only).
                                                              # Triton one (checks: tests/test_ws_gemm2_dgrad_fp8.py)
     python scripts/bench_ws_gemm.py ablate-g2d-fp8 [--out f]  # the same Gluon kernel with parts of its epilogue left
                                                               # out (``launch_gemm2_dgrad_fp8``'s ablate bits)
+    python scripts/bench_ws_gemm.py trace-g2d-fp8 [--out f]  # where its tiles' time goes (global-timer stamps)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -402,6 +403,89 @@ def bench_dgrad_fp8(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def _g2d_fp8_operands(sh: str):
+    """The FP8 GEMM2 dgrad's operands at a shape (16384 tokens, top-8, 128 experts, uniform routing), and its FLOPs."""
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.testing import make_routing
+
+    D, F = SHAPES[sh]
+    E, K, T = 128, 8, 16384
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+    dq, ds = quantize_act_1x128(torch.randn(T, D, device="cuda", generator=g).bfloat16())
+    w2t = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    gu = (2 * torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g)).bfloat16()
+    gu[lay.row_pair < 0] = 0
+    sc = torch.rand(T, K, device="cuda", generator=g)
+    return (dq, ds, *quantize_weight_128x128(w2t), gu, sc, lay), 2 * T * K * F * D
+
+
+#: The points ``launch_gemm2_dgrad_fp8(trace=...)`` stamps in each consumer's tile, in order.
+G2D_FP8_TRACE_POINTS = ("tile start", "store_wait done", "main loop done", "gate/up ready", "scores loaded",
+                        "pass 1 chunk 0", "pass 1 done", "scale", "pass 2 half 0", "pass 2 half 1", "stores issued")
+
+
+def trace_g2d_fp8(out_path: str | None, shapes: list[str], variants=((0, 1), (1, 1), (0, 2)), tiles: int = 24) -> int:
+    """Where a tile's time goes in the Gluon FP8 GEMM2 dgrad, per (ablate bits, epilogue scheme) variant: the global
+    timer at each point of ``G2D_FP8_TRACE_POINTS`` for each consumer's first ``tiles`` tiles on every SM; median /
+    mean microseconds from the tile's start to each point over tiles 1.. (tile 0 starts cold), tile to tile, and the
+    kernel's time with and without the stamps (do_bench). Un-ablated variants are compared bitwise with epilogue 1."""
+    import triton
+
+    from titan_megamoe.kernels.fp8_quant_bwd import empty_transposed
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_CONFIG, launch_gemm2_dgrad_fp8, \
+        ws_gemm2_dgrad_fp8
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    rows = []
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = GEMM2_DGRAD_FP8_CONFIG
+    for sh in shapes:
+        ops, flops = _g2d_fp8_operands(sh)
+        n = int(ops[-1].offsets[-1])
+        ref = ws_gemm2_dgrad_fp8(*ops)
+        for ab, epi in variants:
+            hsT = empty_transposed(*ref[2].shape, ref[2].device)
+            hsT.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+            out = (torch.full_like(ref[0], float("nan")), torch.full_like(ref[1], float("nan")), hsT,
+                   torch.full_like(ref[3], float("nan")))
+            tr = torch.zeros(n_sm, tiles, 2, 16, dtype=torch.int64, device="cuda")
+            launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, None, epi)
+            same = None
+            if ab == 0:
+                same = [bool(torch.equal(out[0][:n], ref[0][:n])), bool(torch.equal(out[1][:n], ref[1][:n])),
+                        bool(torch.equal(out[2][:, :n].view(torch.uint8), ref[2][:, :n].view(torch.uint8))),
+                        bool(torch.equal(out[3][:n // 128], ref[3][:n // 128]))]
+            ms = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, None, epi))
+            ms_tr = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, tr, epi))
+            tr.zero_()
+            launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, tr, epi)
+            torch.cuda.synchronize()
+            t = tr.double()
+            live = t[..., 0] > 0
+            live[:, 0] = False
+            points = {}
+            for i, name in enumerate(G2D_FP8_TRACE_POINTS):
+                ok = live & (t[..., i] > 0)
+                if ok.any():
+                    d = (t[..., i] - t[..., 0])[ok] / 1e3
+                    points[name] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
+                                        p90_us=float(d.quantile(0.9)))
+            nxt = live[:, 1:] & live[:, :-1]
+            d = (t[:, 1:, :, 0] - t[:, :-1, :, 0])[nxt] / 1e3
+            points["next tile start"] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
+                                             p90_us=float(d.quantile(0.9)))
+            rows.append(dict(shape=sh, ablate=ab, epilogue=epi, ms=ms, ms_traced=ms_tr, tflops=flops / ms / 1e9,
+                             tiles=tiles, bitwise_epilogue1_dgu_part_hsT_hsTs=same, points_from_tile_start=points))
+            print(json.dumps(dict(shape=sh, ablate=ab, epilogue=epi, ms=round(ms, 4), ms_traced=round(ms_tr, 4),
+                                  bitwise=same)), flush=True)
+            for k, v in sorted(points.items(), key=lambda kv: kv[1]["median_us"]):
+                print(f"  {k:20s} median {v['median_us']:8.2f} us  mean {v['mean_us']:8.2f}  p90 {v['p90_us']:8.2f}")
+    _write(out_path, "trace-g2d-fp8", rows)
+    return 0
+
+
 def bench_g2d_fp8(out_path: str | None, shapes: list[str], ablate: tuple[int, ...] = ()) -> int:
     """Blockwise-FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h): Triton vs Gluon, a few configs;
     TF/s of the main loop's 2 * P * F * D FLOPs."""
@@ -409,30 +493,18 @@ def bench_g2d_fp8(out_path: str | None, shapes: list[str], ablate: tuple[int, ..
 
     import triton
 
-    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
     from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm2_dgrad_swiglu_bwd_fp8
-    from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import (
         GEMM2_DGRAD_FP8_CONFIG,
         launch_gemm2_dgrad_fp8,
         ws_gemm2_dgrad_fp8,
     )
-    from titan_megamoe.testing import make_routing
 
     rows = []
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     for sh in shapes:
-        D, F = SHAPES[sh]
-        E, K, T = 128, 8, 16384
-        g = torch.Generator(device="cuda").manual_seed(0)
-        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
-        dq, ds = quantize_act_1x128(torch.randn(T, D, device="cuda", generator=g).bfloat16())
-        w2t = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
-        gu = (2 * torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g)).bfloat16()
-        gu[lay.row_pair < 0] = 0
-        sc = torch.rand(T, K, device="cuda", generator=g)
-        ops = (dq, ds, *quantize_weight_128x128(w2t), gu, sc, lay)
-        flops = 2 * T * K * F * D
+        ops, flops = _g2d_fp8_operands(sh)
+        lay = ops[-1]
         n = int(lay.offsets[-1])
         t = gemm2_dgrad_swiglu_bwd_fp8(*ops)
         ms = bench(lambda: gemm2_dgrad_swiglu_bwd_fp8(*ops))
@@ -461,7 +533,8 @@ def bench_g2d_fp8(out_path: str | None, shapes: list[str], ablate: tuple[int, ..
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
-                                      "bench-dgrad-fp8", "bench-g2d-fp8", "ablate-g2d-fp8"])
+                                      "bench-dgrad-fp8", "bench-g2d-fp8", "ablate-g2d-fp8",
+                                      "trace-g2d-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -480,6 +553,8 @@ def main(argv=None) -> int:
         return bench_dgrad_fp8(a.out, a.shapes.split(","))
     if a.what == "bench-g2d-fp8":
         return bench_g2d_fp8(a.out, a.shapes.split(","))
+    if a.what == "trace-g2d-fp8":
+        return trace_g2d_fp8(a.out, a.shapes.split(","))
     if a.what == "ablate-g2d-fp8":
         return bench_g2d_fp8(a.out, a.shapes.split(","), ablate=(0, 1, 2, 4, 7, 8, 31))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))

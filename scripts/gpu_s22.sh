@@ -22,4 +22,16 @@ if [ "$PART" = a ]; then
   lim=$((560 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   layer 235b qwen3-235b-a22b bf16,fp8 "$lim"
 fi
+# PART=b: why the Gluon FP8 GEMM2 dgrad's epilogue is slow (session 21: its s * h column amax pass ~26 us per tile):
+#   global-timer stamps inside each consumer's tiles (launch_gemm2_dgrad_fp8(trace=...)), for the default two-pass
+#   epilogue, the same without the amax pass (ablate 1) and the one-pass epilogue (2; checked bitwise against 1);
+#   then the kernel's GPU tests (the stamps and the epilogue switch changed its signature).
+if [ "$PART" = b ]; then
+  timeout 150 python3 scripts/bench_ws_gemm.py trace-g2d-fp8 --shapes 30b,235b --out "$OUT/keep/trace_g2d_fp8.json" \
+    > "$OUT/keep/trace_g2d_fp8.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] trace rc $?"; cut -c1-200 "$OUT/keep/trace_g2d_fp8.log" | tail -60
+  timeout -s KILL 100 python3 -m pytest -q -rA tests/test_ws_gemm2_dgrad_fp8.py -p no:cacheprovider \
+    > "$OUT/keep/tests_gpu_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_b.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_b.log" | head || true
+fi
 session_pack "s22$PART"

@@ -73,6 +73,11 @@ FP8 = torch.float8_e4m3fn
 #: consumer's gate / up tiles (2 x 16 KiB) and two 64 x 64 e4m3 s * h staging tiles fit 227 KiB; 5 stages do not.
 GEMM2_DGRAD_FP8_CONFIG = Fp8WsConfig(block_n=64, stages=4, group_m=8, producer_regs=72, consumer_regs=216)
 
+#: Epilogue scheme: 1 = two passes (the column amax of s * h from the gate / up buffers in a blocked layout, then
+#: the SwiGLU backward and the quantization); 2 = one pass (each half's s * h kept in registers while its dgate / dup
+#: are written, then the amax over both and the quantization). Same outputs bitwise.
+EPILOGUE = 1
+
 
 def _smem_bytes(cfg: Fp8WsConfig) -> int:
     ring = cfg.stages * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k
@@ -83,16 +88,50 @@ def _smem_bytes(cfg: Fp8WsConfig) -> int:
 if HAVE_GLUON:
 
     @gluon.jit
+    def _stamp(trace_ptr, j, slot, C: gl.constexpr, TRACE: gl.constexpr):
+        """Diagnosis only (``TRACE`` > 0): the global timer (ns) into trace[program, j, C, slot] for the first
+        ``TRACE`` tiles of each program."""
+        if TRACE > 0:
+            if j < TRACE:
+                t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                              pack=1)
+                gl.store(trace_ptr + ((gl.program_id(0) * TRACE + j) * 2 + C) * 16 + slot, t)
+
+    @gluon.jit
     def _silu_parts(gate):
         sig = 1.0 / (1.0 + gl.exp(-gate))  # as the Triton kernel writes it (not a sigmoid intrinsic)
         return sig, gate * sig
+
+    @gluon.jit
+    def _e4m3_t(y, scale_b):
+        """y / scale as e4m3 (saturated at +-448), transposed for the (F, N) s * h layout."""
+        q = gl.div_rn(y, scale_b)
+        return gl.permute(gl.minimum(gl.maximum(q, -448.0), 448.0).to(gl.float8e4nv), (1, 0))
+
+    @gluon.jit
+    def _g2d8_half(g, sr, vf, rows, gate_s, up_s, part_ptr, col0, NBP: gl.constexpr, BH: gl.constexpr):
+        """The SwiGLU backward of one (BM / 2, BH) half tile (one-pass epilogue): the d score partial to global
+        memory, dgate / dup over the gate / up tiles they came from; returns s * h (fp32) for the quantization."""
+        layout: gl.constexpr = g.type.layout
+        gate = gate_s.load(layout).to(gl.float32)
+        sig, silu = _silu_parts(gate)
+        dsig = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate
+        up = up_s.load(layout).to(gl.float32)
+        t = silu * up
+        h = t.to(gl.bfloat16).to(gl.float32)  # the bf16 h of the forward
+        gl.store(part_ptr + rows.to(gl.int64) * NBP + col0 // BH, gl.sum(g * h * vf, axis=1))
+        dh = g * sr
+        gate_s.store((dh * up * dsig * vf).to(gl.bfloat16))
+        up_s.store((dh * silu * vf).to(gl.bfloat16))
+        return t * sr * vf
 
     @gluon.jit
     def _g2d8_consumer(gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr, count_ptr,
                        row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a, ready_b, empty, g_smem,
                        u_smem, q0_smem, q1_smem, epi_bar, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CHECK: gl.constexpr, EPS: gl.constexpr, ABLATE: gl.constexpr):
+                       CHECK: gl.constexpr, EPS: gl.constexpr, ABLATE: gl.constexpr, trace_ptr,
+                       TRACE: gl.constexpr, EPILOGUE: gl.constexpr):
         # consumer C owns columns [C F/2 + BH pid_n, + BH) of g for all BM rows, as two BM / 2 row halves
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -111,8 +150,10 @@ if HAVE_GLUON:
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
             row0 = pid_m * BM
             col0 = C * (F // 2) + pid_n * BH
+            _stamp(trace_ptr, j, 0, C, TRACE)
             # this tile's gate / up under its main loop; the buffers staged the previous tile's stores
             tma.store_wait(pendings=0)
+            _stamp(trace_ptr, j, 1, C, TRACE)
             if (ABLATE & 16) == 0:
                 mbarrier.expect(epi_bar, 2 * gu_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(gu_desc, [row0, col0], epi_bar, g_smem)
@@ -151,59 +192,84 @@ if HAVE_GLUON:
                 p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 += p1 * gl.expand_dims(sc1, 1)
+            _stamp(trace_ptr, j, 2, C, TRACE)
 
             # epilogue. Padding rows: g = 0 (zero-filled rows), s = 0, gate = up = 0 (GEMM1 wrote zeros); the
             # multiplies by vf keep every padding output at zero without a select (see ws_gemm.py)
             if (ABLATE & 16) == 0:
                 mbarrier.wait(epi_bar, j & 1)
+            _stamp(trace_ptr, j, 3, C, TRACE)
             s0 = gl.expand_dims(gl.load(scores_ptr + pair0, mask=ok0, other=0.0), 1)
             s1 = gl.expand_dims(gl.load(scores_ptr + pair1, mask=ok1, other=0.0), 1)
             vf0 = gl.expand_dims(ok0.to(gl.float32), 1)
             vf1 = gl.expand_dims(ok1.to(gl.float32), 1)
-            # pass 1: the column amax of s * h over the tile's 128 rows, from the gate / up buffers alone in a
-            # blocked layout of 32-row chunks (with both halves' g live, (HM, BH) tiles here spilled); the integer
-            # max of |x|'s bits keeps NaN, as fp8_quant._amax
-            bits = gl.zeros((BH,), gl.int32, layout=gl.SliceLayout(0, ep_layout))
-            if (ABLATE & 1) == 0:
-                for c in gl.static_range(BM // 32):
-                    pr = gl.load(row_pair_ptr + row0 + c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_layout)))
-                    sc = gl.expand_dims(gl.load(scores_ptr + pr, mask=pr >= 0, other=0.0), 1)
-                    vc = gl.expand_dims((pr >= 0).to(gl.float32), 1)
-                    gate = g_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
+            _stamp(trace_ptr, j, 4, C, TRACE)
+            if EPILOGUE == 2:
+                # one pass: each half's s * h kept in registers (y0, y1) while its dgate / dup replace gate / up in
+                # shared memory, then the column amax over both halves and the quantization
+                y0 = _g2d8_half(acc0, s0, vf0, rows0, g_smem.slice(0, HM, dim=0), u_smem.slice(0, HM, dim=0),
+                                part_ptr, col0, NBP, BH)
+                _stamp(trace_ptr, j, 8, C, TRACE)
+                y1 = _g2d8_half(acc1, s1, vf1, rows1, g_smem.slice(HM, HM, dim=0), u_smem.slice(HM, HM, dim=0),
+                                part_ptr, col0, NBP, BH)
+                _stamp(trace_ptr, j, 9, C, TRACE)
+                bits = gl.max(gl.maximum(gl.abs(y0).to(gl.int32, bitcast=True),
+                                         gl.abs(y1).to(gl.int32, bitcast=True)), axis=0)
+                amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
+                scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
+                scale_b = gl.expand_dims(scale, 0)
+                _stamp(trace_ptr, j, 7, C, TRACE)
+                q0_smem.store(_e4m3_t(y0, scale_b))
+                q1_smem.store(_e4m3_t(y1, scale_b))
+            else:
+                # pass 1: the column amax of s * h over the tile's 128 rows, from the gate / up buffers alone in a
+                # blocked layout of 32-row chunks (with both halves' g live, (HM, BH) tiles here spilled); the integer
+                # max of |x|'s bits keeps NaN, as fp8_quant._amax
+                bits = gl.zeros((BH,), gl.int32, layout=gl.SliceLayout(0, ep_layout))
+                if (ABLATE & 1) == 0:
+                    for c in gl.static_range(BM // 32):
+                        pr = gl.load(row_pair_ptr + row0 + c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_layout)))
+                        sc = gl.expand_dims(gl.load(scores_ptr + pr, mask=pr >= 0, other=0.0), 1)
+                        vc = gl.expand_dims((pr >= 0).to(gl.float32), 1)
+                        gate = g_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
+                        sig, silu = _silu_parts(gate)
+                        t = silu * u_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
+                        bits = gl.maximum(bits, gl.max(gl.abs(t * sc * vc).to(gl.int32, bitcast=True), axis=0))
+                        if c == 0:
+                            _stamp(trace_ptr, j, 5, C, TRACE)
+                _stamp(trace_ptr, j, 6, C, TRACE)
+                bits = gl.convert_layout(bits, col_layout)
+                amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
+                scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
+                scale_b = gl.expand_dims(scale, 0)
+                _stamp(trace_ptr, j, 7, C, TRACE)
+                # pass 2, per row half: d score partial, dgate / dup into the gate / up buffers, s * h quantized
+                for half in gl.static_range(2):
+                    if half == 0:
+                        g, sr, vf, rows, q_smem = acc0, s0, vf0, rows0, q0_smem
+                    else:
+                        g, sr, vf, rows, q_smem = acc1, s1, vf1, rows1, q1_smem
+                    # ordered so that few (HM, BH) fp32 tiles are live at once (the other half's g is one of them)
+                    if ABLATE & 8:
+                        gate = g
+                    else:
+                        gate = g_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
                     sig, silu = _silu_parts(gate)
-                    t = silu * u_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
-                    bits = gl.maximum(bits, gl.max(gl.abs(t * sc * vc).to(gl.int32, bitcast=True), axis=0))
-            bits = gl.convert_layout(bits, col_layout)
-            amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
-            scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
-            scale_b = gl.expand_dims(scale, 0)
-            # pass 2, per row half: d score partial, dgate / dup into the gate / up buffers, s * h quantized
-            for half in gl.static_range(2):
-                if half == 0:
-                    g, sr, vf, rows, q_smem = acc0, s0, vf0, rows0, q0_smem
-                else:
-                    g, sr, vf, rows, q_smem = acc1, s1, vf1, rows1, q1_smem
-                # ordered so that few (HM, BH) fp32 tiles are live at once (the other half's g is one of them)
-                if ABLATE & 8:
-                    gate = g
-                else:
-                    gate = g_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                sig, silu = _silu_parts(gate)
-                dsig = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate
-                if ABLATE & 8:
-                    t = silu * g
-                else:
-                    t = silu * u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                h = t.to(gl.bfloat16).to(gl.float32)  # the bf16 h of the forward
-                gl.store(part_ptr + rows.to(gl.int64) * NBP + col0 // BH, gl.sum(g * h * vf, axis=1))
-                if (ABLATE & 2) == 0:
-                    y = gl.div_rn(t * sr * vf, scale_b)  # s * h, quantized
-                    q_smem.store(gl.permute(gl.minimum(gl.maximum(y, -448.0), 448.0).to(gl.float8e4nv), (1, 0)))
-                if (ABLATE & 4) == 0:
-                    dh = g * sr
-                    up = u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                    g_smem.slice(half * HM, HM, dim=0).store((dh * up * dsig * vf).to(gl.bfloat16))
-                    u_smem.slice(half * HM, HM, dim=0).store((dh * silu * vf).to(gl.bfloat16))
+                    dsig = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate
+                    if ABLATE & 8:
+                        t = silu * g
+                    else:
+                        t = silu * u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
+                    h = t.to(gl.bfloat16).to(gl.float32)  # the bf16 h of the forward
+                    gl.store(part_ptr + rows.to(gl.int64) * NBP + col0 // BH, gl.sum(g * h * vf, axis=1))
+                    if (ABLATE & 2) == 0:
+                        q_smem.store(_e4m3_t(t * sr * vf, scale_b))  # s * h, quantized
+                    if (ABLATE & 4) == 0:
+                        dh = g * sr
+                        up = u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
+                        g_smem.slice(half * HM, HM, dim=0).store((dh * up * dsig * vf).to(gl.bfloat16))
+                        u_smem.slice(half * HM, HM, dim=0).store((dh * silu * vf).to(gl.bfloat16))
+                    _stamp(trace_ptr, j, 8 + half, C, TRACE)
             fence_async_shared()
             if (ABLATE & 4) == 0:
                 tma.async_copy_shared_to_global(dgu_desc, [row0, col0], g_smem)
@@ -215,6 +281,7 @@ if HAVE_GLUON:
             if CHECK:
                 n_bad = gl.sum((~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
                 gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+            _stamp(trace_ptr, j, 10, C, TRACE)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -224,7 +291,8 @@ if HAVE_GLUON:
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                    BM: gl.constexpr, BK: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   ABLATE: gl.constexpr = 0):
+                                   ABLATE: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
+                                   EPILOGUE: gl.constexpr):
         """Blockwise-FP8 dgate_up, d score partials and 128x1 s * h of every live row tile (module docstring).
         Grid: (programs,)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
@@ -255,11 +323,11 @@ if HAVE_GLUON:
             (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
                               count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
                               ready_b, empty, g0, u0, q00, q01, epi.index(0), 0, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS, ABLATE)),
+                              CHECK, EPS, ABLATE, trace_ptr, TRACE, EPILOGUE)),
             (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
                               count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
                               ready_b, empty, g1, u1, q10, q11, epi.index(1), 1, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS, ABLATE)),
+                              CHECK, EPS, ABLATE, trace_ptr, TRACE, EPILOGUE)),
             (_g1f_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                              a_bufs, b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -347,10 +415,14 @@ def ws_gemm2_dgrad_fp8(dout_q: Tensor, dout_s: Tensor, w2t_q: Tensor, w2t_s: Ten
 
 def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout, dgu, part, hsT, hsTs,
                            nonfinite_count=None, cfg: Fp8WsConfig = GEMM2_DGRAD_FP8_CONFIG,
-                           programs: int | None = None, ablate: int = 0) -> None:
+                           programs: int | None = None, ablate: int = 0, trace: Tensor | None = None,
+                           epilogue: int | None = None) -> None:
     """``ws_gemm2_dgrad_fp8`` without its checks, into the caller's outputs. ``ablate``: timing diagnosis only (wrong
     outputs), a bitmask of epilogue parts left out: 1 the s * h column amax, 2 the s * h quantization and its stores,
-    4 dgate / dup and their stores, 8 the gate / up reads of pass 2, 16 the gate / up loads (with 1 and 8)."""
+    4 dgate / dup and their stores, 8 the gate / up reads of pass 2, 16 the gate / up loads (with 1 and 8).
+    ``trace``: diagnosis only, an int64 (programs, J, 2, 16) tensor that receives the global timer (ns) at 11 points
+    of each consumer's first J tiles (``scripts/bench_ws_gemm.py trace-g2d-fp8`` names them). ``epilogue``: 1 or 2
+    (``EPILOGUE``, the default)."""
     E, F, D = w2t_q.shape
     n_cap, dev = layout.n_cap, dout_q.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -368,11 +440,12 @@ def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, lay
            dout_q, dout_s, lo, hi, w2t_s, gu_desc, dgu_desc, hsT_desc, scores_TK, part, hsTs,
            nonfinite_count if check else hsTs, layout.row_pair, layout.tile_expert, layout.offsets, E, D, F,
            layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, check, AMAX_EPS, cfg.producer_regs,
-           cfg.consumer_regs, ablate, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, ablate, trace if trace is not None else hsTs, 0 if trace is None else trace.shape[1],
+           EPILOGUE if epilogue is None else epilogue, num_warps=4, maxnreg=cfg.maxnreg)
 
 
-def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
-                                      check: bool = True) -> tuple[dict, dict]:
+def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8, check: bool = True,
+                                      epilogue: int = EPILOGUE) -> tuple[dict, dict]:
     """(signature, constexprs) of ``_gemm2_dgrad_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
@@ -385,7 +458,8 @@ def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: i
            "w2ts_ptr": "*fp32", "gu_desc": desc([bm, bn], gl.bfloat16, "bf16"),
            "dgu_desc": desc([bm, bn], gl.bfloat16, "bf16"), "hsT_desc": fp8([bn, bm // 2]), "scores_ptr": "*fp32",
            "part_ptr": "*fp32", "hsTs_ptr": "*fp32", "count_ptr": "*i32", "row_pair_ptr": "*i32",
-           "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
+           "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32", "trace_ptr": "*i64"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // (2 * bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ABLATE=0)
+              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, TRACE=0,
+              EPILOGUE=epilogue)
     return sig, cx
