@@ -34,4 +34,38 @@ if [ "$PART" = b ]; then
     > "$OUT/keep/tests_gpu_b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_b.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_b.log" | head || true
 fi
+# PART=c: the quantization's x / scale by one reciprocal per group and Markstein's FMA correction instead of div.rn
+#   per element (fp8_quant._div_by_group, and the Gluon GEMM2 dgrad's _e4m3_t): (1) GPU tests that compare the
+#   quantization bitwise with torch (test_fp8_quant.py: midpoints with arbitrary scales included), the FP8 backward
+#   kernels and the Gluon FP8 GEMM2 dgrad; (2) its trace, both epilogues; (3) scripts/bench_fp8.py (every FP8 kernel)
+#   at 30B in the base tree (.ab/base, BASE=<hash>, before the change) and in this one; (4) compare.layer 30B.
+if [ "$PART" = c ]; then
+  B=$PWD/.ab/base; BASE=${BASE:-unknown}
+  timeout -s KILL 170 python3 -m pytest -q -rfE tests/test_fp8_quant.py tests/test_ws_gemm2_dgrad_fp8.py \
+    tests/test_kernels_fp8_bwd.py -k "not sm90a" -p no:cacheprovider > "$OUT/keep/tests_gpu_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head || true
+  timeout 100 python3 scripts/bench_ws_gemm.py trace-g2d-fp8 --shapes 30b,235b --out "$OUT/keep/trace_g2d_fp8_c.json" \
+    > "$OUT/keep/trace_g2d_fp8_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] trace rc $?"; grep -E "^\{|main loop|stores issued|next tile" "$OUT/keep/trace_g2d_fp8_c.log" | cut -c1-160
+  timeout 80 python3 scripts/bench_fp8.py --shapes 30b > "$OUT/keep/bench_fp8_30b_c.json" 2> "$OUT/keep/bench_fp8_30b_c.err"
+  echo "[t=$((SECONDS - t0))s] bench_fp8 rc $?"
+  (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 80 python3 scripts/bench_fp8.py --shapes 30b \
+    > "$OUT/keep/bench_fp8_30b_base.json" 2> "$OUT/keep/bench_fp8_30b_base.err")
+  echo "[t=$((SECONDS - t0))s] bench_fp8 base rc $?"
+  python3 - "$OUT/keep/bench_fp8_30b_base.json" "$OUT/keep/bench_fp8_30b_c.json" <<'PY' || true
+import json, sys
+def rows(p):
+    d = json.loads(open(p).read().strip().splitlines()[-1])
+    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+for k in a:
+    if k in b and a[k] and b[k]:
+        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
+PY
+  lim=$((560 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd,bf16 \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches WS_GEMM2_DGRAD_FP8=1 \
+    --out "$OUT/keep/layer_30b_c.json" > "$OUT/keep/layer_30b_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_c.log" | head -14
+fi
 session_pack "s22$PART"

@@ -216,6 +216,70 @@ def test_rounding_ties_and_edges():
     assert_bitwise((q, s), ref.quantize_act_1x128(x), "ties")
 
 
+def _rn32(v):
+    """The fp32 nearest to the exact rational v, ties to even."""
+    import numpy as np
+    from fractions import Fraction
+
+    f = np.float32(float(v))
+    cands = [f, np.nextafter(f, np.float32(-np.inf)), np.nextafter(f, np.float32(np.inf))]
+    err = [abs(Fraction(float(c)) - v) for c in cands]
+    best = min(err)
+    tied = [c for c, e in zip(cands, err) if e == best]
+    return min(tied, key=lambda c: int(np.array(c).view(np.uint32)) & 1)
+
+
+def test_reciprocal_and_fma_correction_is_the_ieee_quotient():
+    """``fp8_quant._div_by_group``'s arithmetic (y = RN(1/b), q = RN(x y), q' = RN(q + RN(x - b q) y), each FMA
+    one rounding) gives RN(x / b) bit for bit, in exact rational arithmetic: random scales of many binades, the
+    divisors with all-ones significands, x at every e4m3 midpoint times b (rounded to fp32) and its fp32
+    neighbours, x = +-amax. The compiled quantization kernels rely on it (their GPU tests compare with torch's
+    division); the interpreter keeps ``div_rn``."""
+    import numpy as np
+    from fractions import Fraction
+
+    rng = np.random.default_rng(0)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float().numpy()
+    mids = ((grid[:-1] + grid[1:]) / 2).astype(np.float32)
+    amax = np.concatenate([(rng.random(40) * 10.0 ** rng.integers(-10, 6, 40)),
+                           [448.0, 1.0, 3.0, 2.0 ** -20, 1e-12]]).astype(np.float32)
+    ones = np.array([0x3F7FFFFF, 0x3FFFFFFF, 0x2F7FFFFF, 0x437FFFFF], dtype=np.uint32).view(np.float32)
+    pairs = []
+    for b in np.concatenate([(amax / np.float32(448.0)).astype(np.float32), ones]):
+        xs = (rng.choice(mids, 24) * b).astype(np.float32)
+        xs = np.concatenate([xs, np.nextafter(xs, np.float32(np.inf)), np.nextafter(xs, np.float32(0)),
+                             (rng.uniform(-448, 448, 24) * b).astype(np.float32), [b * np.float32(448.0)]])
+        pairs += [(np.float32(x), b) for x in np.concatenate([xs, -xs])]
+    for x, b in pairs:
+        y = np.float32(1.0) / b  # numpy: IEEE fp32 division (round to nearest)
+        q = np.float32(x * y)
+        r = _rn32(Fraction(float(x)) - Fraction(float(b)) * Fraction(float(q)))  # one FMA: one rounding
+        got = _rn32(Fraction(float(q)) + Fraction(float(r)) * Fraction(float(y)))
+        want = x / b
+        assert np.array(got).view(np.uint32) == np.array(want).view(np.uint32), (float(x), float(b), got, want)
+
+
+def test_quantization_near_e4m3_midpoints_with_arbitrary_scales():
+    """Groups whose scale is not a power of two and whose x / scale lands on (or one fp32 step beside) a midpoint
+    between two e4m3 values: the kernels' quotient must round exactly as torch's division (compiled: the reciprocal
+    and FMA correction of ``_div_by_group``)."""
+    g = torch.Generator().manual_seed(3)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()
+    mids = (grid[:-1] + grid[1:]) / 2
+    rows = []
+    for amax in torch.rand(16, generator=g) * 10.0 ** torch.randint(-6, 4, (16,), generator=g):
+        s = (amax / 448.0).float()
+        m = mids[torch.randint(0, mids.numel(), (127,), generator=g)]
+        x = (m * s).float()
+        x = torch.where(torch.rand(127, generator=g) < 0.3, torch.nextafter(x, torch.tensor(1e30)), x)
+        x = x * torch.where(torch.rand(127, generator=g) < 0.5, -1.0, 1.0)
+        rows.append(torch.cat([amax.reshape(1).float(), x]))
+    x = torch.stack(rows).to(DEV)
+    assert_bitwise(_fq().quantize_act_1x128(x), ref.quantize_act_1x128(x), "midpoints, 1x128")
+    assert_bitwise(_fq().quantize_act_128x1(x.t().contiguous()), ref.quantize_act_128x1(x.t().contiguous()),
+                   "midpoints, 128x1")
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter-only quirk (compiled kernels "
                     "use the hardware cvt.rn.satfinite, checked in the sm_90a PTX)")
 def test_interpreter_cast_quirk():

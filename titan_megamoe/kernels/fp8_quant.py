@@ -11,8 +11,10 @@ the formula, the epsilon and the API contract), and the CPU tests check it bit f
 scales. Per group: ``amax = max(max|x|, AMAX_EPS)``, ``scale = amax / 448``, ``q = e4m3(clamp(x / scale,
 -448, 448))``, all in fp32. How the kernels stay bitwise equal to torch:
 
-* Both divisions are ``tl.math.div_rn`` (IEEE round to nearest). A plain ``/`` on fp32 compiles to
-  ``div.full.f32`` on NVIDIA, an approximation (2 ulp): it would not match torch on GPU.
+* Both divisions round to nearest as IEEE's: ``scale`` by ``tl.math.div_rn``; ``x / scale`` by one reciprocal
+  per group and Markstein's FMA correction (``_div_by_group``: the same quotient, without ``div.rn``'s branch per
+  element). A plain ``/`` on fp32 compiles to ``div.full.f32`` on NVIDIA, an approximation (2 ulp): it would not
+  match torch on GPU.
 * The max over the group propagates NaN, as ``torch.amax`` does (``_amax``: an integer max over the
   bits of |x|; then ``PropagateNan.ALL`` for the epsilon clamp). ``tl.max`` on floats does not (maxnum
   ignores NaN), so a NaN group would get a finite scale and slip past the check.
@@ -127,9 +129,35 @@ def _scale_of(amax, EPS: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(x, scale_b, EXACT_ROUND: tl.constexpr):
-    """e4m3(clamp(x / scale, -448, 448)); x and scale_b fp32 of the same shape."""
-    y = tl.math.div_rn(x, scale_b)
+def _div_by_group(x, b):
+    """x / b rounded to the nearest fp32, as ``div_rn``, with one reciprocal per group instead of one IEEE division
+    per element; ``b`` (> 0, one value per group) broadcastable to ``x``.
+
+    Markstein's correction (P. Markstein, "Computation of elementary functions on the IBM RISC System/6000
+    processor", IBM J. Res. Dev. 34(1), 1990; J.-M. Muller et al., Handbook of Floating-Point Arithmetic, 2nd ed.,
+    section 4.9): with y = RN(1/b) and q = RN(x y), the remainder x - b q is exact by one FMA and RN(q + (x - b q) y)
+    is RN(x / b). The hardware's ``div.rn`` fast path is the same sequence behind a range check and a branch per
+    element (MUFU.RCP, FCHK, five FFMA, BSSY / BSYNC: no ILP across elements); this is one FMUL and two FFMA.
+    Exact for finite x with no fp32 underflow of the quotient; below that the e4m3 cast gives (signed) zero either
+    way, the sign copied from x as the division gives it. Non-finite b (a group with inf / NaN, counted by the
+    kernels' check) gives unspecified values, as before.
+    """
+    y = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), b)
+    q = x * y
+    q = tl.fma(tl.fma(-q, b, x), y, q)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000: -0.0 / b is -0.0
+    return ((q.to(tl.int32, bitcast=True) & 2147483647) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(x, scale, EXACT_ROUND: tl.constexpr):
+    """e4m3(clamp(x / scale, -448, 448)); x fp32, scale fp32 with one value per group, broadcastable to x
+    ((BM, 1), (1, BD), (1, 1): not broadcast, so that its reciprocal is taken once per group)."""
+    if EXACT_ROUND:
+        # interpreter: its fma is a multiply and an add (two roundings), so the correction would not be exact
+        y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+    else:
+        y = _div_by_group(x, scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EXACT_ROUND:  # interpreter only: its fp32 -> fp8 cast is not round-to-nearest-even
         y = _round_e4m3_rne(y)
@@ -184,7 +212,7 @@ def _quant_act_1x128_kernel(
     x = tl.load(x_ptr + src[:, None] * D + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
 
     scale_M1 = _scale_of(_amax(x, 1), EPS)  # (BM, 1)
-    q = _to_e4m3(x, tl.broadcast_to(scale_M1, (BLOCK_M, G)), EXACT_ROUND)
+    q = _to_e4m3(x, scale_M1, EXACT_ROUND)
     scale = tl.reshape(scale_M1, (BLOCK_M,))
 
     rows64 = rows.to(tl.int64)
@@ -230,7 +258,7 @@ def _quant_act_128x1_kernel(
     x = tl.load(x_ptr + offs, mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
 
     scale_1D = _scale_of(_amax(x, 0), EPS)  # (1, BD)
-    q = _to_e4m3(x, tl.broadcast_to(scale_1D, (G, BLOCK_D)), EXACT_ROUND)
+    q = _to_e4m3(x, scale_1D, EXACT_ROUND)
     scale = tl.reshape(scale_1D, (BLOCK_D,))
 
     tl.store(y_ptr + offs, q, mask=row_ok[:, None] & col_ok[None, :])
@@ -271,7 +299,7 @@ def _quant_weight_128x128_kernel(
     bits = tl.abs(x).to(tl.int32, bitcast=True)  # NaN-propagating max over int bits, as in _amax
     amax_11 = tl.max(tl.max(bits, 1, keep_dims=True), 0, keep_dims=True).to(tl.float32, bitcast=True)
     scale_11 = _scale_of(amax_11, EPS)  # (1, 1)
-    q = _to_e4m3(x, tl.broadcast_to(scale_11, (G, G)), EXACT_ROUND)
+    q = _to_e4m3(x, scale_11, EXACT_ROUND)
 
     tl.store(y_ptr + offs, q, mask=row_ok[:, None])
     s_off = (e * NB + bn) * (Kd // G) + bk

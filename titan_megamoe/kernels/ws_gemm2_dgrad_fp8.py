@@ -76,7 +76,7 @@ GEMM2_DGRAD_FP8_CONFIG = Fp8WsConfig(block_n=64, stages=4, group_m=8, producer_r
 #: Epilogue scheme: 1 = two passes (the column amax of s * h from the gate / up buffers in a blocked layout, then
 #: the SwiGLU backward and the quantization); 2 = one pass (each half's s * h kept in registers while its dgate / dup
 #: are written, then the amax over both and the quantization). Same outputs bitwise.
-EPILOGUE = 1
+EPILOGUE = 2
 
 
 def _smem_bytes(cfg: Fp8WsConfig) -> int:
@@ -103,9 +103,14 @@ if HAVE_GLUON:
         return sig, gate * sig
 
     @gluon.jit
-    def _e4m3_t(y, scale_b):
-        """y / scale as e4m3 (saturated at +-448), transposed for the (F, N) s * h layout."""
-        q = gl.div_rn(y, scale_b)
+    def _e4m3_t(y, scale_b, r):
+        """y / scale as e4m3 (saturated at +-448), transposed for the (F, N) s * h layout. The quotient rounds as
+        ``div_rn``'s, by the column's reciprocal r = RN(1 / scale) and Markstein's correction
+        (``fp8_quant._div_by_group``)."""
+        q = y * r
+        q = gl.fma(gl.fma(-q, scale_b, y), r, q)
+        sign = y.to(gl.int32, bitcast=True) & -2147483648  # -0.0 / s is -0.0
+        q = ((q.to(gl.int32, bitcast=True) & 2147483647) | sign).to(gl.float32, bitcast=True)
         return gl.permute(gl.minimum(gl.maximum(q, -448.0), 448.0).to(gl.float8e4nv), (1, 0))
 
     @gluon.jit
@@ -218,9 +223,10 @@ if HAVE_GLUON:
                 amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
                 scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
                 scale_b = gl.expand_dims(scale, 0)
+                rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
                 _stamp(trace_ptr, j, 7, C, TRACE)
-                q0_smem.store(_e4m3_t(y0, scale_b))
-                q1_smem.store(_e4m3_t(y1, scale_b))
+                q0_smem.store(_e4m3_t(y0, scale_b, rcp_b))
+                q1_smem.store(_e4m3_t(y1, scale_b, rcp_b))
             else:
                 # pass 1: the column amax of s * h over the tile's 128 rows, from the gate / up buffers alone in a
                 # blocked layout of 32-row chunks (with both halves' g live, (HM, BH) tiles here spilled); the integer
@@ -242,6 +248,7 @@ if HAVE_GLUON:
                 amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
                 scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
                 scale_b = gl.expand_dims(scale, 0)
+                rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
                 _stamp(trace_ptr, j, 7, C, TRACE)
                 # pass 2, per row half: d score partial, dgate / dup into the gate / up buffers, s * h quantized
                 for half in gl.static_range(2):
@@ -263,7 +270,7 @@ if HAVE_GLUON:
                     h = t.to(gl.bfloat16).to(gl.float32)  # the bf16 h of the forward
                     gl.store(part_ptr + rows.to(gl.int64) * NBP + col0 // BH, gl.sum(g * h * vf, axis=1))
                     if (ABLATE & 2) == 0:
-                        q_smem.store(_e4m3_t(t * sr * vf, scale_b))  # s * h, quantized
+                        q_smem.store(_e4m3_t(t * sr * vf, scale_b, rcp_b))  # s * h, quantized
                     if (ABLATE & 4) == 0:
                         dh = g * sr
                         up = u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
