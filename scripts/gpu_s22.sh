@@ -68,4 +68,35 @@ PY
     --out "$OUT/keep/layer_30b_c.json" > "$OUT/keep/layer_30b_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_c.log" | head -14
 fi
+# PART=d: PART c's A/B again (bench_fp8.py crashed there on a leftover of a removed kernel, fixed in both trees):
+#   every FP8 kernel at 30B, base tree (.ab/base, before the reciprocal quantization) then this one; then the fp8
+#   layer (30B, compare.layer) in each tree; first the bitwise quantization tests and the Gluon GEMM2 dgrad's.
+if [ "$PART" = d ]; then
+  B=$PWD/.ab/base; BASE=${BASE:-unknown}
+  timeout -s KILL 110 python3 -m pytest -q -rfE tests/test_fp8_quant.py tests/test_ws_gemm2_dgrad_fp8.py -k "not sm90a" \
+    -p no:cacheprovider > "$OUT/keep/tests_gpu_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_d.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_d.log" | head || true
+  (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 70 python3 scripts/bench_fp8.py --shapes 30b \
+    > "$OUT/keep/bench_fp8_30b_base.json" 2> "$OUT/keep/bench_fp8_30b_base.err")
+  echo "[t=$((SECONDS - t0))s] bench_fp8 base rc $?"
+  timeout 70 python3 scripts/bench_fp8.py --shapes 30b > "$OUT/keep/bench_fp8_30b_d.json" 2> "$OUT/keep/bench_fp8_30b_d.err"
+  echo "[t=$((SECONDS - t0))s] bench_fp8 rc $?"
+  python3 - "$OUT/keep/bench_fp8_30b_base.json" "$OUT/keep/bench_fp8_30b_d.json" <<'PY' || true
+import json, sys
+def rows(p):
+    d = json.loads(open(p).read().strip().splitlines()[-1])
+    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+for k in a:
+    if k in b and a[k] and b[k]:
+        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
+PY
+  for tree in base new; do
+    d=$PWD; [ $tree = base ] && d=$B
+    (cd "$d" && TITAN_MEGAMOE_GIT_REV=$([ $tree = base ] && echo $BASE || echo $REV) PYTHONPATH=/tmp/site:$d timeout 90 \
+      python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd --routings random \
+      --iters 10 --warmup 3 --device-time --no-plot --out "$OUT/keep/layer_30b_fp8_$tree.json" > "$OUT/keep/layer_30b_fp8_$tree.log" 2>&1)
+    echo "[t=$((SECONDS - t0))s] layer $tree rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_$tree.log" | sed -n 1,2p\;3,4p
+  done
+fi
 session_pack "s22$PART"
