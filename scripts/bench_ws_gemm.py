@@ -11,8 +11,6 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py bench-dgrad-fp8 [--out f]  # FP8 GEMM1 dgrad, Gluon vs Triton (same checks file)
     python scripts/bench_ws_gemm.py bench-g2d-fp8 [--out f]  # FP8 GEMM2 dgrad (kernels/ws_gemm2_dgrad_fp8.py) vs the
                                                              # Triton one (checks: tests/test_ws_gemm2_dgrad_fp8.py)
-    python scripts/bench_ws_gemm.py ablate-g2d-fp8 [--out f]  # the same Gluon kernel with parts of its epilogue left
-                                                              # out (``launch_gemm2_dgrad_fp8``'s ablate bits)
     python scripts/bench_ws_gemm.py trace-g2d-fp8 [--out f]  # where its tiles' time goes (global-timer stamps)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
@@ -423,14 +421,14 @@ def _g2d_fp8_operands(sh: str):
 
 #: The points ``launch_gemm2_dgrad_fp8(trace=...)`` stamps in each consumer's tile, in order.
 G2D_FP8_TRACE_POINTS = ("tile start", "store_wait done", "main loop done", "gate/up ready", "scores loaded",
-                        "pass 1 chunk 0", "pass 1 done", "scale", "pass 2 half 0", "pass 2 half 1", "stores issued")
+                        "half 0 done", "half 1 done", "scale", "stores issued")
 
 
-def trace_g2d_fp8(out_path: str | None, shapes: list[str], variants=((0, 1), (1, 1), (0, 2)), tiles: int = 24) -> int:
-    """Where a tile's time goes in the Gluon FP8 GEMM2 dgrad, per (ablate bits, epilogue scheme) variant: the global
-    timer at each point of ``G2D_FP8_TRACE_POINTS`` for each consumer's first ``tiles`` tiles on every SM; median /
-    mean microseconds from the tile's start to each point over tiles 1.. (tile 0 starts cold), tile to tile, and the
-    kernel's time with and without the stamps (do_bench). Un-ablated variants are compared bitwise with epilogue 1."""
+def trace_g2d_fp8(out_path: str | None, shapes: list[str], tiles: int = 24) -> int:
+    """Where a tile's time goes in the Gluon FP8 GEMM2 dgrad: the global timer at each point of
+    ``G2D_FP8_TRACE_POINTS`` for each consumer's first ``tiles`` tiles on every SM; median / mean microseconds from
+    the tile's start to each point over tiles 1.. (tile 0 starts cold), tile to tile, and the kernel's time with and
+    without the stamps (do_bench). The outputs of the stamped launch are compared bitwise with the plain one's."""
     import triton
 
     from titan_megamoe.kernels.fp8_quant_bwd import empty_transposed
@@ -445,48 +443,44 @@ def trace_g2d_fp8(out_path: str | None, shapes: list[str], variants=((0, 1), (1,
         ops, flops = _g2d_fp8_operands(sh)
         n = int(ops[-1].offsets[-1])
         ref = ws_gemm2_dgrad_fp8(*ops)
-        for ab, epi in variants:
-            hsT = empty_transposed(*ref[2].shape, ref[2].device)
-            hsT.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-            out = (torch.full_like(ref[0], float("nan")), torch.full_like(ref[1], float("nan")), hsT,
-                   torch.full_like(ref[3], float("nan")))
-            tr = torch.zeros(n_sm, tiles, 2, 16, dtype=torch.int64, device="cuda")
-            launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, None, epi)
-            same = None
-            if ab == 0:
-                same = [bool(torch.equal(out[0][:n], ref[0][:n])), bool(torch.equal(out[1][:n], ref[1][:n])),
-                        bool(torch.equal(out[2][:, :n].view(torch.uint8), ref[2][:, :n].view(torch.uint8))),
-                        bool(torch.equal(out[3][:n // 128], ref[3][:n // 128]))]
-            ms = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, None, epi))
-            ms_tr = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, tr, epi))
-            tr.zero_()
-            launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, ab, tr, epi)
-            torch.cuda.synchronize()
-            t = tr.double()
-            live = t[..., 0] > 0
-            live[:, 0] = False
-            points = {}
-            for i, name in enumerate(G2D_FP8_TRACE_POINTS):
-                ok = live & (t[..., i] > 0)
-                if ok.any():
-                    d = (t[..., i] - t[..., 0])[ok] / 1e3
-                    points[name] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
-                                        p90_us=float(d.quantile(0.9)))
-            nxt = live[:, 1:] & live[:, :-1]
-            d = (t[:, 1:, :, 0] - t[:, :-1, :, 0])[nxt] / 1e3
-            points["next tile start"] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
-                                             p90_us=float(d.quantile(0.9)))
-            rows.append(dict(shape=sh, ablate=ab, epilogue=epi, ms=ms, ms_traced=ms_tr, tflops=flops / ms / 1e9,
-                             tiles=tiles, bitwise_epilogue1_dgu_part_hsT_hsTs=same, points_from_tile_start=points))
-            print(json.dumps(dict(shape=sh, ablate=ab, epilogue=epi, ms=round(ms, 4), ms_traced=round(ms_tr, 4),
-                                  bitwise=same)), flush=True)
-            for k, v in sorted(points.items(), key=lambda kv: kv[1]["median_us"]):
-                print(f"  {k:20s} median {v['median_us']:8.2f} us  mean {v['mean_us']:8.2f}  p90 {v['p90_us']:8.2f}")
+        hsT = empty_transposed(*ref[2].shape, ref[2].device)
+        hsT.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        out = (torch.full_like(ref[0], float("nan")), torch.full_like(ref[1], float("nan")), hsT,
+               torch.full_like(ref[3], float("nan")))
+        tr = torch.zeros(n_sm, tiles, 2, 16, dtype=torch.int64, device="cuda")
+        launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, tr)
+        same = [bool(torch.equal(out[0][:n], ref[0][:n])), bool(torch.equal(out[1][:n], ref[1][:n])),
+                bool(torch.equal(out[2][:, :n].view(torch.uint8), ref[2][:, :n].view(torch.uint8))),
+                bool(torch.equal(out[3][:n // 128], ref[3][:n // 128]))]
+        ms = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg))
+        ms_tr = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, tr))
+        tr.zero_()
+        launch_gemm2_dgrad_fp8(*ops, *out, None, cfg, None, tr)
+        torch.cuda.synchronize()
+        t = tr.double()
+        live = t[..., 0] > 0
+        live[:, 0] = False
+        points = {}
+        for i, name in enumerate(G2D_FP8_TRACE_POINTS):
+            ok = live & (t[..., i] > 0)
+            if ok.any():
+                d = (t[..., i] - t[..., 0])[ok] / 1e3
+                points[name] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
+                                    p90_us=float(d.quantile(0.9)))
+        nxt = live[:, 1:] & live[:, :-1]
+        d = (t[:, 1:, :, 0] - t[:, :-1, :, 0])[nxt] / 1e3
+        points["next tile start"] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
+                                         p90_us=float(d.quantile(0.9)))
+        rows.append(dict(shape=sh, ms=ms, ms_traced=ms_tr, tflops=flops / ms / 1e9, tiles=tiles,
+                         traced_bitwise_dgu_part_hsT_hsTs=same, points_from_tile_start=points))
+        print(json.dumps(dict(shape=sh, ms=round(ms, 4), ms_traced=round(ms_tr, 4), bitwise=same)), flush=True)
+        for k, v in sorted(points.items(), key=lambda kv: kv[1]["median_us"]):
+            print(f"  {k:20s} median {v['median_us']:8.2f} us  mean {v['mean_us']:8.2f}  p90 {v['p90_us']:8.2f}")
     _write(out_path, "trace-g2d-fp8", rows)
     return 0
 
 
-def bench_g2d_fp8(out_path: str | None, shapes: list[str], ablate: tuple[int, ...] = ()) -> int:
+def bench_g2d_fp8(out_path: str | None, shapes: list[str]) -> int:
     """Blockwise-FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h): Triton vs Gluon, a few configs;
     TF/s of the main loop's 2 * P * F * D FLOPs."""
     import dataclasses
@@ -521,20 +515,14 @@ def bench_g2d_fp8(out_path: str | None, shapes: list[str], ablate: tuple[int, ..
             rows.append(dict(shape=sh, kernel="gluon ws_gemm2_dgrad_fp8", cfg=repr(cfg), ms=ms,
                              tflops=flops / ms / 1e9, bitwise_triton_dgu_hsTs_hsT=same, max_abs_diff_dgu=diff))
             print(json.dumps(rows[-1]), flush=True)
-        for ab in ablate:  # timing only: these outputs are wrong by design
-            ms = bench(lambda: launch_gemm2_dgrad_fp8(*ops, *out, None, GEMM2_DGRAD_FP8_CONFIG, None, ab))
-            rows.append(dict(shape=sh, kernel="gluon ws_gemm2_dgrad_fp8, epilogue ablated", ablate=ab, ms=ms,
-                             tflops=flops / ms / 1e9))
-            print(json.dumps(rows[-1]), flush=True)
-    _write(out_path, "ablate-g2d-fp8" if ablate else "bench-g2d-fp8", rows)
+    _write(out_path, "bench-g2d-fp8", rows)
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
-                                      "bench-dgrad-fp8", "bench-g2d-fp8", "ablate-g2d-fp8",
-                                      "trace-g2d-fp8"])
+                                      "bench-dgrad-fp8", "bench-g2d-fp8", "trace-g2d-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -555,8 +543,6 @@ def main(argv=None) -> int:
         return bench_g2d_fp8(a.out, a.shapes.split(","))
     if a.what == "trace-g2d-fp8":
         return trace_g2d_fp8(a.out, a.shapes.split(","))
-    if a.what == "ablate-g2d-fp8":
-        return bench_g2d_fp8(a.out, a.shapes.split(","), ablate=(0, 1, 2, 4, 7, 8, 31))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

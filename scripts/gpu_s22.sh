@@ -99,4 +99,37 @@ PY
     echo "[t=$((SECONDS - t0))s] layer $tree rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_$tree.log" | sed -n 1,2p\;3,4p
   done
 fi
+# PART=e: the reciprocal quantization kept only where PART d measured it faster (weights, GEMM epilogues; the
+#   standalone activation passes back on div_rn), the Gluon FP8 GEMM2 dgrad with its one-pass epilogue only:
+#   GPU tests, bench_fp8.py 30B and the fp8 layer in the base tree and this one, the Gluon kernel's trace.
+if [ "$PART" = e ]; then
+  B=$PWD/.ab/base; BASE=${BASE:-unknown}
+  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_fp8_quant.py tests/test_ws_gemm2_dgrad_fp8.py tests/test_gpu.py \
+    -k "not sm90a and (fp8 or quant or midpoint or weight)" -p no:cacheprovider > "$OUT/keep/tests_gpu_e.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_e.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_e.log" | head || true
+  timeout 40 python3 scripts/bench_ws_gemm.py trace-g2d-fp8 --shapes 30b,235b --out "$OUT/keep/trace_g2d_fp8_e.json" \
+    > "$OUT/keep/trace_g2d_fp8_e.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] trace rc $?"; cut -c1-150 "$OUT/keep/trace_g2d_fp8_e.log"
+  (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 45 python3 scripts/bench_fp8.py --shapes 30b \
+    > "$OUT/keep/bench_fp8_30b_base_e.json" 2> /dev/null)
+  timeout 45 python3 scripts/bench_fp8.py --shapes 30b > "$OUT/keep/bench_fp8_30b_e.json" 2> /dev/null
+  echo "[t=$((SECONDS - t0))s] bench_fp8 rc $?"
+  python3 - "$OUT/keep/bench_fp8_30b_base_e.json" "$OUT/keep/bench_fp8_30b_e.json" <<'PY' || true
+import json, sys
+def rows(p):
+    d = json.loads(open(p).read().strip().splitlines()[-1])
+    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+for k in a:
+    if k in b and a[k] and b[k] and "/fp8" in k[1]:
+        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
+PY
+  for tree in base new; do
+    d=$PWD; [ $tree = base ] && d=$B
+    (cd "$d" && TITAN_MEGAMOE_GIT_REV=$([ $tree = base ] && echo $BASE || echo $REV) PYTHONPATH=/tmp/site:$d timeout 60 \
+      python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd --routings random \
+      --iters 10 --warmup 3 --device-time --no-plot --out "$OUT/keep/layer_30b_fp8_${tree}_e.json" > "$OUT/keep/layer_30b_fp8_${tree}_e.log" 2>&1)
+    echo "[t=$((SECONDS - t0))s] layer $tree rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_${tree}_e.log" | sed -n 1,4p
+  done
+fi
 session_pack "s22$PART"

@@ -261,8 +261,8 @@ def test_reciprocal_and_fma_correction_is_the_ieee_quotient():
 
 def test_quantization_near_e4m3_midpoints_with_arbitrary_scales():
     """Groups whose scale is not a power of two and whose x / scale lands on (or one fp32 step beside) a midpoint
-    between two e4m3 values: the kernels' quotient must round exactly as torch's division (compiled: the reciprocal
-    and FMA correction of ``_div_by_group``)."""
+    between two e4m3 values: the kernels' quotient must round exactly as torch's division (``div_rn``, or in the
+    weight quantization the reciprocal and FMA correction of ``_div_by_group``)."""
     g = torch.Generator().manual_seed(3)
     grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()
     mids = (grid[:-1] + grid[1:]) / 2
@@ -278,6 +278,15 @@ def test_quantization_near_e4m3_midpoints_with_arbitrary_scales():
     assert_bitwise(_fq().quantize_act_1x128(x), ref.quantize_act_1x128(x), "midpoints, 1x128")
     assert_bitwise(_fq().quantize_act_128x1(x.t().contiguous()), ref.quantize_act_128x1(x.t().contiguous()),
                    "midpoints, 128x1")
+    blocks = []  # 2 x 3 weight blocks of 128 x 128, each with its own amax (its first value) and scale
+    for b in range(6):
+        amax = (torch.rand((), generator=g) * 10.0 ** torch.randint(-6, 3, (), generator=g)).float()
+        m = mids[torch.randint(0, mids.numel(), (128 * 128,), generator=g)]
+        v = (m * (amax / 448.0).float()).float() * torch.where(torch.rand(128 * 128, generator=g) < 0.5, -1.0, 1.0)
+        v[0] = amax
+        blocks.append(v.view(128, 128))
+    w = torch.cat([torch.cat(blocks[3 * r:3 * r + 3], dim=1) for r in range(2)], dim=0)[None].to(DEV)
+    assert_bitwise(_fq().quantize_weight_128x128(w), ref.quantize_weight_128x128(w), "midpoints, 128x128")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter-only quirk (compiled kernels "

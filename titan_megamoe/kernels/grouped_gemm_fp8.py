@@ -103,7 +103,7 @@ from torch import Tensor
 
 from titan_megamoe.kernels.jit import cdiv, grouped_tile, live_tile_range
 from titan_megamoe.kernels.configs import PERSISTENT_GEMM2_FP8, GemmConfig, _pow2_at_most, persistent_programs
-from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
+from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3_rcp
 from titan_megamoe.kernels.grouped_gemm import _check_layout, interpret_mode
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.routing import RoutingLayout
@@ -242,7 +242,7 @@ def _gemm1_swiglu_fwd_fp8_kernel(
         tl.store(gu_ptrs, acc_gate.to(out_ty))
         tl.store(gu_ptrs + F, acc_up.to(out_ty))
         s_M1 = _scale_of(_amax(h, 1), 1e-12)  # (BM, 1), AMAX_EPS of fp8_reference
-        tl.store(h_ptrs, _to_e4m3(h, s_M1, EXACT_ROUND))
+        tl.store(h_ptrs, _to_e4m3_rcp(h, s_M1, EXACT_ROUND))
         sc = tl.reshape(s_M1, (BLOCK_M,))
         tl.store(hs_ptr + rows64 * (F // BLOCK_N) + pid_n, sc)
         n_bad = tl.sum((~(sc < float("inf"))).to(tl.int32))  # NaN < inf is False

@@ -71,7 +71,7 @@ from torch import Tensor
 
 from titan_megamoe.kernels._bwd_common import _check, _check_layout
 from titan_megamoe.kernels.configs import GemmConfig, _pow2_at_most
-from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3
+from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3_rcp
 from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed, empty_transposed
 from titan_megamoe.kernels.grouped_gemm import interpret_mode
 from titan_megamoe.kernels.launch import launch
@@ -179,7 +179,7 @@ def _gemm2_dgrad_swiglu_bwd_fp8_kernel(
             tl.store(hsT_ptr + rows64[:, None] * F + hc[None, :], hs.to(hsT_ptr.dtype.element_ty), mask=hc_ok[None, :])
         else:  # quantized per (these 128 rows, column): the B operand of the FP8 dw2, transposed
             sc_1C = _scale_of(_amax(hs, 0), EPS)  # (1, BN/2)
-            q = _to_e4m3(hs, sc_1C, EXACT_ROUND)
+            q = _to_e4m3_rcp(hs, sc_1C, EXACT_ROUND)
             # int64: col * LD_HS passes 2^31 at full shapes
             tl.store(hsT_ptr + hc.to(tl.int64)[None, :] * LD_HS + rows64[:, None], q, mask=hc_ok[None, :])
             sc = tl.reshape(sc_1C, (BN // 2,))

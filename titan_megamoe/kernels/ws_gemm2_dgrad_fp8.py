@@ -18,8 +18,10 @@ Design (the FP8 GEMM1's producer and consumer scheme, ``ws_gemm_fp8.py``):
   consumer then holds whole 128-row columns, so the 128x1 quantization of s * h (an amax over the 128 rows of each
   column) needs no exchange between the consumers;
 * epilogue: the consumer's gate and up tiles (128 x 64 bf16 each) come by TMA, issued when the tile starts, into
-  two shared buffers that then stage the dgate and dup TMA stores; s * h is quantized in two passes over them
-  (column amax, then the values), and its e4m3 tile leaves transposed by TMA.
+  two shared buffers that then stage the dgate and dup TMA stores. One pass per 64-row half: the SwiGLU backward
+  writes dgate / dup over the gate / up it read and keeps s * h in registers (fp32); then the column amax over both
+  halves, and the quantization (one reciprocal per column and Markstein's FMA correction, the quotient of
+  ``div_rn``); the e4m3 tile leaves transposed by TMA.
 
 Math per row r (pair p = row_pair[r] >= 0, token t = p // K, expert e, score s = scores[p]) as the Triton kernel's:
 ``g = sum over K blocks kb of dot(dout_q[t, kb], w2t_q[e, :, kb]) * (dout_s[t, kb] * w2t_s[e, n // 128, kb])``,
@@ -34,9 +36,11 @@ bitwise the Triton path's.
 Preconditions (``ws_gemm2_dgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, D % 128 == 0, F % 128 == 0,
 routing layout block 128, contiguous operands, the 128x1 s * h output (not ``hs_out``'s bf16 rows).
 
-Status (session 21, one H100): correct in its GPU tests, but 2x slower than the Triton kernel (30B 2.53 vs 1.26 ms):
-the main loop alone runs 0.61 ms, the epilogue's s * h column amax pass costs ~1.35 ms (``launch_gemm2_dgrad_fp8``'s
-``ablate`` bits, docs/NOTES.md). Opt-in (``ops/fp8_backend.WS_GEMM2_DGRAD_FP8``).
+Status (session 22, one H100; docs/NOTES.md): correct in its GPU tests; 30B 1.32 ms, 235B 3.59, against the Triton
+kernel's 1.26 / 3.38. The epilogue is the cost (tile timelines: ``launch_gemm2_dgrad_fp8(trace=...)``): ~17 us of a
+30 us tile at 30B after a 13 us main loop, exposed because both consumers work on the same tile. Session 21's
+two-pass epilogue (a column-amax pass over the gate / up buffers, then ``div_rn`` per element) ran 2.45-2.54 ms.
+Opt-in (``ops/fp8_backend.WS_GEMM2_DGRAD_FP8``); 52 bytes of spills at the 216-register consumer budget.
 """
 
 from __future__ import annotations
@@ -72,11 +76,6 @@ FP8 = torch.float8_e4m3fn
 #: 128-row tiles, two 64-column chunks of F each (one per consumer), 4 stages: the ring (4 x 32 KiB) plus each
 #: consumer's gate / up tiles (2 x 16 KiB) and two 64 x 64 e4m3 s * h staging tiles fit 227 KiB; 5 stages do not.
 GEMM2_DGRAD_FP8_CONFIG = Fp8WsConfig(block_n=64, stages=4, group_m=8, producer_regs=72, consumer_regs=216)
-
-#: Epilogue scheme: 1 = two passes (the column amax of s * h from the gate / up buffers in a blocked layout, then
-#: the SwiGLU backward and the quantization); 2 = one pass (each half's s * h kept in registers while its dgate / dup
-#: are written, then the amax over both and the quantization). Same outputs bitwise.
-EPILOGUE = 2
 
 
 def _smem_bytes(cfg: Fp8WsConfig) -> int:
@@ -135,8 +134,7 @@ if HAVE_GLUON:
                        row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a, ready_b, empty, g_smem,
                        u_smem, q0_smem, q1_smem, epi_bar, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CHECK: gl.constexpr, EPS: gl.constexpr, ABLATE: gl.constexpr, trace_ptr,
-                       TRACE: gl.constexpr, EPILOGUE: gl.constexpr):
+                       CHECK: gl.constexpr, EPS: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
         # consumer C owns columns [C F/2 + BH pid_n, + BH) of g for all BM rows, as two BM / 2 row halves
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -149,7 +147,6 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BH, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        ep_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte smem reads
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         for j in range(count):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
@@ -159,10 +156,9 @@ if HAVE_GLUON:
             # this tile's gate / up under its main loop; the buffers staged the previous tile's stores
             tma.store_wait(pendings=0)
             _stamp(trace_ptr, j, 1, C, TRACE)
-            if (ABLATE & 16) == 0:
-                mbarrier.expect(epi_bar, 2 * gu_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(gu_desc, [row0, col0], epi_bar, g_smem)
-                tma.async_copy_global_to_shared(gu_desc, [row0, F + col0], epi_bar, u_smem)
+            mbarrier.expect(epi_bar, 2 * gu_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(gu_desc, [row0, col0], epi_bar, g_smem)
+            tma.async_copy_global_to_shared(gu_desc, [row0, F + col0], epi_bar, u_smem)
             rows0 = row0 + gl.arange(0, HM, layout=row_layout)
             rows1 = rows0 + HM
             pair0 = gl.load(row_pair_ptr + rows0)
@@ -201,94 +197,40 @@ if HAVE_GLUON:
 
             # epilogue. Padding rows: g = 0 (zero-filled rows), s = 0, gate = up = 0 (GEMM1 wrote zeros); the
             # multiplies by vf keep every padding output at zero without a select (see ws_gemm.py)
-            if (ABLATE & 16) == 0:
-                mbarrier.wait(epi_bar, j & 1)
+            mbarrier.wait(epi_bar, j & 1)
             _stamp(trace_ptr, j, 3, C, TRACE)
             s0 = gl.expand_dims(gl.load(scores_ptr + pair0, mask=ok0, other=0.0), 1)
             s1 = gl.expand_dims(gl.load(scores_ptr + pair1, mask=ok1, other=0.0), 1)
             vf0 = gl.expand_dims(ok0.to(gl.float32), 1)
             vf1 = gl.expand_dims(ok1.to(gl.float32), 1)
             _stamp(trace_ptr, j, 4, C, TRACE)
-            if EPILOGUE == 2:
-                # one pass: each half's s * h kept in registers (y0, y1) while its dgate / dup replace gate / up in
-                # shared memory, then the column amax over both halves and the quantization
-                y0 = _g2d8_half(acc0, s0, vf0, rows0, g_smem.slice(0, HM, dim=0), u_smem.slice(0, HM, dim=0),
-                                part_ptr, col0, NBP, BH)
-                _stamp(trace_ptr, j, 8, C, TRACE)
-                y1 = _g2d8_half(acc1, s1, vf1, rows1, g_smem.slice(HM, HM, dim=0), u_smem.slice(HM, HM, dim=0),
-                                part_ptr, col0, NBP, BH)
-                _stamp(trace_ptr, j, 9, C, TRACE)
-                bits = gl.max(gl.maximum(gl.abs(y0).to(gl.int32, bitcast=True),
-                                         gl.abs(y1).to(gl.int32, bitcast=True)), axis=0)
-                amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
-                scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
-                scale_b = gl.expand_dims(scale, 0)
-                rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
-                _stamp(trace_ptr, j, 7, C, TRACE)
-                q0_smem.store(_e4m3_t(y0, scale_b, rcp_b))
-                q1_smem.store(_e4m3_t(y1, scale_b, rcp_b))
-            else:
-                # pass 1: the column amax of s * h over the tile's 128 rows, from the gate / up buffers alone in a
-                # blocked layout of 32-row chunks (with both halves' g live, (HM, BH) tiles here spilled); the integer
-                # max of |x|'s bits keeps NaN, as fp8_quant._amax
-                bits = gl.zeros((BH,), gl.int32, layout=gl.SliceLayout(0, ep_layout))
-                if (ABLATE & 1) == 0:
-                    for c in gl.static_range(BM // 32):
-                        pr = gl.load(row_pair_ptr + row0 + c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_layout)))
-                        sc = gl.expand_dims(gl.load(scores_ptr + pr, mask=pr >= 0, other=0.0), 1)
-                        vc = gl.expand_dims((pr >= 0).to(gl.float32), 1)
-                        gate = g_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
-                        sig, silu = _silu_parts(gate)
-                        t = silu * u_smem.slice(c * 32, 32, dim=0).load(ep_layout).to(gl.float32)
-                        bits = gl.maximum(bits, gl.max(gl.abs(t * sc * vc).to(gl.int32, bitcast=True), axis=0))
-                        if c == 0:
-                            _stamp(trace_ptr, j, 5, C, TRACE)
-                _stamp(trace_ptr, j, 6, C, TRACE)
-                bits = gl.convert_layout(bits, col_layout)
-                amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
-                scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
-                scale_b = gl.expand_dims(scale, 0)
-                rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
-                _stamp(trace_ptr, j, 7, C, TRACE)
-                # pass 2, per row half: d score partial, dgate / dup into the gate / up buffers, s * h quantized
-                for half in gl.static_range(2):
-                    if half == 0:
-                        g, sr, vf, rows, q_smem = acc0, s0, vf0, rows0, q0_smem
-                    else:
-                        g, sr, vf, rows, q_smem = acc1, s1, vf1, rows1, q1_smem
-                    # ordered so that few (HM, BH) fp32 tiles are live at once (the other half's g is one of them)
-                    if ABLATE & 8:
-                        gate = g
-                    else:
-                        gate = g_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                    sig, silu = _silu_parts(gate)
-                    dsig = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate
-                    if ABLATE & 8:
-                        t = silu * g
-                    else:
-                        t = silu * u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                    h = t.to(gl.bfloat16).to(gl.float32)  # the bf16 h of the forward
-                    gl.store(part_ptr + rows.to(gl.int64) * NBP + col0 // BH, gl.sum(g * h * vf, axis=1))
-                    if (ABLATE & 2) == 0:
-                        q_smem.store(_e4m3_t(t * sr * vf, scale_b, rcp_b))  # s * h, quantized
-                    if (ABLATE & 4) == 0:
-                        dh = g * sr
-                        up = u_smem.slice(half * HM, HM, dim=0).load(mma_layout).to(gl.float32)
-                        g_smem.slice(half * HM, HM, dim=0).store((dh * up * dsig * vf).to(gl.bfloat16))
-                        u_smem.slice(half * HM, HM, dim=0).store((dh * silu * vf).to(gl.bfloat16))
-                    _stamp(trace_ptr, j, 8 + half, C, TRACE)
+            # one pass: each half's s * h kept in registers (y0, y1) while its dgate / dup replace gate / up in
+            # shared memory, then the column amax over both halves and the quantization
+            y0 = _g2d8_half(acc0, s0, vf0, rows0, g_smem.slice(0, HM, dim=0), u_smem.slice(0, HM, dim=0),
+                            part_ptr, col0, NBP, BH)
+            _stamp(trace_ptr, j, 5, C, TRACE)
+            y1 = _g2d8_half(acc1, s1, vf1, rows1, g_smem.slice(HM, HM, dim=0), u_smem.slice(HM, HM, dim=0),
+                            part_ptr, col0, NBP, BH)
+            _stamp(trace_ptr, j, 6, C, TRACE)
+            bits = gl.max(gl.maximum(gl.abs(y0).to(gl.int32, bitcast=True),
+                                     gl.abs(y1).to(gl.int32, bitcast=True)), axis=0)
+            amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
+            scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
+            scale_b = gl.expand_dims(scale, 0)
+            rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
+            _stamp(trace_ptr, j, 7, C, TRACE)
+            q0_smem.store(_e4m3_t(y0, scale_b, rcp_b))
+            q1_smem.store(_e4m3_t(y1, scale_b, rcp_b))
             fence_async_shared()
-            if (ABLATE & 4) == 0:
-                tma.async_copy_shared_to_global(dgu_desc, [row0, col0], g_smem)
-                tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], u_smem)
-            if (ABLATE & 2) == 0:
-                tma.async_copy_shared_to_global(hsT_desc, [col0, row0], q0_smem)
-                tma.async_copy_shared_to_global(hsT_desc, [col0, row0 + HM], q1_smem)
+            tma.async_copy_shared_to_global(dgu_desc, [row0, col0], g_smem)
+            tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], u_smem)
+            tma.async_copy_shared_to_global(hsT_desc, [col0, row0], q0_smem)
+            tma.async_copy_shared_to_global(hsT_desc, [col0, row0 + HM], q1_smem)
             gl.store(hsTs_ptr + pid_m.to(gl.int64) * F + col0 + gl.arange(0, BH, layout=col_layout), scale)
             if CHECK:
                 n_bad = gl.sum((~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
                 gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-            _stamp(trace_ptr, j, 10, C, TRACE)
+            _stamp(trace_ptr, j, 8, C, TRACE)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -298,8 +240,7 @@ if HAVE_GLUON:
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                    BM: gl.constexpr, BK: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   ABLATE: gl.constexpr, trace_ptr, TRACE: gl.constexpr,
-                                   EPILOGUE: gl.constexpr):
+                                   trace_ptr, TRACE: gl.constexpr):
         """Blockwise-FP8 dgate_up, d score partials and 128x1 s * h of every live row tile (module docstring).
         Grid: (programs,)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
@@ -330,11 +271,11 @@ if HAVE_GLUON:
             (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
                               count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
                               ready_b, empty, g0, u0, q00, q01, epi.index(0), 0, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS, ABLATE, trace_ptr, TRACE, EPILOGUE)),
+                              CHECK, EPS, trace_ptr, TRACE)),
             (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
                               count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
                               ready_b, empty, g1, u1, q10, q11, epi.index(1), 1, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS, ABLATE, trace_ptr, TRACE, EPILOGUE)),
+                              CHECK, EPS, trace_ptr, TRACE)),
             (_g1f_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                              a_bufs, b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -422,14 +363,10 @@ def ws_gemm2_dgrad_fp8(dout_q: Tensor, dout_s: Tensor, w2t_q: Tensor, w2t_s: Ten
 
 def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout, dgu, part, hsT, hsTs,
                            nonfinite_count=None, cfg: Fp8WsConfig = GEMM2_DGRAD_FP8_CONFIG,
-                           programs: int | None = None, ablate: int = 0, trace: Tensor | None = None,
-                           epilogue: int | None = None) -> None:
-    """``ws_gemm2_dgrad_fp8`` without its checks, into the caller's outputs. ``ablate``: timing diagnosis only (wrong
-    outputs), a bitmask of epilogue parts left out: 1 the s * h column amax, 2 the s * h quantization and its stores,
-    4 dgate / dup and their stores, 8 the gate / up reads of pass 2, 16 the gate / up loads (with 1 and 8).
-    ``trace``: diagnosis only, an int64 (programs, J, 2, 16) tensor that receives the global timer (ns) at 11 points
-    of each consumer's first J tiles (``scripts/bench_ws_gemm.py trace-g2d-fp8`` names them). ``epilogue``: 1 or 2
-    (``EPILOGUE``, the default)."""
+                           programs: int | None = None, trace: Tensor | None = None) -> None:
+    """``ws_gemm2_dgrad_fp8`` without its checks, into the caller's outputs. ``trace``: diagnosis only, an int64
+    (programs, J, 2, 16) tensor that receives the global timer (ns) at the points of each consumer's first J tiles
+    that ``scripts/bench_ws_gemm.py trace-g2d-fp8`` names."""
     E, F, D = w2t_q.shape
     n_cap, dev = layout.n_cap, dout_q.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -447,12 +384,12 @@ def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, lay
            dout_q, dout_s, lo, hi, w2t_s, gu_desc, dgu_desc, hsT_desc, scores_TK, part, hsTs,
            nonfinite_count if check else hsTs, layout.row_pair, layout.tile_expert, layout.offsets, E, D, F,
            layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, check, AMAX_EPS, cfg.producer_regs,
-           cfg.consumer_regs, ablate, trace if trace is not None else hsTs, 0 if trace is None else trace.shape[1],
-           EPILOGUE if epilogue is None else epilogue, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, trace if trace is not None else hsTs, 0 if trace is None else trace.shape[1],
+           num_warps=4, maxnreg=cfg.maxnreg)
 
 
-def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8, check: bool = True,
-                                      epilogue: int = EPILOGUE) -> tuple[dict, dict]:
+def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
+                                      check: bool = True) -> tuple[dict, dict]:
     """(signature, constexprs) of ``_gemm2_dgrad_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
@@ -467,6 +404,5 @@ def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: i
            "part_ptr": "*fp32", "hsTs_ptr": "*fp32", "count_ptr": "*i32", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32", "trace_ptr": "*i64"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // (2 * bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, TRACE=0,
-              EPILOGUE=epilogue)
+              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, TRACE=0)
     return sig, cx
