@@ -249,11 +249,14 @@ def _provenance() -> dict:
 
     if SMOKE:
         return {"gpu": None, "torch": torch.__version__, "triton": triton.__version__, "smoke": True}
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = None
+    # the GPU machine's copy of .git can be stale: the session scripts pass the revision in TITAN_MEGAMOE_GIT_REV
+    commit = os.environ.get("TITAN_MEGAMOE_GIT_REV")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = None
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name] + sys.argv)}
