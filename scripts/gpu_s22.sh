@@ -14,6 +14,18 @@ layer() {  # layer TAG SHAPE PRECISIONS LIMIT_S [more compare.layer args]
     > "$OUT/keep/layer_$tag.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer $tag rc $?"; grep "^| qwen3" "$OUT/keep/layer_$tag.log" | head -24
 }
+bench_fp8_ab() {  # bench_fp8_ab BASE.json NEW.json [FILTER]: per-kernel ms of two scripts/bench_fp8.py records
+  python3 - "$@" <<'PY' || true
+import json, sys
+def rows(p):
+    d = json.loads(open(p).read().strip().splitlines()[-1])
+    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+for k in a:
+    if k in b and a[k] and b[k] and (len(sys.argv) < 4 or sys.argv[3] in k[1]):
+        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
+PY
+}
 if [ "$PART" = a ]; then
   timeout -s KILL 90 python3 -m pytest -q -rA tests/test_eager_layer.py tests/test_gpu.py -k fp8 -p no:cacheprovider \
     > "$OUT/keep/tests_gpu_a.log" 2>&1
@@ -52,16 +64,7 @@ if [ "$PART" = c ]; then
   (cd "$B" && TITAN_MEGAMOE_GIT_REV=$BASE PYTHONPATH=/tmp/site:$B timeout 80 python3 scripts/bench_fp8.py --shapes 30b \
     > "$OUT/keep/bench_fp8_30b_base.json" 2> "$OUT/keep/bench_fp8_30b_base.err")
   echo "[t=$((SECONDS - t0))s] bench_fp8 base rc $?"
-  python3 - "$OUT/keep/bench_fp8_30b_base.json" "$OUT/keep/bench_fp8_30b_c.json" <<'PY' || true
-import json, sys
-def rows(p):
-    d = json.loads(open(p).read().strip().splitlines()[-1])
-    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
-a, b = rows(sys.argv[1]), rows(sys.argv[2])
-for k in a:
-    if k in b and a[k] and b[k]:
-        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
-PY
+  bench_fp8_ab "$OUT/keep/bench_fp8_30b_base.json" "$OUT/keep/bench_fp8_30b_c.json"
   lim=$((560 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd,bf16 \
     --routings random --iters 10 --warmup 3 --device-time --no-plot --switches WS_GEMM2_DGRAD_FP8=1 \
@@ -81,16 +84,7 @@ if [ "$PART" = d ]; then
   echo "[t=$((SECONDS - t0))s] bench_fp8 base rc $?"
   timeout 70 python3 scripts/bench_fp8.py --shapes 30b > "$OUT/keep/bench_fp8_30b_d.json" 2> "$OUT/keep/bench_fp8_30b_d.err"
   echo "[t=$((SECONDS - t0))s] bench_fp8 rc $?"
-  python3 - "$OUT/keep/bench_fp8_30b_base.json" "$OUT/keep/bench_fp8_30b_d.json" <<'PY' || true
-import json, sys
-def rows(p):
-    d = json.loads(open(p).read().strip().splitlines()[-1])
-    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
-a, b = rows(sys.argv[1]), rows(sys.argv[2])
-for k in a:
-    if k in b and a[k] and b[k]:
-        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
-PY
+  bench_fp8_ab "$OUT/keep/bench_fp8_30b_base.json" "$OUT/keep/bench_fp8_30b_d.json"
   for tree in base new; do
     d=$PWD; [ $tree = base ] && d=$B
     (cd "$d" && TITAN_MEGAMOE_GIT_REV=$([ $tree = base ] && echo $BASE || echo $REV) PYTHONPATH=/tmp/site:$d timeout 90 \
@@ -114,16 +108,7 @@ if [ "$PART" = e ]; then
     > "$OUT/keep/bench_fp8_30b_base_e.json" 2> /dev/null)
   timeout 45 python3 scripts/bench_fp8.py --shapes 30b > "$OUT/keep/bench_fp8_30b_e.json" 2> /dev/null
   echo "[t=$((SECONDS - t0))s] bench_fp8 rc $?"
-  python3 - "$OUT/keep/bench_fp8_30b_base_e.json" "$OUT/keep/bench_fp8_30b_e.json" <<'PY' || true
-import json, sys
-def rows(p):
-    d = json.loads(open(p).read().strip().splitlines()[-1])
-    return {(sh["shape"], k): v.get("ms") for sh in d["shapes"] for k, v in sh["kernels"].items()}
-a, b = rows(sys.argv[1]), rows(sys.argv[2])
-for k in a:
-    if k in b and a[k] and b[k] and "/fp8" in k[1]:
-        print(f"{str(k):50s} base {a[k]:.4f}  new {b[k]:.4f}  ({b[k] / a[k]:.3f}x)")
-PY
+  bench_fp8_ab "$OUT/keep/bench_fp8_30b_base_e.json" "$OUT/keep/bench_fp8_30b_e.json" "/fp8"
   for tree in base new; do
     d=$PWD; [ $tree = base ] && d=$B
     (cd "$d" && TITAN_MEGAMOE_GIT_REV=$([ $tree = base ] && echo $BASE || echo $REV) PYTHONPATH=/tmp/site:$d timeout 60 \
