@@ -13,8 +13,8 @@ scales. Per group: ``amax = max(max|x|, AMAX_EPS)``, ``scale = amax / 448``, ``q
 
 * Both divisions round to nearest as IEEE's: ``tl.math.div_rn``, or for ``x / scale`` in the weight quantization
   and the GEMM epilogues one reciprocal per group and Markstein's FMA correction (``_to_e4m3_rcp``: the same
-  quotient, without ``div.rn``'s branch per element). A plain ``/`` on fp32 compiles to ``div.full.f32`` on NVIDIA, an approximation (2 ulp): it would not
-  match torch on GPU.
+  quotient, without ``div.rn``'s branch per element). A plain ``/`` on fp32 compiles to ``div.full.f32`` on
+  NVIDIA, an approximation (2 ulp): it would not match torch on GPU.
 * The max over the group propagates NaN, as ``torch.amax`` does (``_amax``: an integer max over the
   bits of |x|; then ``PropagateNan.ALL`` for the epsilon clamp). ``tl.max`` on floats does not (maxnum
   ignores NaN), so a NaN group would get a finite scale and slip past the check.
@@ -134,10 +134,11 @@ def _div_by_group(x, b):
     per element; ``b`` (> 0, one value per group) broadcastable to ``x``.
 
     Markstein's correction (P. Markstein, "Computation of elementary functions on the IBM RISC System/6000
-    processor", IBM J. Res. Dev. 34(1), 1990; J.-M. Muller et al., Handbook of Floating-Point Arithmetic, 2nd ed.,
-    section 4.9): with y = RN(1/b) and q = RN(x y), the remainder x - b q is exact by one FMA and RN(q + (x - b q) y)
-    is RN(x / b). The hardware's ``div.rn`` fast path is the same sequence behind a range check and a branch per
-    element (MUFU.RCP, FCHK, five FFMA, BSSY / BSYNC: no ILP across elements); this is one FMUL and two FFMA.
+    processor", IBM J. Res. Dev. 34(1), 1990): with y = RN(1/b), q = RN(x y) and the remainder r = RN(x - b q) (one
+    FMA), RN(q + r y) (one FMA) is RN(x / b); ``tests/test_fp8_quant.py`` checks it in exact rational arithmetic.
+    The ``div.rn`` the compiler emits is the same sequence (with a refined hardware reciprocal) behind a range check
+    and a branch per element (MUFU.RCP, FCHK, five FFMA, BSSY / BSYNC: no overlap between elements); this is one
+    FMUL and two FFMA.
     Exact for finite x with no fp32 underflow of the quotient; below that the e4m3 cast gives (signed) zero either
     way, the sign copied from x as the division gives it. Non-finite b (a group with inf / NaN, counted by the
     kernels' check) gives unspecified values, as before.

@@ -36,11 +36,11 @@ bitwise the Triton path's.
 Preconditions (``ws_gemm2_dgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, D % 128 == 0, F % 128 == 0,
 routing layout block 128, contiguous operands, the 128x1 s * h output (not ``hs_out``'s bf16 rows).
 
-Status (session 22, one H100; docs/NOTES.md): correct in its GPU tests; 30B 1.32 ms, 235B 3.59, against the Triton
-kernel's 1.26 / 3.38. The epilogue is the cost (tile timelines: ``launch_gemm2_dgrad_fp8(trace=...)``): ~17 us of a
-30 us tile at 30B after a 13 us main loop, exposed because both consumers work on the same tile. Session 21's
-two-pass epilogue (a column-amax pass over the gate / up buffers, then ``div_rn`` per element) ran 2.45-2.54 ms.
-Opt-in (``ops/fp8_backend.WS_GEMM2_DGRAD_FP8``); 52 bytes of spills at the 216-register consumer budget.
+Status (session 22, one H100; docs/NOTES.md): correct in its GPU tests; 30B 1.31 ms, 235B 3.59-3.63, against the
+Triton kernel's 1.26-1.28 / 3.38. The epilogue is the cost (tile timelines: ``launch_gemm2_dgrad_fp8(trace=...)``):
+~17 us of a 30 us tile at 30B after a 13 us main loop, exposed because both consumers work on the same tile.
+Session 21's two-pass epilogue (a column-amax pass over the gate / up buffers, then ``div_rn`` per element) ran
+2.45-2.54 ms. Opt-in (``ops/fp8_backend.WS_GEMM2_DGRAD_FP8``); 52 bytes of spills at the 216-register consumer budget.
 """
 
 from __future__ import annotations
