@@ -86,6 +86,19 @@ def test_ws_gemm2_dgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
         W.ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gu, sc, build_routing_layout_torch(torch.randint(0, 4, (40, 2)), 4, 64))
 
 
+def test_trace_buffer_too_small_or_of_another_dtype_is_refused():
+    """The diagnosis stamps write trace[program, j, consumer, point]: a buffer that cannot hold them is refused before
+    any launch (it would be written out of bounds)."""
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import _check_trace
+
+    dev = torch.device("cpu")
+    _check_trace(torch.zeros(4, 3, 2, 16, dtype=torch.int64), 4, dev)  # fits
+    for bad in (torch.zeros(3, 3, 2, 16, dtype=torch.int64), torch.zeros(4, 3, 2, 8, dtype=torch.int64),
+                torch.zeros(4, 3, 2, 16, dtype=torch.int32), torch.zeros(4, 3, 2, 32, dtype=torch.int64)[..., :16]):
+        with pytest.raises(ValueError, match="trace must be a contiguous int64 tensor"):
+            _check_trace(bad, 4, dev)
+
+
 def test_fp8_backward_takes_the_gluon_gemm2_dgrad_only_when_switched_on(monkeypatch):
     """``WS_GEMM2_DGRAD_FP8`` on, off the interpreter, a supported case: the FP8 backward's GEMM2 dgrad is the Gluon
     kernel; off, or with the bf16 wgrads' ``hs_out``: the Triton kernel with the backward's config."""

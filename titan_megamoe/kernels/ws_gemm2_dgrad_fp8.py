@@ -361,6 +361,16 @@ def ws_gemm2_dgrad_fp8(dout_q: Tensor, dout_s: Tensor, w2t_q: Tensor, w2t_s: Ten
     return dgu, part, hsT, hsTs
 
 
+def _check_trace(trace: Tensor, programs: int, dev: torch.device) -> None:
+    """The stamps land at trace[program, j, consumer, point]: a smaller tensor would be written out of bounds."""
+    ok = (trace.dtype == torch.int64 and trace.dim() == 4 and trace.shape[0] >= programs and trace.shape[1] >= 1
+          and tuple(trace.shape[2:]) == (2, 16) and trace.is_contiguous() and trace.device == dev)
+    if not ok:
+        raise ValueError(f"launch_gemm2_dgrad_fp8: trace must be a contiguous int64 tensor of shape (>= {programs} "
+                         f"programs, J >= 1 tiles, 2, 16) on {dev}; got {trace.dtype} {tuple(trace.shape)} on "
+                         f"{trace.device}")
+
+
 def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, layout, dgu, part, hsT, hsTs,
                            nonfinite_count=None, cfg: Fp8WsConfig = GEMM2_DGRAD_FP8_CONFIG,
                            programs: int | None = None, trace: Tensor | None = None) -> None:
@@ -379,6 +389,8 @@ def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, lay
     hsT_desc = _desc(hsT.as_strided((F, ld), (ld, 1)), (F, ld), (bn, bm // 2))
     num_n = F // (2 * bn)
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
+    if trace is not None:
+        _check_trace(trace, programs, dev)
     check = nonfinite_count is not None
     launch(_gemm2_dgrad_fp8_ws_kernel, (programs,),
            dout_q, dout_s, lo, hi, w2t_s, gu_desc, dgu_desc, hsT_desc, scores_TK, part, hsTs,
