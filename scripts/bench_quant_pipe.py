@@ -1,0 +1,150 @@
+"""The FP8 backward's two standalone quantization passes, grid kernels (v1) against the persistent load-pipelined
+ones (``fp8_quant_bwd.*_pipe_kernel``) in several launch configurations, in one process. Prints one JSON line.
+
+    python scripts/bench_quant_pipe.py                  # 30B and 235B shapes, T = 16384, on a GPU
+    TRITON_INTERPRET=1 python scripts/bench_quant_pipe.py --smoke   # CPU: each variant once, tiny shape
+    ncu --clock-control none -k regex:_quant_ python scripts/bench_quant_pipe.py --shapes 30b --ncu
+        # v1 and the default pipelined variant of each pass, each launched twice, not timed (for a profiler)
+
+Operands as in the FP8 backward at EP = 1: dgate_up (N_cap, 2F) bf16 for the dual 1x128 + 128x1 pass (rows past
+the last expert's end left out, ``end_row``), x and dout (T, D) bf16 gathered into the layout for the 128x1 pass.
+Every variant's outputs are compared bitwise with v1's before timing (``bitwise_v1``; rows past end_row are
+unwritten by both). Timing: ``triton.testing.do_bench`` medians (L2 cleared between runs); ``gbs`` counts the bytes a
+pass must move (bf16 reads of the live rows, e4m3 + fp32 writes) over its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SHAPES = {"30b": (2048, 768), "235b": (4096, 1536), "smoke": (256, 128)}
+E, K = 128, 8
+# (label, pipe_config) of the pipelined variants; sm_90a builds: registers x threads, shared memory per program
+DUAL = [
+    ("pipe16w_s3", dict(num_warps=16, STAGES=3, per_sm=1)),  # 128 regs, 70 KB (default)
+    ("pipe16w_s2", dict(num_warps=16, STAGES=2, per_sm=1)),  # 128 regs, 37 KB
+    ("pipe8w_s3", dict(num_warps=8, STAGES=3, per_sm=1)),  # 233 regs, 68 KB
+    ("pipe16w_s2_rcp", dict(num_warps=16, STAGES=2, per_sm=1, RCP=True)),  # 128 regs + 8 B spill
+]
+GATHER = [
+    ("pipe8w_bc64_s3_x3", dict(num_warps=8, BLOCK_C=64, STAGES=3, per_sm=3)),  # 79 regs, 35 KB (default)
+    ("pipe8w_bc64_s2_x3", dict(num_warps=8, BLOCK_C=64, STAGES=2, per_sm=3)),  # 79 regs, 18 KB
+    ("pipe8w_bc64_s3_x2", dict(num_warps=8, BLOCK_C=64, STAGES=3, per_sm=2)),
+    ("pipe4w_bc64_s3_x4", dict(num_warps=4, BLOCK_C=64, STAGES=3, per_sm=4)),  # 126 regs, 34 KB
+    ("pipe16w_bc128_s3_x1", dict(num_warps=16, BLOCK_C=128, STAGES=3, per_sm=1)),  # 88 regs, 69 KB
+    ("pipe8w_bc64_s3_x2_rcp", dict(num_warps=8, BLOCK_C=64, STAGES=3, per_sm=2, RCP=True)),  # 127 regs
+]
+
+
+def _same(a, b, end: int) -> bool:
+    """Bitwise equality of two quantizer outputs on the rows both write (< end): the dual's (y, s, yT, sT) or the
+    gathered pass's (yT, sT); yT is (C, M) transposed, sT has one row per 128 rows."""
+    cut = {4: ("rows", "rows", "cols", "blocks"), 2: ("cols", "blocks")}[len(a)]
+
+    def part(t, how):
+        t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        return {"rows": t[:end], "cols": t[:, :end], "blocks": t[: end // 128]}[how]
+    return all(torch.equal(part(x, c), part(y, c)) for x, y, c in zip(a, b, cut))
+
+
+def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
+    import triton
+
+    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+    from titan_megamoe.kernels.routing import build_routing_layout
+
+    D, F = SHAPES[name]
+    e, k = (4, 2) if smoke else (E, K)
+    dev = "cpu" if smoke else "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, D, device=dev, generator=g).bfloat16()
+    dout = torch.randn(T, D, device=dev, generator=g).bfloat16()
+    ids = torch.rand(T, e, device=dev, generator=g).topk(k, dim=1).indices
+    L = build_routing_layout(ids, e, 128)
+    N = L.n_cap
+    valid = L.row_pair >= 0
+    dgu = torch.randn(N, 2 * F, device=dev, generator=g).bfloat16()
+    end_row = L.offsets[-1:]
+    end = int(end_row)
+    live = int(valid.sum())
+
+    def time_ms(fn):
+        if smoke or once:
+            fn()
+            return None
+        fn()
+        torch.cuda.synchronize()
+        return round(triton.testing.do_bench(fn, warmup=25, rep=200), 4)
+
+    rows = []
+    # bytes a pass must move: the dual reads 2F bf16 per live row and writes 2 x 2F e4m3 + scales; the gathered
+    # pass reads D bf16 per live row (L2 hits not subtracted) and writes D e4m3 + scales
+    dual_bytes = end * 2 * F * (2 + 2) + end * (2 * F // 128) * 4 + (end // 128) * 2 * F * 4
+    gath_bytes = end * D * (2 + 1) + (end // 128) * D * 4
+    ref = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")
+    for label, cfg in [("v1", None)] + DUAL[: 1 if once else None]:
+        fn = (lambda: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")) if cfg is None else (
+            lambda cfg=cfg: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="pipe", pipe_config=cfg))
+        try:
+            same = _same(fn(), ref, end)
+            ms = time_ms(fn)
+            rows.append(dict(pass_="dual", variant=label, config=cfg, ms=ms, bitwise_v1=same,
+                             gbs=round(dual_bytes / ms / 1e6, 1) if ms else None))
+        except Exception as exc:  # one failing variant must not hide the others
+            rows.append(dict(pass_="dual", variant=label, config=cfg, error=repr(exc)[:300]))
+        print(f"[bench_quant_pipe] {name} {rows[-1]}", file=sys.stderr, flush=True)
+    for src_name, src in (("x", x), ("dout", dout)):
+        ref = quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="v1")
+        for label, cfg in [("v1", None)] + GATHER[: 1 if once else None]:
+            fn = (lambda: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="v1")) if cfg is None \
+                else (lambda cfg=cfg: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="pipe",
+                                                               pipe_config=cfg))
+            try:
+                same = _same(fn(), ref, end)
+                ms = time_ms(fn)
+                rows.append(dict(pass_=f"gather_128x1_{src_name}", variant=label, config=cfg, ms=ms, bitwise_v1=same,
+                                 gbs=round(gath_bytes / ms / 1e6, 1) if ms else None))
+            except Exception as exc:
+                rows.append(dict(pass_=f"gather_128x1_{src_name}", variant=label, config=cfg, error=repr(exc)[:300]))
+            print(f"[bench_quant_pipe] {name} {rows[-1]}", file=sys.stderr, flush=True)
+    return {"shape": name, "T": T, "D": D, "F": F, "E": e, "K": k, "rows_padded": N, "end_row": end,
+            "live_rows": live, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import datetime
+
+    import triton
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="30b,235b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--smoke", action="store_true", help="CPU + interpreter, tiny shape, each variant once")
+    p.add_argument("--ncu", action="store_true", help="v1 and the default pipelined variants only, not timed")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.shapes, a.tokens = "smoke", 200
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_quant_pipe needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    rec = {"bench": "quant_pipe", "gpu": None if a.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python"] + sys.argv),
+           "shapes": [_bench_shape(s, a.tokens, a.smoke, a.ncu) for s in a.shapes.split(",")]}
+    print(json.dumps(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU calls of session 23 (1 H200 asked; say in the results which card ran).
+#   PART=a: the FP8 backward's standalone quantization passes, persistent and load-pipelined (fp8_quant_bwd.*_pipe_kernel,
+#     TITAN_MEGAMOE_FP8_QUANT_PIPE): (1) scripts/bench_quant_pipe.py, v1 against the pipelined variants, bitwise checked,
+#     30B and 235B; (2) Nsight Compute on v1 and the default pipelined kernels (30B): throughput, occupancy, stall
+#     reasons; (3) compare.layer 30B fp8 / fp8_bwd, default rows and FP8_QUANT_PIPE=1 rows in one process.
+# Call as: REV=<hash> PART=a bash scripts/gpu_s23.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+if [ "$PART" = a ]; then
+  timeout 200 python3 scripts/bench_quant_pipe.py --shapes 30b,235b > "$OUT/keep/bench_quant_pipe_a.json" \
+    2> "$OUT/keep/bench_quant_pipe_a.err"
+  echo "[t=$((SECONDS - t0))s] bench_quant_pipe rc $?"
+  python3 - "$OUT/keep/bench_quant_pipe_a.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_pipe_a.err"
+import json, sys
+d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+for sh in d["shapes"]:
+    for r in sh["rows"]:
+        print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
+PY
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 150 "$NCU" --clock-control none -k regex:_quant_ --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    python3 scripts/bench_quant_pipe.py --shapes 30b --ncu > "$OUT/keep/ncu_quant_a.txt" 2> "$OUT/keep/ncu_quant_a.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  grep -E "^  _quant|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Block Limit" \
+    "$OUT/keep/ncu_quant_a.txt" | head -120
+  tail -3 "$OUT/keep/ncu_quant_a.err"
+  lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_PIPE=1 \
+    --out "$OUT/keep/layer_30b_fp8_a.json" > "$OUT/keep/layer_30b_fp8_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_a.log" | head -8
+fi
+session_pack "s23$PART"
