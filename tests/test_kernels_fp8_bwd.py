@@ -200,23 +200,21 @@ def _run_gemm2_dgrad(name):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["v1", "pipe"])
-def test_gather_128x1_t_matches_oracle(variant, _poison_empty):
+def test_gather_128x1_t_matches_oracle(_poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_gather_128x1_t
 
     d = _case("one_expert_k1")
     L, K = d["layout"], d["c"].K
     x = d["x"].clone()
     x[3, 5] = 3e4  # one large value: its column's group scale changes, the others' do not
-    q, s = quantize_gather_128x1_t(x, L.row_pair, K, variant=variant)
+    q, s = quantize_gather_128x1_t(x, L.row_pair, K)
     src = torch.where(d["valid"], L.row_pair.long() // K, 0)
     xg = torch.where(d["valid"][:, None], x.float()[src], 0.0)
     rq, rs = R.quantize_act_128x1(xg)
     assert torch.equal(q.T.contiguous().view(U8), rq.view(U8)) and torch.equal(s, rs)
 
 
-@pytest.mark.parametrize("variant", ["v1", "pipe"])
-def test_dual_quant_matches_oracle(variant, _poison_empty):
+def test_dual_quant_matches_oracle(_poison_empty):
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t
 
     d = _case("uniform_k2")
@@ -224,7 +222,7 @@ def test_dual_quant_matches_oracle(variant, _poison_empty):
     x = _rand((d["layout"].n_cap, 256), g).bfloat16()
     x[~d["valid"]] = float("nan")  # invalid rows are masked to zero, whatever they hold
     count = torch.zeros(1, dtype=torch.int32, device=DEV)
-    q, s, qT, sT = quantize_dual_1x128_128x1_t(x, d["valid"], nonfinite_count=count, variant=variant)
+    q, s, qT, sT = quantize_dual_1x128_128x1_t(x, d["valid"], nonfinite_count=count)
     xv = torch.where(d["valid"][:, None], x.float(), 0.0)
     rq, rs = R.quantize_act_1x128(xv)
     rqT, rsT = R.quantize_act_128x1(xv)
@@ -232,12 +230,11 @@ def test_dual_quant_matches_oracle(variant, _poison_empty):
     assert torch.equal(qT.T.contiguous().view(U8), rqT.view(U8)) and torch.equal(sT, rsT)
     assert int(count) == 0
     x[int(torch.nonzero(d["valid"])[0]), 0] = float("inf")
-    quantize_dual_1x128_128x1_t(x, d["valid"], nonfinite_count=count, variant=variant)
+    quantize_dual_1x128_128x1_t(x, d["valid"], nonfinite_count=count)
     assert int(count) == 2  # one row group and one column group
 
 
-@pytest.mark.parametrize("variant", ["v1", "pipe"])
-def test_quantizers_end_row_skip_spare_rows(variant, _poison_empty):
+def test_quantizers_end_row_skip_spare_rows(_poison_empty):
     """end_row = offsets[E]: rows before it bitwise as without it (both quantizers), rows from it on left
     unwritten (NaN-poisoned buffers keep their poison there), scales finite, no non-finite count."""
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
@@ -249,15 +246,14 @@ def test_quantizers_end_row_skip_spare_rows(variant, _poison_empty):
     q, s = quantize_gather_128x1_t(d["x"], L.row_pair, K)
     out = torch.full_like(q.view(U8), 0x7F).view(q.dtype)  # 0x7F: e4m3 NaN
     count = torch.zeros(1, dtype=torch.int32, device=DEV)
-    q2, s2 = quantize_gather_128x1_t(d["x"], L.row_pair, K, out=out, end_row=L.offsets[-1:], nonfinite_count=count,
-                                     variant=variant)
+    q2, s2 = quantize_gather_128x1_t(d["x"], L.row_pair, K, out=out, end_row=L.offsets[-1:], nonfinite_count=count)
     assert torch.equal(q2[:, :end].contiguous().view(U8), q[:, :end].contiguous().view(U8))
     assert torch.equal(s2[: end // 128], s[: end // 128]) and torch.isfinite(s2).all()
     assert (q2[:, end:].contiguous().view(U8) == 0x7F).all() and int(count) == 0
     g = torch.Generator().manual_seed(3)
     x = _rand((L.n_cap, 256), g).bfloat16()
     a = quantize_dual_1x128_128x1_t(x, d["valid"])
-    b = quantize_dual_1x128_128x1_t(x, d["valid"], end_row=L.offsets[-1:], nonfinite_count=count, variant=variant)
+    b = quantize_dual_1x128_128x1_t(x, d["valid"], end_row=L.offsets[-1:], nonfinite_count=count)
     assert torch.equal(b[0][:end].view(U8), a[0][:end].view(U8)) and torch.equal(b[1][:end], a[1][:end])
     assert torch.equal(b[2][:, :end].contiguous().view(U8), a[2][:, :end].contiguous().view(U8))
     assert torch.equal(b[3][: end // 128], a[3][: end // 128]) and int(count) == 0
@@ -536,8 +532,6 @@ COMPILE_CASES = [
     ("gemm1_fwd_fp8_quant_h_30b", "gemm1_qh", 2048, 768),  # forward GEMM1, h quantized in the epilogue
     ("quant_gather_128x1_t_30b", "quant_t", 2048, 768),  # memory-bound quantizers: no wgmma
     ("quant_dual_30b", "quant_dual", 2048, 768),
-    ("quant_gather_128x1_t_pipe_30b", "quant_t_pipe", 2048, 768),  # persistent, loads pipelined (cp.async)
-    ("quant_dual_pipe_30b", "quant_dual_pipe", 2048, 768),
 ]
 
 
@@ -586,25 +580,18 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
     if kind.startswith("quant"):
         from titan_megamoe.kernels import fp8_quant_bwd as QB
 
-        pipe = kind.endswith("_pipe")
-        pcfg = QB.PIPE_GATHER if kind.startswith("quant_t") else QB.PIPE_DUAL
-        # the pipelined kernels: their launch configuration, 132 programs per SM-count unit (NUM_PROGS)
-        pcx = dict(RCP=False, STAGES=pcfg["STAGES"], NUM_PROGS=132 * pcfg["per_sm"]) if pipe else {}
-        if kind.startswith("quant_t"):
-            fn = _kernel_variant(QB._quant_gather_128x1_t_pipe_kernel if pipe else QB._quant_gather_128x1_t_kernel,
-                                 False)
+        if kind == "quant_t":
+            fn = _kernel_variant(QB._quant_gather_128x1_t_kernel, False)
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
                        end_ptr="*i32", M="i32", LD="i32")
-            cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS,
-                      BLOCK_C=pcfg["BLOCK_C"] if pipe else QB._T_BLOCK_C[False], HAS_END=True, **pcx)
-            warps = pcfg["num_warps"] if pipe else QB._WARPS
+            cx = dict(C=D, TOP_K=8, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, BLOCK_C=QB._T_BLOCK_C[False],
+                      HAS_END=True)
         else:
-            fn = _kernel_variant(QB._quant_dual_pipe_kernel if pipe else QB._quant_dual_kernel, False)
+            fn = _kernel_variant(QB._quant_dual_kernel, False)
             sig = dict(x_ptr="*bf16", valid_ptr="*u8", y_ptr="*fp8e4nv", s_ptr="*fp32", yT_ptr="*fp8e4nv",
                        sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32", LD="i32")
-            cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True, **pcx)
-            warps = pcfg["num_warps"] if pipe else QB._DUAL_WARPS
-        cfg = dataclasses.replace(cfg, num_warps=warps, num_stages=pcfg["STAGES"] if pipe else 1)
+            cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True)
+        cfg = dataclasses.replace(cfg, num_warps=QB._WARPS if kind == "quant_t" else QB._DUAL_WARPS, num_stages=1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # row strides of the transposed operands: multiples of 128 (transposed_ld); M: N_cap, a multiple of 128
     div = tuple(n for n in ("LD_HS", "LD_DGU", "LDA", "LDB", "LD", "M") if n in sig)
@@ -629,8 +616,6 @@ def test_compiles_for_sm90a(label):
         # vectorized stores with end_row (HAS_END): 11 / 5 store instructions; a per-row end mask gave
         # byte stores (~70 / 65 instructions) and 2.2x the time on a GPU
         assert r["st_global"] <= 16, f"{label}: {r['st_global']} global stores: the end_row mask is not block-uniform"
-        if label.endswith("_pipe_30b"):  # the next tiles' loads in flight while one computes
-            assert r["cp_async"] > 0 and r["loops"] >= 1, f"{label}: loads not pipelined ({r['cp_async']} cp.async)"
         return
     if label.startswith("gemm1_fwd") or label == "gemm2_dgrad_fp8_30b":  # fused quantization: same properties
         assert r["satfinite"] > 0 and r["div_rn"] > 0, r

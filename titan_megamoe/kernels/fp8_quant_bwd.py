@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_megamoe.kernels import gl_quant_bwd
 from titan_megamoe.kernels.fp8_quant import (
     _INPUT_DTYPES,
     _amax,
@@ -60,11 +61,9 @@ from titan_megamoe.kernels.fp8_quant import (
     _out_buffer,
     _scale_of,
     _to_e4m3,
-    _to_e4m3_rcp,
 )
-from titan_megamoe.kernels.configs import persistent_programs
 from titan_megamoe.kernels.grouped_gemm import interpret_mode
-from titan_megamoe.kernels.jit import cdiv, interp_int
+from titan_megamoe.kernels.jit import cdiv
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP, check_group_dim
 
@@ -74,12 +73,8 @@ _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather p
 # 8 warps: 0.428 vs 0.455 ms at 4 (30B, H100, bitwise; sweep_fp8_bwd_30b_1xh100_s20c_20261206.json)
 _WARPS = 8
 _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
-# TITAN_MEGAMOE_FP8_QUANT_PIPE=1: the persistent, load-pipelined kernels (``*_pipe_kernel``) for both passes
-QUANT_PIPE = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_PIPE", "0") == "1"
-# pipelined kernels' launch: warps, tiles in flight + 1 (STAGES), programs per SM (registers and shared memory
-# of the sm_90a builds: dual 128 registers x 512 threads, 70 KB; gather 79 x 256, 35 KB)
-PIPE_DUAL = dict(num_warps=16, STAGES=3, per_sm=1)
-PIPE_GATHER = dict(num_warps=8, STAGES=3, per_sm=3, BLOCK_C=64)
+# TITAN_MEGAMOE_FP8_QUANT_GLUON=1: both passes by the Gluon kernels of gl_quant_bwd.py (sm_90, bf16 input; bitwise the same)
+QUANT_GLUON = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_GLUON", "0") == "1"
 # TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
 _ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
 
@@ -164,86 +159,6 @@ def _quant_gather_128x1_t_kernel(
 
 
 @triton.jit
-def _widen_again(x):
-    """x as fp32 once more; for bf16 by a 16-bit shift of its bits (exact), which the compiler does not merge with
-    an earlier ``x.to(tl.float32)``, so the bf16 value, not the fp32 one, stays live in between."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _quant_gather_128x1_t_pipe_kernel(
-    x_ptr,  # (T, C) fp32 / bf16, source rows
-    row_index_ptr,  # (M,) int32, source index (// TOP_K) of each output row, < 0 -> zero row
-    yT_ptr,  # (C, M) fp8e4nv out, transposed, row stride LD
-    scale_ptr,  # (cdiv(M, 128), C) fp32 out
-    count_ptr,  # (1,) int32, += non-finite groups; CHECK only
-    end_ptr,  # (1,) int32, rows from this one on are not needed (left unwritten); HAS_END only
-    M,  # i32, output rows (N_cap)
-    LD,  # i32, row stride of yT (>= M)
-    C: tl.constexpr,
-    TOP_K: tl.constexpr,
-    CHECK: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
-    EPS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_END: tl.constexpr,
-    RCP: tl.constexpr,  # x / scale by one reciprocal per group (the same bits)
-    STAGES: tl.constexpr,
-    NUM_PROGS: tl.constexpr,  # the grid
-):
-    """``_quant_gather_128x1_t_kernel``'s tiles in a persistent loop whose (index, then gathered row) loads the
-    compiler pipelines STAGES - 1 tiles ahead. Same results, bitwise.
-
-    Grid: (P,); program p takes tiles p, p + P, ... (tile t: rows 128 (t // NC), columns BLOCK_C (t % NC), NC =
-    cdiv(C, BLOCK_C)); then, with HAS_END, the dead tiles past end_row (their scales only).
-    """
-    G: tl.constexpr = 128
-    NC: tl.constexpr = (C + BLOCK_C - 1) // BLOCK_C
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(M, G)
-    n_live = n_blocks
-    if HAS_END:
-        n_live = tl.minimum(tl.cdiv(tl.load(end_ptr), G), n_blocks)
-    n_bad = 0
-    first, n_work = pid, n_live * NC
-    if EXACT_ROUND:  # interpreter: Python ints for its range()
-        first, n_work = interp_int(first), interp_int(n_work)
-    for t in tl.range(first, n_work, NUM_PROGS, num_stages=STAGES):
-        b = t // NC
-        cols = (t % NC) * BLOCK_C + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        rows = b * G + tl.arange(0, G)
-        row_ok = rows < M
-        idx = tl.load(row_index_ptr + rows, mask=row_ok, other=-1)
-        live = idx >= 0
-        src = tl.where(live, idx // TOP_K, 0).to(tl.int64)
-        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=live[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        scale_1C = _scale_of(_amax(x, 0), EPS)
-        if RCP:
-            q = _to_e4m3_rcp(x, scale_1C, EXACT_ROUND)
-        else:
-            q = _to_e4m3(x, scale_1C, EXACT_ROUND)
-        scale = tl.reshape(scale_1C, (BLOCK_C,))
-        tl.store(yT_ptr + cols.to(tl.int64)[None, :] * LD + rows[:, None], q, mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(scale_ptr + b.to(tl.int64) * C + cols, scale, mask=col_ok)
-        if CHECK:
-            n_bad += tl.sum((col_ok & ~(scale < float("inf"))).to(tl.int32))
-    if HAS_END:  # blocks past the last expert: their (finite) scales only
-        d0, d1 = n_live * NC + pid, n_blocks * NC
-        if EXACT_ROUND:
-            d0, d1 = interp_int(d0), interp_int(d1)
-        for t in tl.range(d0, d1, NUM_PROGS):
-            cols = (t % NC) * BLOCK_C + tl.arange(0, BLOCK_C)
-            tl.store(scale_ptr + tl.cast(t // NC, tl.int64) * C + cols,
-                     _scale_of(tl.zeros((BLOCK_C,), tl.float32), EPS), mask=cols < C)
-    if CHECK:
-        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-
-@triton.jit
 def _quant_dual_kernel(
     x_ptr,  # (M, C) fp32 / bf16
     valid_ptr,  # (M,) uint8, nonzero = valid row
@@ -308,120 +223,14 @@ def _quant_dual_kernel(
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
 
-@triton.jit
-def _quant_dual_pipe_kernel(
-    x_ptr,  # (M, C) fp32 / bf16
-    valid_ptr,  # (M,) uint8, nonzero = valid row
-    y_ptr,  # (M, C) fp8e4nv out, 1x128
-    s_ptr,  # (M, C // 128) fp32 out
-    yT_ptr,  # (C, M) fp8e4nv out, 128x1 transposed, row stride LD
-    sT_ptr,  # (cdiv(M, 128), C) fp32 out
-    count_ptr,  # (1,) int32; CHECK only
-    end_ptr,  # (1,) int32, rows from this one on are not needed (left unwritten); HAS_END only
-    M,  # i32 rows
-    LD,  # i32, row stride of yT (>= M)
-    C: tl.constexpr,  # a multiple of 128
-    CHECK: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
-    EPS: tl.constexpr,
-    HAS_END: tl.constexpr,
-    RCP: tl.constexpr,  # x / scale by one reciprocal per group (fp8_quant._to_e4m3_rcp; the same bits)
-    STAGES: tl.constexpr,
-    NUM_PROGS: tl.constexpr,  # the grid
-):
-    """``_quant_dual_kernel``'s tiles in a persistent loop whose loads the compiler pipelines (cp.async into
-    shared memory, STAGES - 1 tiles ahead), so a program's DRAM reads stay in flight while it computes; each tile
-    is read once and both halves stay in registers (16 warps). Same results, bitwise.
-
-    Grid: (P,); program p takes tiles p, p + P, ... in row-block-major order (tile t: rows 128 (t // (C / 128)),
-    columns 128 (t % (C / 128))); then, with HAS_END, the dead tiles past end_row (their scales only).
-    """
-    G: tl.constexpr = 128
-    H: tl.constexpr = 64
-    NG: tl.constexpr = C // G
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(M, G)
-    n_live = n_blocks
-    if HAS_END:
-        n_live = tl.minimum(tl.cdiv(tl.load(end_ptr), G), n_blocks)
-    n_bad = 0
-    first, n_work = pid, n_live * NG
-    if EXACT_ROUND:  # interpreter: Python ints for its range()
-        first, n_work = interp_int(first), interp_int(n_work)
-    for t in tl.range(first, n_work, NUM_PROGS, num_stages=STAGES):
-        b = t // NG
-        g = t % NG
-        rows = b * G + tl.arange(0, G)
-        row_ok = rows < M
-        live = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
-        rows64 = rows.to(tl.int64)
-        c0 = g * G + tl.arange(0, H)
-        c1 = c0 + H
-        x0 = tl.load(x_ptr + rows64[:, None] * C + c0[None, :], mask=live[:, None], other=0.0)
-        x1 = tl.load(x_ptr + rows64[:, None] * C + c1[None, :], mask=live[:, None], other=0.0)
-        # the column (128x1) quantization of each half first; its fp32 values die before the row pass, which
-        # widens the bf16 halves again by a shift (a second conversion the compiler does not merge with the
-        # first): both halves stay live as bf16 (half the registers of fp32)
-        f0 = x0.to(tl.float32)
-        s0 = _scale_of(_amax(f0, 0), EPS)  # (1, 64) column scales
-        a0 = _amax(f0, 1)
-        if RCP:
-            q0T = _to_e4m3_rcp(f0, s0, EXACT_ROUND)
-        else:
-            q0T = _to_e4m3(f0, s0, EXACT_ROUND)
-        tl.store(yT_ptr + c0.to(tl.int64)[None, :] * LD + rows[:, None], q0T, mask=row_ok[:, None])
-        f1 = x1.to(tl.float32)
-        s1 = _scale_of(_amax(f1, 0), EPS)
-        sM = _scale_of(tl.maximum(a0, _amax(f1, 1), propagate_nan=tl.PropagateNan.ALL), EPS)  # (128, 1)
-        if RCP:
-            q1T = _to_e4m3_rcp(f1, s1, EXACT_ROUND)
-        else:
-            q1T = _to_e4m3(f1, s1, EXACT_ROUND)
-        tl.store(yT_ptr + c1.to(tl.int64)[None, :] * LD + rows[:, None], q1T, mask=row_ok[:, None])
-        g0 = _widen_again(x0)
-        g1 = _widen_again(x1)
-        if RCP:
-            q0 = _to_e4m3_rcp(g0, sM, EXACT_ROUND)
-            q1 = _to_e4m3_rcp(g1, sM, EXACT_ROUND)
-        else:
-            q0 = _to_e4m3(g0, sM, EXACT_ROUND)
-            q1 = _to_e4m3(g1, sM, EXACT_ROUND)
-        tl.store(y_ptr + rows64[:, None] * C + c0[None, :], q0, mask=row_ok[:, None])
-        tl.store(y_ptr + rows64[:, None] * C + c1[None, :], q1, mask=row_ok[:, None])
-        s0 = tl.reshape(s0, (H,))
-        s1 = tl.reshape(s1, (H,))
-        tl.store(sT_ptr + b.to(tl.int64) * C + c0, s0)
-        tl.store(sT_ptr + b.to(tl.int64) * C + c1, s1)
-        s_row = tl.reshape(sM, (G,))
-        tl.store(s_ptr + rows64 * NG + g, s_row, mask=row_ok)
-        if CHECK:
-            n_bad += (tl.sum((~(s0 < float("inf"))).to(tl.int32)) + tl.sum((~(s1 < float("inf"))).to(tl.int32))
-                      + tl.sum((row_ok & ~(s_row < float("inf"))).to(tl.int32)))  # NaN < inf is False
-    if HAS_END:  # tiles past the last expert: their (finite) column scales only, as _quant_dual_kernel
-        d0, d1 = n_live * NG + pid, n_blocks * NG
-        if EXACT_ROUND:
-            d0, d1 = interp_int(d0), interp_int(d1)
-        for t in tl.range(d0, d1, NUM_PROGS):
-            b = t // NG
-            g = t % NG
-            tl.store(sT_ptr + tl.cast(b, tl.int64) * C + g * G + tl.arange(0, G), _scale_of(tl.zeros((G,), tl.float32), EPS))
-    if CHECK:
-        tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-
-def _pipe(variant: str | None, fn: str) -> bool:
-    if variant is None:
-        return QUANT_PIPE
-    if variant not in ("v1", "pipe"):
-        raise ValueError(f"{fn}: variant must be 'v1' or 'pipe', got {variant!r}")
-    return variant == "pipe"
-
-
-def _pipe_grid(dev, n_tiles: int, per_sm: int, interpret: bool) -> int:
-    """Programs of a pipelined pass: ``per_sm`` per SM (what its registers / shared memory allow), at most one
-    per tile; ``configs.INTERPRETER_PROGRAMS`` in the interpreter (several tiles per program)."""
-    return persistent_programs(dev, max(1, cdiv(n_tiles, 1 if interpret else per_sm)), interpret) * (
-        1 if interpret else per_sm)
+def _use_gluon(variant: str | None, fn: str, x: Tensor, interpret: bool) -> bool:
+    """Whether a pass runs its Gluon kernel: asked for (``variant`` or ``QUANT_GLUON``) and possible there (compiled
+    mode on an sm_90 GPU with Gluon, bf16 input)."""
+    if variant not in (None, "v1", "gluon"):
+        raise ValueError(f"{fn}: variant must be 'v1' or 'gluon', got {variant!r}")
+    want = QUANT_GLUON if variant is None else variant == "gluon"
+    return (want and not interpret and x.dtype == torch.bfloat16 and gl_quant_bwd.HAVE_GLUON
+            and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
 def _check_end_row(fn: str, end_row: Tensor | None, dev) -> None:
@@ -442,7 +251,6 @@ def quantize_gather_128x1_t(
     name: str | None = None,
     end_row: Tensor | None = None,
     variant: str | None = None,
-    pipe_config: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gather token rows into layout order and quantize them 128x1, stored transposed.
 
@@ -464,9 +272,8 @@ def quantize_gather_128x1_t(
             BM = 128 layout; checked per 128-row block, not per row): output rows from it on are not
             needed by any consumer and are left unwritten (their scales are written finite); saves the
             pass over the spare capacity rows (half of N_cap at EP = 2).
-        variant: "v1" (a grid of one program per tile) or "pipe" (persistent, loads pipelined); None: "pipe"
-            where ``TITAN_MEGAMOE_FP8_QUANT_PIPE=1``, else "v1". Bitwise the same results.
-        pipe_config: overrides of :data:`PIPE_GATHER` (benchmarks).
+        variant: "v1" (the Triton kernel) or "gluon" (``gl_quant_bwd``: sm_90, bf16 x; elsewhere v1 runs);
+            None: "gluon" where ``TITAN_MEGAMOE_FP8_QUANT_GLUON=1``, else "v1". Bitwise the same results.
 
     Returns:
         (xT_fp8 (C, M) float8_e4m3fn with row stride ``transposed_ld(M)`` (or ``out``'s), scale
@@ -497,17 +304,13 @@ def quantize_gather_128x1_t(
     _check_end_row(fn, end_row, dev)
     args = (x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
             out.stride(0))
-    consts = dict(C=C, TOP_K=top_k, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None)
-    if _pipe(variant, fn):
-        cfg = PIPE_GATHER if pipe_config is None else {**PIPE_GATHER, **pipe_config}
-        bc = _T_BLOCK_C[True] if interpret else cfg["BLOCK_C"]
-        grid = _pipe_grid(dev, cdiv(M, GROUP) * cdiv(C, bc), cfg["per_sm"], interpret)
-        launch(_quant_gather_128x1_t_pipe_kernel, (grid,), *args, **consts, BLOCK_C=bc, RCP=cfg.get("RCP", False),
-               STAGES=cfg["STAGES"], NUM_PROGS=grid, num_warps=cfg["num_warps"], num_stages=cfg["STAGES"])
+    if _use_gluon(variant, fn, x, interpret):
+        launch(gl_quant_bwd._gl_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, GROUP)), *args, C=C,
+               TOP_K=top_k, CHECK=check, EPS=AMAX_EPS, HAS_END=end_row is not None, **gl_quant_bwd.launch_options())
         return out, scale_out
     bc = _T_BLOCK_C[interpret]
-    launch(_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, bc)), *args, **consts, BLOCK_C=bc,
-           num_warps=_WARPS)
+    launch(_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, bc)), *args, C=C, TOP_K=top_k, CHECK=check,
+           EXACT_ROUND=interpret, EPS=AMAX_EPS, BLOCK_C=bc, HAS_END=end_row is not None, num_warps=_WARPS)
     return out, scale_out
 
 
@@ -519,7 +322,6 @@ def quantize_dual_1x128_128x1_t(
     name: str | None = None,
     end_row: Tensor | None = None,
     variant: str | None = None,
-    pipe_config: dict | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """1x128 and transposed 128x1 quantization of one tensor, each 128 x 128 tile read once from DRAM.
 
@@ -536,7 +338,7 @@ def quantize_dual_1x128_128x1_t(
         name: named in error messages.
         end_row: as in :func:`quantize_gather_128x1_t`: rows from it on are left unwritten in x_fp8,
             scale and xT_fp8.
-        variant, pipe_config: as in :func:`quantize_gather_128x1_t` (:data:`PIPE_DUAL`).
+        variant: as in :func:`quantize_gather_128x1_t`.
 
     Returns:
         (x_fp8 (M, C), scale (M, C // 128), xT_fp8 (C, M) with row stride ``transposed_ld(M)``,
@@ -570,12 +372,10 @@ def quantize_dual_1x128_128x1_t(
     _check_end_row(fn, end_row, dev)
     args = (x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
             yT.stride(0))
-    consts = dict(C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, HAS_END=end_row is not None)
-    if _pipe(variant, fn):
-        cfg = PIPE_DUAL if pipe_config is None else {**PIPE_DUAL, **pipe_config}
-        grid = _pipe_grid(dev, Mb * (C // GROUP), cfg["per_sm"], interpret)
-        launch(_quant_dual_pipe_kernel, (grid,), *args, **consts, RCP=cfg.get("RCP", False), STAGES=cfg["STAGES"],
-               NUM_PROGS=grid, num_warps=cfg["num_warps"], num_stages=cfg["STAGES"])
+    if _use_gluon(variant, fn, x, interpret):
+        launch(gl_quant_bwd._gl_quant_dual_kernel, (Mb, C // GROUP), *args, C=C, CHECK=check, EPS=AMAX_EPS,
+               HAS_END=end_row is not None, **gl_quant_bwd.launch_options())
     else:
-        launch(_quant_dual_kernel, (Mb, C // GROUP), *args, **consts, num_warps=_DUAL_WARPS)
+        launch(_quant_dual_kernel, (Mb, C // GROUP), *args, C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS,
+               HAS_END=end_row is not None, num_warps=_DUAL_WARPS)
     return y, s, yT, sT

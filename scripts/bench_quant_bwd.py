@@ -1,10 +1,10 @@
-"""The FP8 backward's two standalone quantization passes, grid kernels (v1) against the persistent load-pipelined
-ones (``fp8_quant_bwd.*_pipe_kernel``) in several launch configurations, in one process. Prints one JSON line.
+"""The FP8 backward's two standalone quantization passes: the Triton kernels (v1) against the Gluon ones
+(``gl_quant_bwd.py``) in several launch configurations (warps, register cap), in one process. Prints one JSON line.
 
-    python scripts/bench_quant_pipe.py                  # 30B and 235B shapes, T = 16384, on a GPU
-    TRITON_INTERPRET=1 python scripts/bench_quant_pipe.py --smoke   # CPU: each variant once, tiny shape
-    ncu --clock-control none -k regex:_quant_ python scripts/bench_quant_pipe.py --shapes 30b --ncu
-        # v1 and the default pipelined variant of each pass, each launched twice, not timed (for a profiler)
+    python scripts/bench_quant_bwd.py                  # 30B and 235B shapes, T = 16384, on a GPU
+    TRITON_INTERPRET=1 python scripts/bench_quant_bwd.py --smoke   # CPU: v1 once at a tiny shape (checks the script)
+    ncu --clock-control none -k regex:_quant_ python scripts/bench_quant_bwd.py --shapes 30b --ncu
+        # v1 and the default Gluon variant of each pass, each launched twice, not timed (for a profiler)
 
 Operands as in the FP8 backward at EP = 1: dgate_up (N_cap, 2F) bf16 for the dual 1x128 + 128x1 pass (rows past
 the last expert's end left out, ``end_row``), x and dout (T, D) bf16 gathered into the layout for the 128x1 pass.
@@ -30,20 +30,12 @@ import torch  # noqa: E402
 
 SHAPES = {"30b": (2048, 768), "235b": (4096, 1536), "smoke": (256, 128)}
 E, K = 128, 8
-# (label, pipe_config) of the pipelined variants; sm_90a builds: registers x threads, shared memory per program
-DUAL = [
-    ("pipe16w_s3", dict(num_warps=16, STAGES=3, per_sm=1)),  # 128 regs, 70 KB (default)
-    ("pipe16w_s2", dict(num_warps=16, STAGES=2, per_sm=1)),  # 128 regs, 37 KB
-    ("pipe8w_s3", dict(num_warps=8, STAGES=3, per_sm=1)),  # 233 regs, 68 KB
-    ("pipe16w_s2_rcp", dict(num_warps=16, STAGES=2, per_sm=1, RCP=True)),  # 128 regs + 8 B spill
-]
-GATHER = [
-    ("pipe8w_bc64_s3_x3", dict(num_warps=8, BLOCK_C=64, STAGES=3, per_sm=3)),  # 79 regs, 35 KB (default)
-    ("pipe8w_bc64_s2_x3", dict(num_warps=8, BLOCK_C=64, STAGES=2, per_sm=3)),  # 79 regs, 18 KB
-    ("pipe8w_bc64_s3_x2", dict(num_warps=8, BLOCK_C=64, STAGES=3, per_sm=2)),
-    ("pipe4w_bc64_s3_x4", dict(num_warps=4, BLOCK_C=64, STAGES=3, per_sm=4)),  # 126 regs, 34 KB
-    ("pipe16w_bc128_s3_x1", dict(num_warps=16, BLOCK_C=128, STAGES=3, per_sm=1)),  # 88 regs, 69 KB
-    ("pipe8w_bc64_s3_x2_rcp", dict(num_warps=8, BLOCK_C=64, STAGES=3, per_sm=2, RCP=True)),  # 127 regs
+# (label, Gluon warps, register cap) of the Gluon variants; sm_90a builds (30B): registers per thread, no spills
+GLUON = [
+    ("gluon16w", 16, None),  # dual 87 / gather 84 registers: one program per SM (the default)
+    ("gluon8w", 8, None),  # 155 / 153: one program per SM
+    ("gluon16w_r64", 16, 64),  # two programs per SM; 16-48 bytes of spills
+    ("gluon8w_r128", 8, 128),  # two programs per SM; 40-48 bytes of spills
 ]
 
 
@@ -61,6 +53,7 @@ def _same(a, b, end: int) -> bool:
 def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
     import triton
 
+    from titan_megamoe.kernels import gl_quant_bwd as GQ
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
     from titan_megamoe.kernels.routing import build_routing_layout
 
@@ -92,32 +85,32 @@ def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
     # pass reads D bf16 per live row (L2 hits not subtracted) and writes D e4m3 + scales
     dual_bytes = end * 2 * F * (2 + 2) + end * (2 * F // 128) * 4 + (end // 128) * 2 * F * 4
     gath_bytes = end * D * (2 + 1) + (end // 128) * D * 4
-    ref = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")
-    for label, cfg in [("v1", None)] + DUAL[: 1 if once else None]:
-        fn = (lambda: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")) if cfg is None else (
-            lambda cfg=cfg: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="pipe", pipe_config=cfg))
+    variants = [("v1", None, None)] + ([] if smoke else GLUON[: 1 if once else None])
+
+    def run(label, pass_, fn, ref, nbytes):
+        _, nw, cap = next(v for v in variants if v[0] == label)
+        GQ.GL_QUANT_WARPS, GQ.GL_QUANT_MAXNREG = nw or 16, cap
         try:
             same = _same(fn(), ref, end)
             ms = time_ms(fn)
-            rows.append(dict(pass_="dual", variant=label, config=cfg, ms=ms, bitwise_v1=same,
-                             gbs=round(dual_bytes / ms / 1e6, 1) if ms else None))
+            rows.append(dict(pass_=pass_, variant=label, warps=nw, maxnreg=cap, ms=ms, bitwise_v1=same,
+                             gbs=round(nbytes / ms / 1e6, 1) if ms else None))
         except Exception as exc:  # one failing variant must not hide the others
-            rows.append(dict(pass_="dual", variant=label, config=cfg, error=repr(exc)[:300]))
-        print(f"[bench_quant_pipe] {name} {rows[-1]}", file=sys.stderr, flush=True)
+            rows.append(dict(pass_=pass_, variant=label, warps=nw, maxnreg=cap, error=repr(exc)[:300]))
+        print(f"[bench_quant_bwd] {name} {rows[-1]}", file=sys.stderr, flush=True)
+
+    ref = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")
+    for label, *_ in variants:
+        kind = "v1" if label == "v1" else "gluon"
+        run(label, "dual", lambda kind=kind: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant=kind),
+            ref, dual_bytes)
     for src_name, src in (("x", x), ("dout", dout)):
         ref = quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="v1")
-        for label, cfg in [("v1", None)] + GATHER[: 1 if once else None]:
-            fn = (lambda: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="v1")) if cfg is None \
-                else (lambda cfg=cfg: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="pipe",
-                                                               pipe_config=cfg))
-            try:
-                same = _same(fn(), ref, end)
-                ms = time_ms(fn)
-                rows.append(dict(pass_=f"gather_128x1_{src_name}", variant=label, config=cfg, ms=ms, bitwise_v1=same,
-                                 gbs=round(gath_bytes / ms / 1e6, 1) if ms else None))
-            except Exception as exc:
-                rows.append(dict(pass_=f"gather_128x1_{src_name}", variant=label, config=cfg, error=repr(exc)[:300]))
-            print(f"[bench_quant_pipe] {name} {rows[-1]}", file=sys.stderr, flush=True)
+        for label, *_ in variants:
+            kind = "v1" if label == "v1" else "gluon"
+            run(label, f"gather_128x1_{src_name}",
+                lambda kind=kind, src=src: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant=kind),
+                ref, gath_bytes)
     return {"shape": name, "T": T, "D": D, "F": F, "E": e, "K": k, "rows_padded": N, "end_row": end,
             "live_rows": live, "rows": rows}
 
@@ -130,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="30b,235b")
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--smoke", action="store_true", help="CPU + interpreter, tiny shape, each variant once")
-    p.add_argument("--ncu", action="store_true", help="v1 and the default pipelined variants only, not timed")
+    p.add_argument("--smoke", action="store_true", help="CPU + interpreter, tiny shape, v1 once")
+    p.add_argument("--ncu", action="store_true", help="v1 and the default Gluon variant only, not timed")
     a = p.parse_args(argv)
     if a.smoke:
         a.shapes, a.tokens = "smoke", 200
     elif not torch.cuda.is_available():
-        raise SystemExit("bench_quant_pipe needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
-    rec = {"bench": "quant_pipe", "gpu": None if a.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+        raise SystemExit("bench_quant_bwd needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    rec = {"bench": "quant_bwd", "gpu": None if a.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python"] + sys.argv),

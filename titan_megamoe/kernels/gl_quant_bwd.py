@@ -1,0 +1,184 @@
+"""The FP8 backward's standalone quantization passes in Gluon (explicit layouts): the dual 1x128 + transposed 128x1
+pass of dgate_up and the gathered transposed 128x1 pass of x / dout, bitwise the Triton kernels of
+``fp8_quant_bwd.py`` (which keeps the launchers, the checks and the CPU interpreter path).
+
+Why (docs/NOTES.md, session 23): Nsight Compute on an H100 (30B) shows the Triton kernels bound by instruction issue,
+not by memory: the dual pass issues ~51 lane-instructions per element at 0.48 instructions per scheduler cycle and
+25 % occupancy (128 registers), DRAM at 37 % of peak; the gathered pass 0.69 per cycle, DRAM 25 %. Three causes,
+all from layouts Triton picks and a kernel cannot change there:
+
+* the loads' layout gives each thread 16 consecutive columns of a row, so every thread computes 16 column scales
+  (an IEEE division each) and their broadcast; the scale work is as large as the element work;
+* each element's x / scale is a ``div.rn`` (~10 instructions behind a branch); the reciprocal form
+  (``fp8_quant._div_by_group``: one FMUL, two FFMA, the same bits) raised Triton's registers (128 -> 157, 68 -> 120)
+  and with them lost occupancy;
+* the transposed store goes through a layout conversion in shared memory.
+
+Here the column (128x1) pass uses a layout in which a thread holds ``128 / num_warps`` rows x 4 columns: loads of 8
+bytes per row (a warp reads 256 contiguous bytes), 4 column scales per thread, and the same registers re-read with
+rows fastest (a register permutation, no data movement) store 16 rows of a column as one 16-byte vector of the
+transposed output. The row (1x128) pass uses 16 columns x few rows per thread. The quotient is the reciprocal form.
+The dual pass reads the tile twice (the second read hits L2), as the Triton kernel does.
+
+Math per group exactly as ``ops/fp8_reference.py`` (amax over |x| with NaN kept, floored at EPS, scale = amax / 448
+rounded as IEEE division, x / scale rounded to nearest, clamped to +-448, cast to e4m3 round to nearest even).
+GPU only (Gluon has no interpreter path): CPU tests build the kernels for sm_90a; GPU tests compare them with the
+Triton kernels bitwise.
+"""
+
+from __future__ import annotations
+
+from titan_megamoe.kernels.ws_gemm import HAVE_GLUON
+
+if HAVE_GLUON:
+    import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+__all__ = ["GL_QUANT_WARPS", "GL_QUANT_MAXNREG", "launch_options"]
+
+#: warps per program of both kernels (a program is one 128 x 128 tile) and ptxas's register cap (None: none)
+GL_QUANT_WARPS = 16
+GL_QUANT_MAXNREG = None
+
+
+
+def launch_options() -> dict:
+    """num_warps / NW (and maxnreg where capped) of a launch of either kernel."""
+    opts = dict(NW=GL_QUANT_WARPS, num_warps=GL_QUANT_WARPS)
+    if GL_QUANT_MAXNREG is not None:
+        opts["maxnreg"] = GL_QUANT_MAXNREG
+    return opts
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _e4m3(x, neg_scale, rcp):
+        """e4m3(x / scale) saturated at +-448, the quotient rounded as ``div_rn``: one FMUL and two FFMA from the group's
+        reciprocal rcp = RN(1 / scale) (Markstein; ``fp8_quant._div_by_group``); neg_scale = -scale and rcp broadcast
+        to x (the remainder x - q scale as fma(q, -scale, x): Triton's unary minus is 0 - q, one more FFMA per element).
+        The cast saturates finite values at +-448 as ``fp8_quant._e4m3_of``'s clamp does; a NaN quotient (only in a
+        group with a non-finite scale, which the kernels count) stays NaN where the clamp made it -448."""
+        q = x * rcp
+        q = gl.fma(gl.fma(q, neg_scale, x), rcp, q)
+        # |q| with x's sign (-0.0 / s is -0.0) in one LOP3 (bit select, LUT 0xE4 = (a & c) | (b & ~c)); written as
+        # and / or the compiler makes it four instructions (sign bit to a predicate, then FSEL)
+        q = gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 2147483647, 0xE4;", "=r,r,r",
+                                      [q.to(gl.int32, bitcast=True), x.to(gl.int32, bitcast=True)], dtype=gl.int32,
+                                      is_pure=True, pack=1).to(gl.float32, bitcast=True)
+        return q.to(gl.float8e4nv)  # cvt.rn.satfinite
+
+    @gluon.jit
+    def _amax_bits(xb, AXIS: gl.constexpr):
+        """max |x| along AXIS of a bf16 tile, as the int32 bits of the fp32 value: taken on the bf16 bits (|x| as int16
+        orders as the float, NaN above +inf), then widened by a 16-bit shift (bf16 -> fp32 is exact), so the tile
+        stays bf16 in registers (half the registers of fp32)."""
+        m = gl.max(xb.to(gl.int16, bitcast=True) & 32767, axis=AXIS)
+        return m.to(gl.int32) << 16
+
+    @gluon.jit
+    def _scale_rcp(bits, EPS: gl.constexpr):
+        """(scale, 1 / scale) of groups whose amax has the int32 bits ``bits`` (|x| bits: the integer max is the float
+        max, NaN above +inf): scale = max(amax, EPS) / 448 as IEEE division, NaN kept."""
+        amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
+        scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=amax.type.layout))
+        rcp = gl.div_rn(gl.full(amax.shape, 1.0, gl.float32, layout=amax.type.layout), scale)
+        return scale, rcp
+
+    @gluon.jit
+    def _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, sT_ptr, LD, C: gl.constexpr, EPS: gl.constexpr,
+                         NW: gl.constexpr):
+        """128x1 groups of one (128, 128) bf16 tile in the column layout: e4m3 values to yT[col, row] (16-byte stores
+        along rows), scales to sT[b, col]; returns the count of non-finite scales among the valid columns."""
+        scale, rcp = _scale_rcp(_amax_bits(x, 0), EPS)
+        q = _e4m3(x.to(gl.float32), gl.expand_dims(-scale, 0), gl.expand_dims(rcp, 0))
+        # the same registers with rows fastest: each thread's 128 / NW rows of a column are one contiguous vector
+        LT: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [0, 1])
+        qT = gl.convert_layout(q, LT, assert_trivial=True)
+        rT = gl.convert_layout(rows, gl.SliceLayout(1, LT), assert_trivial=True)
+        cT = gl.convert_layout(cols, gl.SliceLayout(0, LT), assert_trivial=True)
+        okT = gl.convert_layout(row_ok, gl.SliceLayout(1, LT), assert_trivial=True)
+        cokT = gl.convert_layout(col_ok, gl.SliceLayout(0, LT), assert_trivial=True)
+        # int64: col * LD passes 2^31 at full shapes
+        gl.store(yT_ptr + gl.expand_dims(cT.to(gl.int64), 0) * LD + gl.expand_dims(rT, 1), qT,
+                 mask=gl.expand_dims(okT, 1) & gl.expand_dims(cokT, 0))
+        gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=col_ok)
+        return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
+
+    @gluon.jit
+    def _dead_block_scales(sT_ptr, b, col0, C: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):
+        """A 128-row block past end_row: its finite column scales only (as the Triton kernels)."""
+        L1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        cols = col0 + gl.arange(0, 128, layout=L1)
+        zero = gl.full((128,), 0.0, gl.float32, layout=L1)
+        scale = gl.div_rn(gl.maximum(zero, EPS), gl.full((128,), 448.0, gl.float32, layout=L1))
+        gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=cols < C)
+
+    @gluon.jit
+    def _gl_quant_dual_kernel(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD,
+                              C: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
+                              NW: gl.constexpr):
+        """``fp8_quant_bwd._quant_dual_kernel`` (same arguments, grid (cdiv(M, 128), C // 128), same outputs
+        bitwise): program (b, g) owns rows [128 b, 128 b + 128) x columns [128 g, 128 g + 128)."""
+        b = gl.program_id(0)
+        g = gl.program_id(1)
+        dead = False
+        if HAS_END:
+            dead = b * 128 >= gl.load(end_ptr)
+        if dead:
+            _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW)
+        else:
+            # column pass: 128 / NW rows x 4 columns per thread, a warp reads 256 contiguous bytes of a row
+            LC: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [1, 0])
+            rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+            cols = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LC))
+            row_ok = rows < M
+            live = row_ok & (gl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+            x = gl.load(x_ptr + gl.expand_dims(rows.to(gl.int64), 1) * C + gl.expand_dims(cols, 0),
+                        mask=gl.expand_dims(live, 1), other=0.0)
+            n_bad = _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW)
+            # row pass: 16 columns x 128 / (4 NW) rows per thread (the tile again, from L2)
+            LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+            rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LR))
+            cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
+            rr_ok = rr < M
+            live_r = rr_ok & (gl.load(valid_ptr + rr, mask=rr_ok, other=0) != 0)
+            offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
+            xr = gl.load(x_ptr + offs, mask=gl.expand_dims(live_r, 1), other=0.0)
+            scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
+            q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
+            gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
+            gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
+            if CHECK:
+                n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+                gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+
+    @gluon.jit
+    def _gl_quant_gather_128x1_t_kernel(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, end_ptr, M, LD,
+                                        C: gl.constexpr, TOP_K: gl.constexpr, CHECK: gl.constexpr,
+                                        EPS: gl.constexpr, HAS_END: gl.constexpr, NW: gl.constexpr):
+        """``fp8_quant_bwd._quant_gather_128x1_t_kernel`` with 128 columns per program (grid (cdiv(M, 128),
+        cdiv(C, 128)), same outputs bitwise): row r of the tile is x[row_index[r] // TOP_K], zero where
+        row_index[r] < 0."""
+        b = gl.program_id(0)
+        j = gl.program_id(1)
+        dead = False
+        if HAS_END:
+            dead = b * 128 >= gl.load(end_ptr)
+        if dead:
+            _dead_block_scales(scale_ptr, b, j * 128, C, EPS, NW)
+        else:
+            LC: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [1, 0])
+            rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+            cols = j * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LC))
+            row_ok = rows < M
+            col_ok = cols < C
+            idx = gl.load(row_index_ptr + rows, mask=row_ok, other=-1)
+            live = idx >= 0
+            src = gl.where(live, idx // TOP_K, 0).to(gl.int64)  # int64: src * C can pass 2^31
+            x = gl.load(x_ptr + gl.expand_dims(src, 1) * C + gl.expand_dims(cols, 0),
+                        mask=gl.expand_dims(live, 1) & gl.expand_dims(col_ok, 0), other=0.0)
+            n_bad = _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, scale_ptr, LD, C, EPS, NW)
+            if CHECK:
+                gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
