@@ -30,12 +30,18 @@ import torch  # noqa: E402
 
 SHAPES = {"30b": (2048, 768), "235b": (4096, 1536), "smoke": (256, 128)}
 E, K = 128, 8
-# (label, Gluon warps, register cap) of the Gluon variants; sm_90a builds (30B): registers per thread, no spills
-GLUON = [
-    ("gluon16w", 16, None),  # dual 87 / gather 84 registers: one program per SM (the default)
-    ("gluon8w", 8, None),  # 155 / 153: one program per SM
-    ("gluon16w_r64", 16, 64),  # two programs per SM; 16-48 bytes of spills
-    ("gluon8w_r128", 8, 128),  # two programs per SM; 40-48 bytes of spills
+# Gluon launch configurations per pass (gl_quant_bwd.DUAL_CONFIG / GATHER_CONFIG; the first is the default):
+# sm_90a builds (30B) give registers per thread, programs per SM follow (65536 registers)
+DUAL = [
+    ("gluon8w_r128", dict(NW=8, maxnreg=128)),  # 128 registers, 40-48 B of spills: two programs per SM
+    ("gluon8w", dict(NW=8, maxnreg=None)),  # 155: one
+]
+GATHER = [
+    ("gluon8w_bc64", dict(NW=8, maxnreg=None, BC=64)),  # 79 registers: three programs per SM
+    ("gluon8w_bc32", dict(NW=8, maxnreg=None, BC=32)),  # 47: five
+    ("gluon4w_bc32", dict(NW=4, maxnreg=None, BC=32)),  # 79: six
+    ("gluon8w_bc64_r64", dict(NW=8, maxnreg=64, BC=64)),  # 64 + 32 B of spills: four
+    ("gluon8w_bc128_r128", dict(NW=8, maxnreg=128, BC=128)),  # 128 + 40 B: two
 ]
 
 
@@ -85,32 +91,36 @@ def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
     # pass reads D bf16 per live row (L2 hits not subtracted) and writes D e4m3 + scales
     dual_bytes = end * 2 * F * (2 + 2) + end * (2 * F // 128) * 4 + (end // 128) * 2 * F * 4
     gath_bytes = end * D * (2 + 1) + (end // 128) * D * 4
-    variants = [("v1", None, None)] + ([] if smoke else GLUON[: 1 if once else None])
-
-    def run(label, pass_, fn, ref, nbytes):
-        _, nw, cap = next(v for v in variants if v[0] == label)
-        GQ.GL_QUANT_WARPS, GQ.GL_QUANT_MAXNREG = nw or 16, cap
+    def run(label, pass_, fn, ref, nbytes, cfg):
+        if cfg is not None:
+            (GQ.DUAL_CONFIG if pass_ == "dual" else GQ.GATHER_CONFIG).update(cfg)
         try:
             same = _same(fn(), ref, end)
             ms = time_ms(fn)
-            rows.append(dict(pass_=pass_, variant=label, warps=nw, maxnreg=cap, ms=ms, bitwise_v1=same,
+            rows.append(dict(pass_=pass_, variant=label, config=cfg, ms=ms, bitwise_v1=same,
                              gbs=round(nbytes / ms / 1e6, 1) if ms else None))
         except Exception as exc:  # one failing variant must not hide the others
-            rows.append(dict(pass_=pass_, variant=label, warps=nw, maxnreg=cap, error=repr(exc)[:300]))
+            rows.append(dict(pass_=pass_, variant=label, config=cfg, error=repr(exc)[:300]))
         print(f"[bench_quant_bwd] {name} {rows[-1]}", file=sys.stderr, flush=True)
 
+    def variants(table):
+        return [("v1", None)] + ([] if smoke else table[: 1 if once else None])
+
+    dual0, gather0 = dict(GQ.DUAL_CONFIG), dict(GQ.GATHER_CONFIG)
     ref = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")
-    for label, *_ in variants:
-        kind = "v1" if label == "v1" else "gluon"
+    for label, cfg in variants(DUAL):
+        kind = "v1" if cfg is None else "gluon"
         run(label, "dual", lambda kind=kind: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant=kind),
-            ref, dual_bytes)
+            ref, dual_bytes, cfg)
     for src_name, src in (("x", x), ("dout", dout)):
         ref = quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="v1")
-        for label, *_ in variants:
-            kind = "v1" if label == "v1" else "gluon"
+        for label, cfg in variants(GATHER):
+            kind = "v1" if cfg is None else "gluon"
             run(label, f"gather_128x1_{src_name}",
                 lambda kind=kind, src=src: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant=kind),
-                ref, gath_bytes)
+                ref, gath_bytes, cfg)
+    GQ.DUAL_CONFIG.clear(), GQ.DUAL_CONFIG.update(dual0)
+    GQ.GATHER_CONFIG.clear(), GQ.GATHER_CONFIG.update(gather0)
     return {"shape": name, "T": T, "D": D, "F": F, "E": e, "K": k, "rows_padded": N, "end_row": end,
             "live_rows": live, "rows": rows}
 

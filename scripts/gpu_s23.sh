@@ -64,4 +64,36 @@ PY
     --out "$OUT/keep/layer_30b_fp8_b.json" > "$OUT/keep/layer_30b_fp8_b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_b.log" | head -8
 fi
+# PART=c: PART b's Gluon kernels with a lowering fix (the end_row test as an if / else over a tile function: an
+#   `if dead` on a constexpr False broke Gluon's lowering without end_row) and per-pass launch configurations:
+#   (1) GPU tests; (2) bench_quant_bwd.py: dual at 8 warps capped at 128 registers (two programs per SM), the gathered
+#   pass at 32 / 64 / 128 columns per program and 4 / 8 warps; (3) Nsight Compute stall reasons of v1 and the default
+#   Gluon kernels; (4) compare.layer 30B fp8 / fp8_bwd with FP8_QUANT_GLUON=1 rows.
+if [ "$PART" = c ]; then
+  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py -p no:cacheprovider > "$OUT/keep/tests_gpu_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_c.log" | head -20 || true
+  timeout 200 python3 scripts/bench_quant_bwd.py --shapes 30b,235b > "$OUT/keep/bench_quant_bwd_c.json" \
+    2> "$OUT/keep/bench_quant_bwd_c.err"
+  echo "[t=$((SECONDS - t0))s] bench_quant_bwd rc $?"
+  python3 - "$OUT/keep/bench_quant_bwd_c.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_bwd_c.err"
+import json, sys
+d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+for sh in d["shapes"]:
+    for r in sh["rows"]:
+        print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
+PY
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 120 "$NCU" --clock-control none -k regex:_quant_ --section SpeedOfLight --section Occupancy \
+    --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 scripts/bench_quant_bwd.py --shapes 30b --ncu > "$OUT/keep/ncu_quant_c.txt" 2> "$OUT/keep/ncu_quant_c.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  awk '/^  _/{n++; print; next} n%2==1 && /Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issued Warp|stalled/' \
+    "$OUT/keep/ncu_quant_c.txt" | awk '$NF+0 >= 0.1 || !/stalled/' | head -90
+  tail -2 "$OUT/keep/ncu_quant_c.err"
+  lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_GLUON=1 \
+    --out "$OUT/keep/layer_30b_fp8_c.json" > "$OUT/keep/layer_30b_fp8_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_c.log" | head -8
+fi
 session_pack "s23$PART"

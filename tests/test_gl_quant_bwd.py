@@ -1,5 +1,5 @@
 """The Gluon quantization passes of the FP8 backward (kernels/gl_quant_bwd.py): sm_90a builds on the CPU machine
-(no spills, registers within one program per SM), the launchers' choice between them and the Triton kernels, and on a
+(spills bounded; with and without end_row), the launchers' choice between them and the Triton kernels, and on a
 GPU their outputs against the Triton kernels bitwise (edge cases: rows past end_row, invalid rows holding NaN, an
 expert without rows, all rows on one expert, top_k 1, row counts and column counts that are not multiples of 128,
 non-finite groups counted as the Triton kernels count them)."""
@@ -13,8 +13,9 @@ import torch
 from _sm90 import sm90_result  # noqa: E402
 
 # (label, kernel, C): the dual pass at 2F, the gathered pass at D, both Qwen3 shapes
-BUILDS = [("dual_30b", "dual", 1536), ("dual_235b", "dual", 3072), ("gather_30b", "gather", 2048),
-          ("gather_235b", "gather", 4096)]
+BUILDS = [("dual_30b", "dual", 1536, True), ("dual_235b", "dual", 3072, True), ("gather_30b", "gather", 2048, True),
+          ("gather_235b", "gather", 4096, True), ("dual_30b_no_end", "dual", 1536, False),
+          ("gather_30b_no_end", "gather", 2048, False)]
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -23,35 +24,42 @@ def _compile_sm90_all() -> list[dict]:
     from titan_megamoe.ops.fp8_reference import AMAX_EPS
 
     out = []
-    for label, kind, C in BUILDS:
-        opts = GQ.launch_options()
+    for label, kind, C, has_end in BUILDS:
+        opts = GQ.launch_options(kind)
         nw = opts.pop("num_warps")
         if kind == "dual":
             fn = GQ._gl_quant_dual_kernel
             sig = dict(x_ptr="*bf16", valid_ptr="*u8", y_ptr="*fp8e4nv", s_ptr="*fp32", yT_ptr="*fp8e4nv",
                        sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32", LD="i32")
-            cx = dict(C=C, CHECK=True, EPS=AMAX_EPS, HAS_END=True, NW=opts.pop("NW"))
+            cx = dict(C=C, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end, NW=opts.pop("NW"))
         else:
             fn = GQ._gl_quant_gather_128x1_t_kernel
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
                        end_ptr="*i32", M="i32", LD="i32")
-            cx = dict(C=C, TOP_K=8, CHECK=True, EPS=AMAX_EPS, HAS_END=True, NW=opts.pop("NW"))
+            cx = dict(C=C, TOP_K=8, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end, NW=opts.pop("NW"), BC=opts.pop("BC"))
         r = compile_sm90(fn, sig, cx, num_warps=nw, num_stages=1, divisible=("LD", "M"), **opts)
         out.append(dict(label=label, **r))
     return out
 
 
 @pytest.mark.parametrize("label", [b[0] for b in BUILDS])
-def test_gl_quant_builds_for_sm90a_without_spills(label):
+def test_gl_quant_builds_for_sm90a_with_bounded_spills(label):
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
-    assert "STACK:0" in r["usage"], f"{label}: register spills ({r['usage']})"
+    # the dual pass runs capped at 128 registers (two programs per SM), with a few bytes of spills
+    limit = 64 if label.startswith("dual") else 0
+    stack = int(r["usage"].split("STACK:")[1].split()[0])
+    assert stack <= limit, f"{label}: {stack} bytes of register spills ({r['usage']})"
     assert r["wgmma"] == 0 and r["tma"] == 0 and r["cp_async"] == 0, r  # plain loads and stores
 
 
 def test_launchers_take_the_triton_kernels_where_gluon_cannot_run():
     """variant="gluon" on the CPU (or in the interpreter, or for fp32 input) runs the Triton kernel: same results as
     "v1"; an unknown variant is a clear error."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1, the CPU suite's setting)")
     from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
 
     g = torch.Generator().manual_seed(5)

@@ -305,8 +305,9 @@ def quantize_gather_128x1_t(
     args = (x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
             out.stride(0))
     if _use_gluon(variant, fn, x, interpret):
-        launch(gl_quant_bwd._gl_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, GROUP)), *args, C=C,
-               TOP_K=top_k, CHECK=check, EPS=AMAX_EPS, HAS_END=end_row is not None, **gl_quant_bwd.launch_options())
+        opts = gl_quant_bwd.launch_options("gather")
+        launch(gl_quant_bwd._gl_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, opts["BC"])), *args, C=C,
+               TOP_K=top_k, CHECK=check, EPS=AMAX_EPS, HAS_END=end_row is not None, **opts)
         return out, scale_out
     bc = _T_BLOCK_C[interpret]
     launch(_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, bc)), *args, C=C, TOP_K=top_k, CHECK=check,
@@ -374,7 +375,7 @@ def quantize_dual_1x128_128x1_t(
             yT.stride(0))
     if _use_gluon(variant, fn, x, interpret):
         launch(gl_quant_bwd._gl_quant_dual_kernel, (Mb, C // GROUP), *args, C=C, CHECK=check, EPS=AMAX_EPS,
-               HAS_END=end_row is not None, **gl_quant_bwd.launch_options())
+               HAS_END=end_row is not None, **gl_quant_bwd.launch_options("dual"))
     else:
         launch(_quant_dual_kernel, (Mb, C // GROUP), *args, C=C, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS,
                HAS_END=end_row is not None, num_warps=_DUAL_WARPS)

@@ -35,19 +35,22 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-__all__ = ["GL_QUANT_WARPS", "GL_QUANT_MAXNREG", "launch_options"]
+__all__ = ["DUAL_CONFIG", "GATHER_CONFIG", "launch_options"]
 
-#: warps per program of both kernels (a program is one 128 x 128 tile) and ptxas's register cap (None: none)
-GL_QUANT_WARPS = 16
-GL_QUANT_MAXNREG = None
+#: launch configuration of each kernel: warps (NW), ptxas's register cap (None: none), columns per program of the
+#: gathered pass (BC); a program is 128 rows. Set per kernel by scripts/bench_quant_bwd.py's sweep.
+DUAL_CONFIG = dict(NW=8, maxnreg=128)
+GATHER_CONFIG = dict(NW=8, maxnreg=None, BC=64)
 
 
-
-def launch_options() -> dict:
-    """num_warps / NW (and maxnreg where capped) of a launch of either kernel."""
-    opts = dict(NW=GL_QUANT_WARPS, num_warps=GL_QUANT_WARPS)
-    if GL_QUANT_MAXNREG is not None:
-        opts["maxnreg"] = GL_QUANT_MAXNREG
+def launch_options(kind: str) -> dict:
+    """Keyword arguments of a launch of the "dual" or "gather" kernel: the constexprs NW (and BC) and the launch
+    options num_warps (and maxnreg where capped)."""
+    cfg = DUAL_CONFIG if kind == "dual" else GATHER_CONFIG
+    opts = {k: v for k, v in cfg.items() if k != "maxnreg"}
+    opts["num_warps"] = cfg["NW"]
+    if cfg.get("maxnreg") is not None:
+        opts["maxnreg"] = cfg["maxnreg"]
     return opts
 
 
@@ -88,13 +91,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, sT_ptr, LD, C: gl.constexpr, EPS: gl.constexpr,
-                         NW: gl.constexpr):
+                         NW: gl.constexpr, BC: gl.constexpr):
         """128x1 groups of one (128, 128) bf16 tile in the column layout: e4m3 values to yT[col, row] (16-byte stores
         along rows), scales to sT[b, col]; returns the count of non-finite scales among the valid columns."""
         scale, rcp = _scale_rcp(_amax_bits(x, 0), EPS)
         q = _e4m3(x.to(gl.float32), gl.expand_dims(-scale, 0), gl.expand_dims(rcp, 0))
         # the same registers with rows fastest: each thread's 128 / NW rows of a column are one contiguous vector
-        LT: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [0, 1])
+        LT: gl.constexpr = gl.BlockedLayout([128 // NW, BC // 32], [1, 32], [NW, 1], [0, 1])
         qT = gl.convert_layout(q, LT, assert_trivial=True)
         rT = gl.convert_layout(rows, gl.SliceLayout(1, LT), assert_trivial=True)
         cT = gl.convert_layout(cols, gl.SliceLayout(0, LT), assert_trivial=True)
@@ -107,13 +110,41 @@ if HAVE_GLUON:
         return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
 
     @gluon.jit
-    def _dead_block_scales(sT_ptr, b, col0, C: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):
+    def _dead_block_scales(sT_ptr, b, col0, C: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, BC: gl.constexpr):
         """A 128-row block past end_row: its finite column scales only (as the Triton kernels)."""
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        cols = col0 + gl.arange(0, 128, layout=L1)
-        zero = gl.full((128,), 0.0, gl.float32, layout=L1)
-        scale = gl.div_rn(gl.maximum(zero, EPS), gl.full((128,), 448.0, gl.float32, layout=L1))
+        cols = col0 + gl.arange(0, BC, layout=L1)
+        zero = gl.full((BC,), 0.0, gl.float32, layout=L1)
+        scale = gl.div_rn(gl.maximum(zero, EPS), gl.full((BC,), 448.0, gl.float32, layout=L1))
         gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=cols < C)
+
+    @gluon.jit
+    def _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr,
+                   CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):
+        # column pass: 128 / NW rows x 4 columns per thread, a warp reads 256 contiguous bytes of a row
+        LC: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [1, 0])
+        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+        cols = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LC))
+        row_ok = rows < M
+        live = row_ok & (gl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+        x = gl.load(x_ptr + gl.expand_dims(rows.to(gl.int64), 1) * C + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(live, 1), other=0.0)
+        n_bad = _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, 128)
+        # row pass: 16 columns x 128 / (4 NW) rows per thread (the tile again, from L2)
+        LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+        rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LR))
+        cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
+        rr_ok = rr < M
+        live_r = rr_ok & (gl.load(valid_ptr + rr, mask=rr_ok, other=0) != 0)
+        offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
+        xr = gl.load(x_ptr + offs, mask=gl.expand_dims(live_r, 1), other=0.0)
+        scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
+        q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
+        gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
+        gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
+        if CHECK:
+            n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+            gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
     @gluon.jit
     def _gl_quant_dual_kernel(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD,
@@ -123,62 +154,46 @@ if HAVE_GLUON:
         bitwise): program (b, g) owns rows [128 b, 128 b + 128) x columns [128 g, 128 g + 128)."""
         b = gl.program_id(0)
         g = gl.program_id(1)
-        dead = False
         if HAS_END:
-            dead = b * 128 >= gl.load(end_ptr)
-        if dead:
-            _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW)
+            if b * 128 >= gl.load(end_ptr):
+                _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW, 128)
+            else:
+                _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW)
         else:
-            # column pass: 128 / NW rows x 4 columns per thread, a warp reads 256 contiguous bytes of a row
-            LC: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [1, 0])
-            rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
-            cols = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LC))
-            row_ok = rows < M
-            live = row_ok & (gl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
-            x = gl.load(x_ptr + gl.expand_dims(rows.to(gl.int64), 1) * C + gl.expand_dims(cols, 0),
-                        mask=gl.expand_dims(live, 1), other=0.0)
-            n_bad = _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW)
-            # row pass: 16 columns x 128 / (4 NW) rows per thread (the tile again, from L2)
-            LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-            rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LR))
-            cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
-            rr_ok = rr < M
-            live_r = rr_ok & (gl.load(valid_ptr + rr, mask=rr_ok, other=0) != 0)
-            offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
-            xr = gl.load(x_ptr + offs, mask=gl.expand_dims(live_r, 1), other=0.0)
-            scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
-            q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
-            gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
-            gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
-            if CHECK:
-                n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
-                gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+            _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW)
+
+    @gluon.jit
+    def _gather_tile(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, M, LD, b, j, C: gl.constexpr,
+                     TOP_K: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, BC: gl.constexpr):
+        LC: gl.constexpr = gl.BlockedLayout([128 // NW, BC // 32], [1, 32], [NW, 1], [1, 0])
+        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+        cols = j * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, LC))
+        row_ok = rows < M
+        col_ok = cols < C
+        idx = gl.load(row_index_ptr + rows, mask=row_ok, other=-1)
+        live = idx >= 0
+        src = gl.where(live, idx // TOP_K, 0).to(gl.int64)  # int64: src * C can pass 2^31
+        x = gl.load(x_ptr + gl.expand_dims(src, 1) * C + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(live, 1) & gl.expand_dims(col_ok, 0), other=0.0)
+        n_bad = _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, scale_ptr, LD, C, EPS, NW, BC)
+        if CHECK:
+            gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
     @gluon.jit
     def _gl_quant_gather_128x1_t_kernel(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, end_ptr, M, LD,
                                         C: gl.constexpr, TOP_K: gl.constexpr, CHECK: gl.constexpr,
-                                        EPS: gl.constexpr, HAS_END: gl.constexpr, NW: gl.constexpr):
-        """``fp8_quant_bwd._quant_gather_128x1_t_kernel`` with 128 columns per program (grid (cdiv(M, 128),
-        cdiv(C, 128)), same outputs bitwise): row r of the tile is x[row_index[r] // TOP_K], zero where
+                                        EPS: gl.constexpr, HAS_END: gl.constexpr, NW: gl.constexpr,
+                                        BC: gl.constexpr):
+        """``fp8_quant_bwd._quant_gather_128x1_t_kernel`` with BC columns per program (grid (cdiv(M, 128),
+        cdiv(C, BC)), same outputs bitwise): row r of the tile is x[row_index[r] // TOP_K], zero where
         row_index[r] < 0."""
         b = gl.program_id(0)
         j = gl.program_id(1)
-        dead = False
         if HAS_END:
-            dead = b * 128 >= gl.load(end_ptr)
-        if dead:
-            _dead_block_scales(scale_ptr, b, j * 128, C, EPS, NW)
+            if b * 128 >= gl.load(end_ptr):
+                _dead_block_scales(scale_ptr, b, j * BC, C, EPS, NW, BC)
+            else:
+                _gather_tile(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, M, LD, b, j, C, TOP_K, CHECK, EPS, NW,
+                             BC)
         else:
-            LC: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [1, 0])
-            rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
-            cols = j * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LC))
-            row_ok = rows < M
-            col_ok = cols < C
-            idx = gl.load(row_index_ptr + rows, mask=row_ok, other=-1)
-            live = idx >= 0
-            src = gl.where(live, idx // TOP_K, 0).to(gl.int64)  # int64: src * C can pass 2^31
-            x = gl.load(x_ptr + gl.expand_dims(src, 1) * C + gl.expand_dims(cols, 0),
-                        mask=gl.expand_dims(live, 1) & gl.expand_dims(col_ok, 0), other=0.0)
-            n_bad = _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, scale_ptr, LD, C, EPS, NW)
-            if CHECK:
-                gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+            _gather_tile(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, M, LD, b, j, C, TOP_K, CHECK, EPS, NW, BC)
