@@ -33,15 +33,17 @@ E, K = 128, 8
 # Gluon launch configurations per pass (gl_quant_bwd.DUAL_CONFIG / GATHER_CONFIG; the first is the default):
 # sm_90a builds (30B) give registers per thread, programs per SM follow (65536 registers)
 DUAL = [
-    ("gluon8w_r128", dict(NW=8, maxnreg=128)),  # 128 registers, 40-48 B of spills: two programs per SM
-    ("gluon8w", dict(NW=8, maxnreg=None)),  # 155: one
+    ("gluon8w_slab32_r80", dict(NW=8, maxnreg=80, SLAB=32)),  # 80 registers: three programs per SM
+    ("gluon8w_r128", dict(NW=8, maxnreg=128, SLAB=0)),  # whole tile, 128 + 48 B of spills: two
+    ("gluon16w_slab32", dict(NW=16, maxnreg=None, SLAB=32)),  # 64: two programs of 16 warps
+    ("gluon8w_slab32_r64", dict(NW=8, maxnreg=64, SLAB=32)),  # 64 + 56 B of spills: four
 ]
 GATHER = [
-    ("gluon8w_bc64", dict(NW=8, maxnreg=None, BC=64)),  # 79 registers: three programs per SM
+    ("gluon4w_bc32", dict(NW=4, maxnreg=None, BC=32)),  # 79 registers: six programs per SM
+    ("gluon8w_bc32_r40", dict(NW=8, maxnreg=40, BC=32)),  # 40, no spills: six
+    ("gluon4w_bc32_r64", dict(NW=4, maxnreg=64, BC=32)),  # 64 + 32 B of spills: eight
     ("gluon8w_bc32", dict(NW=8, maxnreg=None, BC=32)),  # 47: five
-    ("gluon4w_bc32", dict(NW=4, maxnreg=None, BC=32)),  # 79: six
-    ("gluon8w_bc64_r64", dict(NW=8, maxnreg=64, BC=64)),  # 64 + 32 B of spills: four
-    ("gluon8w_bc128_r128", dict(NW=8, maxnreg=128, BC=128)),  # 128 + 40 B: two
+    ("gluon8w_bc64", dict(NW=8, maxnreg=None, BC=64)),  # 79: three
 ]
 
 

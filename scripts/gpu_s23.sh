@@ -96,4 +96,29 @@ PY
     --out "$OUT/keep/layer_30b_fp8_c.json" > "$OUT/keep/layer_30b_fp8_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_c.log" | head -8
 fi
+# PART=d: the dual pass over 32-column slabs and two 64-row halves (80 registers: three programs per SM), the gathered
+#   pass at 4 warps x 32 columns (six per SM) as defaults: (1) GPU tests; (2) bench_quant_bwd.py sweep; (3) compare.layer
+#   30B fp8 / fp8_bwd and 235B fp8 with FP8_QUANT_GLUON=1 rows (same process per shape).
+if [ "$PART" = d ]; then
+  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py -p no:cacheprovider > "$OUT/keep/tests_gpu_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_d.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_d.log" | head -20 || true
+  timeout 200 python3 scripts/bench_quant_bwd.py --shapes 30b,235b > "$OUT/keep/bench_quant_bwd_d.json" \
+    2> "$OUT/keep/bench_quant_bwd_d.err"
+  echo "[t=$((SECONDS - t0))s] bench_quant_bwd rc $?"
+  python3 - "$OUT/keep/bench_quant_bwd_d.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_bwd_d.err"
+import json, sys
+d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+for sh in d["shapes"]:
+    for r in sh["rows"]:
+        print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
+PY
+  for shape in 30b 235b; do
+    prec=fp8,fp8_bwd; [ $shape = 235b ] && prec=fp8
+    lim=$((575 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+    timeout "$lim" python3 -m compare.layer --shapes $([ $shape = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b) --impls megamoe-triton --precisions $prec \
+      --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_GLUON=1 \
+      --out "$OUT/keep/layer_${shape}_fp8_d.json" > "$OUT/keep/layer_${shape}_fp8_d.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] layer $shape rc $?"; grep "^| qwen3" "$OUT/keep/layer_${shape}_fp8_d.log" | head -8
+  done
+fi
 session_pack "s23$PART"

@@ -37,11 +37,11 @@ if HAVE_GLUON:
 
 __all__ = ["DUAL_CONFIG", "GATHER_CONFIG", "launch_options"]
 
-#: launch configuration of each kernel: warps (NW), ptxas's register cap (None: none), columns per program of the
-#: gathered pass (BC); a program is 128 rows. Set per kernel by scripts/bench_quant_bwd.py's sweep.
-DUAL_CONFIG = dict(NW=8, maxnreg=128)
-GATHER_CONFIG = dict(NW=8, maxnreg=None, BC=64)
-
+#: launch configuration of each kernel: warps (NW), ptxas's register cap (None: none), the dual pass's column slabs
+#: (SLAB, 0: the whole 128-column tile at once) and the gathered pass's columns per program (BC); a program is 128
+#: rows. scripts/bench_quant_bwd.py sweeps them (docs/NOTES.md, session 23).
+DUAL_CONFIG = dict(NW=8, maxnreg=80, SLAB=32)  # 80 registers, no spills: three programs per SM
+GATHER_CONFIG = dict(NW=4, maxnreg=None, BC=32)  # 79 registers: six programs per SM
 
 def launch_options(kind: str) -> dict:
     """Keyword arguments of a launch of the "dual" or "gather" kernel: the constexprs NW (and BC) and the launch
@@ -147,9 +147,50 @@ if HAVE_GLUON:
             gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
     @gluon.jit
+    def _dual_tile_slabs(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr,
+                         CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr):
+        """``_dual_tile`` with fewer live values per thread (more programs per SM): the column pass over SLAB-column
+        slabs, the row pass over two 64-row halves (a row's 128 columns are all in one half)."""
+        LC: gl.constexpr = gl.BlockedLayout([128 // NW, SLAB // 32], [1, 32], [NW, 1], [1, 0])
+        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+        row_ok = rows < M
+        live = row_ok & (gl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+        roff = gl.expand_dims(rows.to(gl.int64), 1) * C
+        n_bad = 0
+        for k in gl.static_range(128 // SLAB):
+            cols = g * 128 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(0, LC))
+            x = gl.load(x_ptr + roff + gl.expand_dims(cols, 0), mask=gl.expand_dims(live, 1), other=0.0)
+            n_bad += _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, SLAB)
+        LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+        cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
+        for h in gl.static_range(2):
+            rr = b * 128 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+            rr_ok = rr < M
+            live_r = rr_ok & (gl.load(valid_ptr + rr, mask=rr_ok, other=0) != 0)
+            offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
+            xr = gl.load(x_ptr + offs, mask=gl.expand_dims(live_r, 1), other=0.0)
+            scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
+            q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
+            gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
+            gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
+            if CHECK:
+                n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+        if CHECK:
+            gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+
+    @gluon.jit
+    def _dual_any(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr,
+                  CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr):
+        if SLAB == 0:
+            _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW)
+        else:
+            _dual_tile_slabs(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW,
+                             SLAB)
+
+    @gluon.jit
     def _gl_quant_dual_kernel(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD,
                               C: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
-                              NW: gl.constexpr):
+                              NW: gl.constexpr, SLAB: gl.constexpr = 0):
         """``fp8_quant_bwd._quant_dual_kernel`` (same arguments, grid (cdiv(M, 128), C // 128), same outputs
         bitwise): program (b, g) owns rows [128 b, 128 b + 128) x columns [128 g, 128 g + 128)."""
         b = gl.program_id(0)
@@ -158,9 +199,9 @@ if HAVE_GLUON:
             if b * 128 >= gl.load(end_ptr):
                 _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW, 128)
             else:
-                _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW)
+                _dual_any(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW, SLAB)
         else:
-            _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW)
+            _dual_any(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW, SLAB)
 
     @gluon.jit
     def _gather_tile(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, M, LD, b, j, C: gl.constexpr,
