@@ -34,7 +34,6 @@ E, K = 128, 8
 # sm_90a builds (30B) give registers per thread, programs per SM follow (65536 registers)
 DUAL = [
     ("gluon8w_slab32_r80", dict(NW=8, maxnreg=80, SLAB=32)),  # 80 registers: three programs per SM
-    ("gluon8w_r128", dict(NW=8, maxnreg=128, SLAB=0)),  # whole tile, 128 + 48 B of spills: two
     ("gluon16w_slab32", dict(NW=16, maxnreg=None, SLAB=32)),  # 64: two programs of 16 warps
     ("gluon8w_slab32_r64", dict(NW=8, maxnreg=64, SLAB=32)),  # 64 + 56 B of spills: four
 ]

@@ -121,4 +121,20 @@ PY
     echo "[t=$((SECONDS - t0))s] layer $shape rc $?"; grep "^| qwen3" "$OUT/keep/layer_${shape}_fp8_d.log" | head -8
   done
 fi
+# PART=e: the final tree (Gluon quantization passes on by default): (1) the FP8 GPU tests through the op, the fused
+#   layer node and the quantizers; (2) compare.layer with stock TorchTitan compiled in the same process, 30B bf16 / fp8
+#   / fp8_bwd, then 235B bf16 / fp8 (one process per shape).
+if [ "$PART" = e ]; then
+  timeout -s KILL 150 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py tests/test_eager_layer.py tests/test_gpu.py \
+    -k "fp8 or gl_quant" -p no:cacheprovider > "$OUT/keep/tests_gpu_e.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_e.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_e.log" | head || true
+  for shape in 30b 235b; do
+    prec=bf16,fp8,fp8_bwd; name=qwen3-30b-a3b; [ $shape = 235b ] && prec=bf16,fp8 && name=qwen3-235b-a22b
+    lim=$((580 - SECONDS + t0)); [ $shape = 30b ] && lim=200; [ "$lim" -lt 10 ] && lim=10
+    timeout "$lim" python3 -m compare.layer --shapes $name --impls tt-compile,megamoe-triton --precisions $prec \
+      --routings random --iters 10 --warmup 3 --device-time --no-plot --out "$OUT/keep/layer_${shape}_e.json" \
+      > "$OUT/keep/layer_${shape}_e.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] layer $shape rc $?"; grep "^| qwen3" "$OUT/keep/layer_${shape}_e.log" | head -12
+  done
+fi
 session_pack "s23$PART"

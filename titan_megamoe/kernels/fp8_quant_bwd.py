@@ -73,8 +73,10 @@ _T_BLOCK_C = {False: 64, True: 128}  # columns per program of the 128x1 gather p
 # 8 warps: 0.428 vs 0.455 ms at 4 (30B, H100, bitwise; sweep_fp8_bwd_30b_1xh100_s20c_20261206.json)
 _WARPS = 8
 _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spilled at 8 and 16 warps)
-# TITAN_MEGAMOE_FP8_QUANT_GLUON=1: both passes by the Gluon kernels of gl_quant_bwd.py (sm_90, bf16 input; bitwise the same)
-QUANT_GLUON = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_GLUON", "0") == "1"
+# both passes by the Gluon kernels of gl_quant_bwd.py where they can run (sm_90, bf16 input; the same bits for finite
+# input): H100, 30B, dual 0.733 -> 0.557 ms, gathered 0.403 -> 0.351 (bench_quant_bwd_1xh100_s23d_20261206.json);
+# TITAN_MEGAMOE_FP8_QUANT_GLUON=0: the Triton kernels everywhere
+QUANT_GLUON = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_GLUON", "1") == "1"
 # TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
 _ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
 
@@ -273,7 +275,7 @@ def quantize_gather_128x1_t(
             needed by any consumer and are left unwritten (their scales are written finite); saves the
             pass over the spare capacity rows (half of N_cap at EP = 2).
         variant: "v1" (the Triton kernel) or "gluon" (``gl_quant_bwd``: sm_90, bf16 x; elsewhere v1 runs);
-            None: "gluon" where ``TITAN_MEGAMOE_FP8_QUANT_GLUON=1``, else "v1". Bitwise the same results.
+            None: "gluon" unless ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0``. The same bits for finite input.
 
     Returns:
         (xT_fp8 (C, M) float8_e4m3fn with row stride ``transposed_ld(M)`` (or ``out``'s), scale

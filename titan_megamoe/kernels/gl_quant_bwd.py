@@ -1,29 +1,38 @@
 """The FP8 backward's standalone quantization passes in Gluon (explicit layouts): the dual 1x128 + transposed 128x1
-pass of dgate_up and the gathered transposed 128x1 pass of x / dout, bitwise the Triton kernels of
-``fp8_quant_bwd.py`` (which keeps the launchers, the checks and the CPU interpreter path).
+pass of dgate_up and the gathered transposed 128x1 pass of x / dout, bitwise the Triton kernels of ``fp8_quant_bwd.py``
+on finite input (that module keeps the launchers, the checks, the CPU interpreter path and the Triton kernels, which
+run where these cannot: off sm_90, non-bf16 input, ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0``).
 
-Why (docs/NOTES.md, session 23): Nsight Compute on an H100 (30B) shows the Triton kernels bound by instruction issue,
-not by memory: the dual pass issues ~51 lane-instructions per element at 0.48 instructions per scheduler cycle and
-25 % occupancy (128 registers), DRAM at 37 % of peak; the gathered pass 0.69 per cycle, DRAM 25 %. Three causes,
-all from layouts Triton picks and a kernel cannot change there:
+Why (docs/NOTES.md, session 23): Nsight Compute on an H100 (30B) shows the Triton kernels bound by instruction issue
+and latency, not by DRAM: the dual pass issues ~51 lane-instructions per element at 0.48 instructions per scheduler
+cycle and 25 % occupancy (128 registers), DRAM at 37 % of peak; the gathered pass 0.69 per cycle, DRAM 25 %. The
+causes are layouts Triton picks and a kernel cannot change there:
 
-* the loads' layout gives each thread 16 consecutive columns of a row, so every thread computes 16 column scales
-  (an IEEE division each) and their broadcast; the scale work is as large as the element work;
+* the loads' layout gives each thread 16 consecutive columns of a row, so every thread computes 16 column scales (an
+  IEEE division each, plus the reciprocal) and the scale work is as large as the element work;
 * each element's x / scale is a ``div.rn`` (~10 instructions behind a branch); the reciprocal form
   (``fp8_quant._div_by_group``: one FMUL, two FFMA, the same bits) raised Triton's registers (128 -> 157, 68 -> 120)
-  and with them lost occupancy;
+  and lost occupancy;
 * the transposed store goes through a layout conversion in shared memory.
 
-Here the column (128x1) pass uses a layout in which a thread holds ``128 / num_warps`` rows x 4 columns: loads of 8
-bytes per row (a warp reads 256 contiguous bytes), 4 column scales per thread, and the same registers re-read with
-rows fastest (a register permutation, no data movement) store 16 rows of a column as one 16-byte vector of the
-transposed output. The row (1x128) pass uses 16 columns x few rows per thread. The quotient is the reciprocal form.
-The dual pass reads the tile twice (the second read hits L2), as the Triton kernel does.
+Here the column (128x1) work uses a layout in which a thread holds ``128 / NW`` rows of 1 column (``BC / 32``
+columns in general): the loads read 2 bytes per row per thread (a warp reads 64 contiguous bytes of a row), each
+thread computes its column's scale once, and the same registers re-read with rows fastest (a register permutation,
+``convert_layout(..., assert_trivial=True)``) store the column's rows as one 16-byte vector of the transposed output.
+The row (1x128) work uses 16 columns x few rows per thread. The quotient is the reciprocal form; the sign of a zero
+quotient is x's by one LOP3 bit-select; the e4m3 cast saturates (``cvt.rn.satfinite``) where the Triton kernels clamp
+first (the same bits for any finite quotient; a NaN quotient, only in a group with a non-finite scale, which both
+count as an error, stays NaN). amax is taken on the bf16 bits, so tiles stay bf16 in registers. Few values per thread
+keep several programs per SM, which hides the loads' latency: the dual pass takes its 128 x 128 tile as four 32-column
+slabs and then two 64-row halves (80 registers, three programs per SM; the second read hits L2), the gathered pass
+128 rows x 32 columns at 4 warps (79 registers, six per SM). Measured on one H100 (session 23, 30B): dual 0.733 ->
+0.557 ms, gathered 0.403 -> 0.351; first layouts with a whole tile per program at one program per SM ran slower than
+the Triton kernels.
 
 Math per group exactly as ``ops/fp8_reference.py`` (amax over |x| with NaN kept, floored at EPS, scale = amax / 448
-rounded as IEEE division, x / scale rounded to nearest, clamped to +-448, cast to e4m3 round to nearest even).
+rounded as IEEE division, x / scale rounded to nearest, saturated at +-448, cast to e4m3 round to nearest even).
 GPU only (Gluon has no interpreter path): CPU tests build the kernels for sm_90a; GPU tests compare them with the
-Triton kernels bitwise.
+Triton kernels bitwise (``tests/test_gl_quant_bwd.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ if HAVE_GLUON:
 __all__ = ["DUAL_CONFIG", "GATHER_CONFIG", "launch_options"]
 
 #: launch configuration of each kernel: warps (NW), ptxas's register cap (None: none), the dual pass's column slabs
-#: (SLAB, 0: the whole 128-column tile at once) and the gathered pass's columns per program (BC); a program is 128
+#: (SLAB) and the gathered pass's columns per program (BC); a program is 128
 #: rows. scripts/bench_quant_bwd.py sweeps them (docs/NOTES.md, session 23).
 DUAL_CONFIG = dict(NW=8, maxnreg=80, SLAB=32)  # 80 registers, no spills: three programs per SM
 GATHER_CONFIG = dict(NW=4, maxnreg=None, BC=32)  # 79 registers: six programs per SM
@@ -92,7 +101,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, sT_ptr, LD, C: gl.constexpr, EPS: gl.constexpr,
                          NW: gl.constexpr, BC: gl.constexpr):
-        """128x1 groups of one (128, 128) bf16 tile in the column layout: e4m3 values to yT[col, row] (16-byte stores
+        """128x1 groups of one (128, BC) bf16 tile in the column layout: e4m3 values to yT[col, row] (16-byte stores
         along rows), scales to sT[b, col]; returns the count of non-finite scales among the valid columns."""
         scale, rcp = _scale_rcp(_amax_bits(x, 0), EPS)
         q = _e4m3(x.to(gl.float32), gl.expand_dims(-scale, 0), gl.expand_dims(rcp, 0))
@@ -120,37 +129,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr,
-                   CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):
-        # column pass: 128 / NW rows x 4 columns per thread, a warp reads 256 contiguous bytes of a row
-        LC: gl.constexpr = gl.BlockedLayout([128 // NW, 4], [1, 32], [NW, 1], [1, 0])
-        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
-        cols = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LC))
-        row_ok = rows < M
-        live = row_ok & (gl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
-        x = gl.load(x_ptr + gl.expand_dims(rows.to(gl.int64), 1) * C + gl.expand_dims(cols, 0),
-                    mask=gl.expand_dims(live, 1), other=0.0)
-        n_bad = _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, 128)
-        # row pass: 16 columns x 128 / (4 NW) rows per thread (the tile again, from L2)
-        LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-        rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LR))
-        cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
-        rr_ok = rr < M
-        live_r = rr_ok & (gl.load(valid_ptr + rr, mask=rr_ok, other=0) != 0)
-        offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
-        xr = gl.load(x_ptr + offs, mask=gl.expand_dims(live_r, 1), other=0.0)
-        scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
-        q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
-        gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
-        gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
-        if CHECK:
-            n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
-            gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
-
-    @gluon.jit
-    def _dual_tile_slabs(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr,
                          CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr):
-        """``_dual_tile`` with fewer live values per thread (more programs per SM): the column pass over SLAB-column
-        slabs, the row pass over two 64-row halves (a row's 128 columns are all in one half)."""
+        """One 128 x 128 tile, few values live per thread (three programs per SM): the column (128x1) pass over
+        SLAB-column slabs, then the row (1x128) pass over two 64-row halves (the tile again, from L2)."""
         LC: gl.constexpr = gl.BlockedLayout([128 // NW, SLAB // 32], [1, 32], [NW, 1], [1, 0])
         rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
         row_ok = rows < M
@@ -179,18 +160,9 @@ if HAVE_GLUON:
             gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
     @gluon.jit
-    def _dual_any(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr,
-                  CHECK: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr):
-        if SLAB == 0:
-            _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW)
-        else:
-            _dual_tile_slabs(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW,
-                             SLAB)
-
-    @gluon.jit
     def _gl_quant_dual_kernel(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD,
                               C: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
-                              NW: gl.constexpr, SLAB: gl.constexpr = 0):
+                              NW: gl.constexpr, SLAB: gl.constexpr):
         """``fp8_quant_bwd._quant_dual_kernel`` (same arguments, grid (cdiv(M, 128), C // 128), same outputs
         bitwise): program (b, g) owns rows [128 b, 128 b + 128) x columns [128 g, 128 g + 128)."""
         b = gl.program_id(0)
@@ -199,9 +171,10 @@ if HAVE_GLUON:
             if b * 128 >= gl.load(end_ptr):
                 _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW, 128)
             else:
-                _dual_any(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW, SLAB)
+                _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW,
+                           SLAB)
         else:
-            _dual_any(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW, SLAB)
+            _dual_tile(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK, EPS, NW, SLAB)
 
     @gluon.jit
     def _gather_tile(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, M, LD, b, j, C: gl.constexpr,
