@@ -137,4 +137,12 @@ if [ "$PART" = e ]; then
     echo "[t=$((SECONDS - t0))s] layer $shape rc $?"; grep "^| qwen3" "$OUT/keep/layer_${shape}_e.log" | head -12
   done
 fi
+# PART=f: where the fp8 and bf16 steps' kernel time goes now (compare.profile, 30B, kernels summed per name).
+if [ "$PART" = f ]; then
+  for prec in fp8 bf16; do
+    timeout 120 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision $prec --iters 5 \
+      --top 22 --out "$OUT/keep/profile_30b_${prec}_f.json" > "$OUT/keep/profile_30b_${prec}_f.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] profile $prec rc $?"; tail -26 "$OUT/keep/profile_30b_${prec}_f.log" | cut -c1-140
+  done
+fi
 session_pack "s23$PART"
