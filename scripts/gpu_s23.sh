@@ -9,18 +9,32 @@
 # Call as: REV=<hash> PART=b bash scripts/gpu_s23.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
-if [ "$PART" = a ]; then
-  timeout 200 python3 scripts/bench_quant_pipe.py --shapes 30b,235b > "$OUT/keep/bench_quant_pipe_a.json" \
-    2> "$OUT/keep/bench_quant_pipe_a.err"
-  echo "[t=$((SECONDS - t0))s] bench_quant_pipe rc $?"
-  python3 - "$OUT/keep/bench_quant_pipe_a.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_pipe_a.err"
+quant_tests() {  # quant_tests TAG: the Gluon quantization passes' GPU tests
+  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py -p no:cacheprovider > "$OUT/keep/tests_gpu_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_$1.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_$1.log" | head -20 || true
+}
+quant_bench() {  # quant_bench SCRIPT TAG: the script's sweep at 30B and 235B, one line per row
+  timeout 200 python3 "scripts/$1.py" --shapes 30b,235b > "$OUT/keep/$1_$2.json" 2> "$OUT/keep/$1_$2.err"
+  echo "[t=$((SECONDS - t0))s] $1 rc $?"
+  python3 - "$OUT/keep/$1_$2.json" <<'PY' || tail -5 "$OUT/keep/$1_$2.err"
 import json, sys
 d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 for sh in d["shapes"]:
     for r in sh["rows"]:
         print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
 PY
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+}
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
+layer_fp8_ab() {  # layer_fp8_ab TAG SWITCH [SHAPE PRECISIONS]: compare.layer fp8 rows, default and with SWITCH
+  local name=${3:-qwen3-30b-a3b} prec=${4:-fp8,fp8_bwd} lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes "$name" --impls megamoe-triton --precisions "$prec" \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches "$2" \
+    --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -8
+}
+if [ "$PART" = a ]; then
+  quant_bench bench_quant_pipe a
+  NCU=$(ncu_bin)
   timeout 150 "$NCU" --clock-control none -k regex:_quant_ --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
     python3 scripts/bench_quant_pipe.py --shapes 30b --ncu > "$OUT/keep/ncu_quant_a.txt" 2> "$OUT/keep/ncu_quant_a.err"
@@ -28,41 +42,23 @@ PY
   grep -E "^  _quant|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Block Limit" \
     "$OUT/keep/ncu_quant_a.txt" | head -120
   tail -3 "$OUT/keep/ncu_quant_a.err"
-  lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
-  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
-    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_PIPE=1 \
-    --out "$OUT/keep/layer_30b_fp8_a.json" > "$OUT/keep/layer_30b_fp8_a.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_a.log" | head -8
+  layer_fp8_ab 30b_fp8_a FP8_QUANT_PIPE=1
 fi
 # PART=b: the FP8 backward's quantization passes in Gluon (gl_quant_bwd.py: explicit layouts, 4 column scales per thread,
 #   16-byte transposed stores, the reciprocal quotient), PART a's pipelined kernels removed: (1) GPU tests, Gluon
 #   bitwise the Triton kernels; (2) scripts/bench_quant_bwd.py 30B / 235B, four Gluon launch configurations; (3) Nsight
 #   Compute on v1 and the default Gluon kernels; (4) compare.layer 30B fp8 / fp8_bwd with FP8_QUANT_GLUON=1 rows.
 if [ "$PART" = b ]; then
-  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py -p no:cacheprovider > "$OUT/keep/tests_gpu_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_b.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_b.log" | head -20 || true
-  timeout 200 python3 scripts/bench_quant_bwd.py --shapes 30b,235b > "$OUT/keep/bench_quant_bwd_b.json" \
-    2> "$OUT/keep/bench_quant_bwd_b.err"
-  echo "[t=$((SECONDS - t0))s] bench_quant_bwd rc $?"
-  python3 - "$OUT/keep/bench_quant_bwd_b.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_bwd_b.err"
-import json, sys
-d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-for sh in d["shapes"]:
-    for r in sh["rows"]:
-        print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
-PY
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  quant_tests b
+  quant_bench bench_quant_bwd b
+  NCU=$(ncu_bin)
   timeout 120 "$NCU" --clock-control none -k regex:_quant_ --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \
     python3 scripts/bench_quant_bwd.py --shapes 30b --ncu > "$OUT/keep/ncu_quant_b.txt" 2> "$OUT/keep/ncu_quant_b.err"
   echo "[t=$((SECONDS - t0))s] ncu rc $?"
   grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible" \
     "$OUT/keep/ncu_quant_b.txt" | awk '/^  _/{n++} n%2==1' | head -60
-  lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
-  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
-    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_GLUON=1 \
-    --out "$OUT/keep/layer_30b_fp8_b.json" > "$OUT/keep/layer_30b_fp8_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_b.log" | head -8
+  layer_fp8_ab 30b_fp8_b FP8_QUANT_GLUON=1
 fi
 # PART=c: PART b's Gluon kernels with a lowering fix (the end_row test as an if / else over a tile function: an
 #   `if dead` on a constexpr False broke Gluon's lowering without end_row) and per-pass launch configurations:
@@ -70,19 +66,9 @@ fi
 #   pass at 32 / 64 / 128 columns per program and 4 / 8 warps; (3) Nsight Compute stall reasons of v1 and the default
 #   Gluon kernels; (4) compare.layer 30B fp8 / fp8_bwd with FP8_QUANT_GLUON=1 rows.
 if [ "$PART" = c ]; then
-  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py -p no:cacheprovider > "$OUT/keep/tests_gpu_c.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_c.log" | head -20 || true
-  timeout 200 python3 scripts/bench_quant_bwd.py --shapes 30b,235b > "$OUT/keep/bench_quant_bwd_c.json" \
-    2> "$OUT/keep/bench_quant_bwd_c.err"
-  echo "[t=$((SECONDS - t0))s] bench_quant_bwd rc $?"
-  python3 - "$OUT/keep/bench_quant_bwd_c.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_bwd_c.err"
-import json, sys
-d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-for sh in d["shapes"]:
-    for r in sh["rows"]:
-        print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
-PY
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  quant_tests c
+  quant_bench bench_quant_bwd c
+  NCU=$(ncu_bin)
   timeout 120 "$NCU" --clock-control none -k regex:_quant_ --section SpeedOfLight --section Occupancy \
     --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 scripts/bench_quant_bwd.py --shapes 30b --ncu > "$OUT/keep/ncu_quant_c.txt" 2> "$OUT/keep/ncu_quant_c.err"
@@ -90,36 +76,16 @@ PY
   awk '/^  _/{n++; print; next} n%2==1 && /Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issued Warp|stalled/' \
     "$OUT/keep/ncu_quant_c.txt" | awk '$NF+0 >= 0.1 || !/stalled/' | head -90
   tail -2 "$OUT/keep/ncu_quant_c.err"
-  lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
-  timeout "$lim" python3 -m compare.layer --shapes qwen3-30b-a3b --impls megamoe-triton --precisions fp8,fp8_bwd \
-    --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_GLUON=1 \
-    --out "$OUT/keep/layer_30b_fp8_c.json" > "$OUT/keep/layer_30b_fp8_c.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer rc $?"; grep "^| qwen3" "$OUT/keep/layer_30b_fp8_c.log" | head -8
+  layer_fp8_ab 30b_fp8_c FP8_QUANT_GLUON=1
 fi
 # PART=d: the dual pass over 32-column slabs and two 64-row halves (80 registers: three programs per SM), the gathered
 #   pass at 4 warps x 32 columns (six per SM) as defaults: (1) GPU tests; (2) bench_quant_bwd.py sweep; (3) compare.layer
 #   30B fp8 / fp8_bwd and 235B fp8 with FP8_QUANT_GLUON=1 rows (same process per shape).
 if [ "$PART" = d ]; then
-  timeout -s KILL 120 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py -p no:cacheprovider > "$OUT/keep/tests_gpu_d.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_d.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_d.log" | head -20 || true
-  timeout 200 python3 scripts/bench_quant_bwd.py --shapes 30b,235b > "$OUT/keep/bench_quant_bwd_d.json" \
-    2> "$OUT/keep/bench_quant_bwd_d.err"
-  echo "[t=$((SECONDS - t0))s] bench_quant_bwd rc $?"
-  python3 - "$OUT/keep/bench_quant_bwd_d.json" <<'PY' || tail -5 "$OUT/keep/bench_quant_bwd_d.err"
-import json, sys
-d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-for sh in d["shapes"]:
-    for r in sh["rows"]:
-        print(sh["shape"], r["pass_"], r["variant"], r.get("ms"), r.get("gbs"), r.get("bitwise_v1"), r.get("error", ""))
-PY
-  for shape in 30b 235b; do
-    prec=fp8,fp8_bwd; [ $shape = 235b ] && prec=fp8
-    lim=$((575 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
-    timeout "$lim" python3 -m compare.layer --shapes $([ $shape = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b) --impls megamoe-triton --precisions $prec \
-      --routings random --iters 10 --warmup 3 --device-time --no-plot --switches FP8_QUANT_GLUON=1 \
-      --out "$OUT/keep/layer_${shape}_fp8_d.json" > "$OUT/keep/layer_${shape}_fp8_d.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] layer $shape rc $?"; grep "^| qwen3" "$OUT/keep/layer_${shape}_fp8_d.log" | head -8
-  done
+  quant_tests d
+  quant_bench bench_quant_bwd d
+  layer_fp8_ab 30b_fp8_d FP8_QUANT_GLUON=1
+  layer_fp8_ab 235b_fp8_d FP8_QUANT_GLUON=1 qwen3-235b-a22b fp8
 fi
 # PART=e: the final tree (Gluon quantization passes on by default): (1) the FP8 GPU tests through the op, the fused
 #   layer node and the quantizers; (2) compare.layer with stock TorchTitan compiled in the same process, 30B bf16 / fp8
