@@ -111,4 +111,11 @@ if [ "$PART" = f ]; then
     echo "[t=$((SECONDS - t0))s] profile $prec rc $?"; tail -26 "$OUT/keep/profile_30b_${prec}_f.log" | cut -c1-140
   done
 fi
+# PART=g: the final tree's GPU tests (the launchers' sm_90 check cached per device): the Gluon quantization passes and
+#   the FP8 path through the op and the fused layer node.
+if [ "$PART" = g ]; then
+  timeout -s KILL 200 python3 -m pytest -q -rfE tests/test_gl_quant_bwd.py tests/test_eager_layer.py tests/test_gpu.py \
+    -k "fp8 or gl_quant" -p no:cacheprovider > "$OUT/keep/tests_gpu_g.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_g.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_g.log" | head || true
+fi
 session_pack "s23$PART"

@@ -49,6 +49,7 @@ Non-finite groups are counted into an optional (1,) int32 device counter (``nonf
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -235,8 +236,13 @@ def _use_gluon(variant: str | None, fn: str, x: Tensor, interpret: bool) -> bool
     if variant not in (None, "v1", "gluon"):
         raise ValueError(f"{fn}: variant must be 'v1' or 'gluon', got {variant!r}")
     want = QUANT_GLUON if variant is None else variant == "gluon"
-    return (want and not interpret and x.dtype == torch.bfloat16 and gl_quant_bwd.HAVE_GLUON
-            and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
+    return (want and not interpret and x.dtype == torch.bfloat16 and gl_quant_bwd.HAVE_GLUON and x.is_cuda
+            and _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:  # once per device: the launchers sit on the FP8 backward's host path
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _check_end_row(fn: str, end_row: Tensor | None, dev) -> None:
