@@ -118,4 +118,18 @@ if [ "$PART" = g ]; then
     -k "fp8 or gl_quant" -p no:cacheprovider > "$OUT/keep/tests_gpu_g.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_g.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_g.log" | head || true
 fi
+# PART=h: why the FP8 GEMM2 (0.70 ms, bf16 0.71) and FP8 GEMM2 dgrad (1.24, bf16 1.02) do not beat bf16 (PART f): Nsight
+#   Compute on their first launches in scripts/bench_fp8.py at 30B (GEMM2 grid bf16 / fp8, GEMM2 dgrad bf16 / fp8,
+#   GEMM2 persistent fp8 / bf16, in that order): throughput, tensor-pipe use, occupancy, stall reasons.
+if [ "$PART" = h ]; then
+  timeout 240 "$(ncu_bin)" --clock-control none --launch-count 6 \
+    -k "regex:_gemm2_scatter_fwd_fp8_kernel|_gemm2_dgrad_swiglu_bwd_fp8_kernel|_gemm2_dgrad_swiglu_bwd_kernel|_gemm2_scatter_fwd_kernel" \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 scripts/bench_fp8.py --shapes 30b > "$OUT/keep/ncu_gemm2_h.txt" 2> "$OUT/keep/ncu_gemm2_h.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  awk '/^  _/{print; next} /Duration|Compute \(SM\) Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issued Warp|Executed Ipc A|stalled/' \
+    "$OUT/keep/ncu_gemm2_h.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -120
+  tail -3 "$OUT/keep/ncu_gemm2_h.err" | cut -c1-200
+fi
 session_pack "s23$PART"
