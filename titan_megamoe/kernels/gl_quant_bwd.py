@@ -47,10 +47,11 @@ if HAVE_GLUON:
 __all__ = ["DUAL_CONFIG", "GATHER_CONFIG", "launch_options"]
 
 #: launch configuration of each kernel: warps (NW), ptxas's register cap (None: none), the dual pass's column slabs
-#: (SLAB) and the gathered pass's columns per program (BC); a program is 128
-#: rows. scripts/bench_quant_bwd.py sweeps them (docs/NOTES.md, session 23).
+#: (SLAB) and the gathered pass's columns per program (BC); a program is 128 rows. scripts/bench_quant_bwd.py sweeps
+#: them (docs/NOTES.md, session 23).
 DUAL_CONFIG = dict(NW=8, maxnreg=80, SLAB=32)  # 80 registers, no spills: three programs per SM
 GATHER_CONFIG = dict(NW=4, maxnreg=None, BC=32)  # 79 registers: six programs per SM
+
 
 def launch_options(kind: str) -> dict:
     """Keyword arguments of a launch of the "dual" or "gather" kernel: the constexprs NW (and BC) and the launch
@@ -67,8 +68,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _e4m3(x, neg_scale, rcp):
-        """e4m3(x / scale) saturated at +-448, the quotient rounded as ``div_rn``: one FMUL and two FFMA from the group's
-        reciprocal rcp = RN(1 / scale) (Markstein; ``fp8_quant._div_by_group``); neg_scale = -scale and rcp broadcast
+        """e4m3(x / scale) saturated at +-448, the quotient rounded as ``div_rn``: one FMUL and two FFMA from the
+        group's reciprocal rcp = RN(1 / scale) (Markstein; ``fp8_quant._div_by_group``); neg_scale = -scale and rcp broadcast
         to x (the remainder x - q scale as fma(q, -scale, x): Triton's unary minus is 0 - q, one more FFMA per element).
         The cast saturates finite values at +-448 as ``fp8_quant._e4m3_of``'s clamp does; a NaN quotient (only in a
         group with a non-finite scale, which the kernels count) stays NaN where the clamp made it -448."""
