@@ -1,8 +1,8 @@
 """The Gluon quantization passes of the FP8 backward (kernels/gl_quant_bwd.py): sm_90a builds on the CPU machine
 (no spills at the default launch configurations, with and without end_row), the launchers' choice between them and
-the Triton kernels, and on a GPU their outputs against the Triton kernels bitwise (edge cases: rows past end_row, invalid rows holding NaN, an
-expert without rows, all rows on one expert, top_k 1, row counts and column counts that are not multiples of 128,
-non-finite groups counted as the Triton kernels count them)."""
+the Triton kernels, and on a GPU their outputs against the Triton kernels bitwise (edge cases: rows past end_row,
+invalid rows holding NaN, an expert without rows, all rows on two experts, top_k 1, row counts and column counts that
+are not multiples of 128, non-finite groups counted as the Triton kernels count them)."""
 
 import json
 import sys

@@ -69,10 +69,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _e4m3(x, neg_scale, rcp):
         """e4m3(x / scale) saturated at +-448, the quotient rounded as ``div_rn``: one FMUL and two FFMA from the
-        group's reciprocal rcp = RN(1 / scale) (Markstein; ``fp8_quant._div_by_group``); neg_scale = -scale and rcp broadcast
-        to x (the remainder x - q scale as fma(q, -scale, x): Triton's unary minus is 0 - q, one more FFMA per element).
-        The cast saturates finite values at +-448 as ``fp8_quant._e4m3_of``'s clamp does; a NaN quotient (only in a
-        group with a non-finite scale, which the kernels count) stays NaN where the clamp made it -448."""
+        group's reciprocal rcp = RN(1 / scale) (Markstein; ``fp8_quant._div_by_group``); neg_scale = -scale and rcp
+        broadcast to x (the remainder x - q scale as fma(q, -scale, x): Triton's unary minus is 0 - q, one more FFMA per
+        element). The cast saturates finite values at +-448 as ``fp8_quant._e4m3_of``'s clamp does; a NaN quotient
+        (only in a group with a non-finite scale, which the kernels count) stays NaN where the clamp made it -448."""
         q = x * rcp
         q = gl.fma(gl.fma(q, neg_scale, x), rcp, q)
         # |q| with x's sign (-0.0 / s is -0.0) in one LOP3 (bit select, LUT 0xE4 = (a & c) | (b & ~c)); written as
