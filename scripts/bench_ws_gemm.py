@@ -12,6 +12,8 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py bench-g2d-fp8 [--out f]  # FP8 GEMM2 dgrad (kernels/ws_gemm2_dgrad_fp8.py) vs the
                                                              # Triton one (checks: tests/test_ws_gemm2_dgrad_fp8.py)
     python scripts/bench_ws_gemm.py trace-g2d-fp8 [--out f]  # where its tiles' time goes (global-timer stamps)
+    python scripts/bench_ws_gemm.py bench-g2-fp8 [--out f]  # FP8 GEMM2 (ws_gemm_fp8.ws_gemm2_fwd_fp8) vs the Triton
+                                                            # one (checks: tests/test_ws_gemm_fp8.py)
 
 check: for each case, dgate_up random (padding rows too: the kernel must zero them), dx_rows poisoned
 with NaN; rows [0, offsets[E]) compared with an fp32 reference (relative error, bf16 bound 1e-2) and
@@ -401,6 +403,48 @@ def bench_dgrad_fp8(out_path: str | None, shapes: list[str]) -> int:
     return 0
 
 
+def bench_g2_fp8(out_path: str | None, shapes: list[str]) -> int:
+    """Blockwise-FP8 GEMM2 (routing score, rows scattered to pairs): the Triton kernel (persistent, the default) vs
+    the Gluon one (kernels/ws_gemm_fp8.ws_gemm2_fwd_fp8) at several configs; every Gluon row checked against it."""
+    import dataclasses
+
+    import triton
+
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+    from titan_megamoe.kernels.grouped_gemm_fp8 import gemm2_scatter_fwd_fp8
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm_fp8 import GEMM2_FP8_CONFIG, ws_gemm2_fwd_fp8
+    from titan_megamoe.testing import make_routing
+
+    rows = []
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    for sh in shapes:
+        D, F = SHAPES[sh]
+        E, K, T = 128, 8, 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+        hq, hs = quantize_act_1x128(torch.randn(lay.n_cap, F, device="cuda", generator=g).bfloat16())
+        w2q, w2s = quantize_weight_128x128((torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16())
+        scores = torch.rand(T, K, device="cuda", generator=g)
+        flops = 2 * T * K * F * D
+        ty = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, lay)
+        ms = bench(lambda: gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=ty))
+        rows.append(dict(shape=sh, kernel="triton gemm2_scatter_fwd_fp8 (default config)", ms=ms,
+                         tflops=flops / ms / 1e9))
+        print(json.dumps(rows[-1]), flush=True)
+        for cfg in (GEMM2_FP8_CONFIG, dataclasses.replace(GEMM2_FP8_CONFIG, stages=4),
+                    dataclasses.replace(GEMM2_FP8_CONFIG, group_m=1), dataclasses.replace(GEMM2_FP8_CONFIG, group_m=16)):
+            y = ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, cfg=cfg)
+            same = bool(torch.equal(y, ty))
+            diff = float((y.float() - ty.float()).abs().max())
+            ms = bench(lambda: ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=y, cfg=cfg))
+            rows.append(dict(shape=sh, kernel="gluon ws_gemm2_fwd_fp8", cfg=repr(cfg), ms=ms, tflops=flops / ms / 1e9,
+                             bitwise_triton=same, max_abs_diff=diff))
+            print(json.dumps(rows[-1]), flush=True)
+    _write(out_path, "bench-g2-fp8", rows)
+    return 0
+
+
 def _g2d_fp8_operands(sh: str):
     """The FP8 GEMM2 dgrad's operands at a shape (16384 tokens, top-8, 128 experts, uniform routing), and its FLOPs."""
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
@@ -522,7 +566,7 @@ def bench_g2d_fp8(out_path: str | None, shapes: list[str]) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
-                                      "bench-dgrad-fp8", "bench-g2d-fp8", "trace-g2d-fp8"])
+                                      "bench-dgrad-fp8", "bench-g2d-fp8", "trace-g2d-fp8", "bench-g2-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -543,6 +587,8 @@ def main(argv=None) -> int:
         return bench_g2d_fp8(a.out, a.shapes.split(","))
     if a.what == "trace-g2d-fp8":
         return trace_g2d_fp8(a.out, a.shapes.split(","))
+    if a.what == "bench-g2-fp8":
+        return bench_g2_fp8(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))
 
 

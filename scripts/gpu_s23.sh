@@ -132,4 +132,15 @@ if [ "$PART" = h ]; then
     "$OUT/keep/ncu_gemm2_h.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -120
   tail -3 "$OUT/keep/ncu_gemm2_h.err" | cut -c1-200
 fi
+# PART=i: a Gluon FP8 GEMM2 (ws_gemm_fp8.ws_gemm2_fwd_fp8: the GEMM1 dgrad's producer / consumers, one K segment,
+#   scatter epilogue; opt-in WS_GEMM2_FP8): (1) GPU tests of ws_gemm_fp8.py (the GEMM1 dgrad's too: its kernel code is
+#   now shared); (2) bench-g2-fp8 against the Triton kernel, 30B and 235B; (3) compare.layer 30B fp8 A/B.
+if [ "$PART" = i ]; then
+  timeout -s KILL 120 python3 -m pytest -q -rfE -s tests/test_ws_gemm_fp8.py -k "gpu and (gemm2 or dgrad)" \
+    -p no:cacheprovider > "$OUT/keep/tests_gpu_i.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_i.log")"; grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_i.log" | head -20 || true
+  timeout 90 python3 scripts/bench_ws_gemm.py bench-g2-fp8 --out "$OUT/keep/bench_g2_fp8_i.json" > "$OUT/keep/bench_g2_fp8_i.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-220 "$OUT/keep/bench_g2_fp8_i.log" | tail -12
+  layer_fp8_ab 30b_fp8_i WS_GEMM2_FP8=1 qwen3-30b-a3b fp8
+fi
 session_pack "s23$PART"

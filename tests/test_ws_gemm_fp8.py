@@ -28,6 +28,10 @@ def _compile_sm90_all() -> list[dict]:
         sig, cx = W.sm90_compile_args_dgrad_fp8(cfg, D, F)
         r = compile_sm90(W._gemm1_dgrad_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"dgrad_fp8_{shape}", **r))
+        cfg = W.GEMM2_FP8_CONFIG
+        sig, cx = W.sm90_compile_args_gemm2_fp8(cfg, D, F)
+        r = compile_sm90(W._gemm2_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"gemm2_fp8_{shape}", **r))
     return out
 
 
@@ -56,6 +60,20 @@ def test_ws_gemm1_dgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serializati
     assert r["target"], "PTX not built for sm_90a"
     assert r["wgmma"] == 32, r  # two consumers x two halves of 2F x (lo, hi) x 4 k32 steps of m64n64
     assert r["wgmma_waits"] == ["1", "0"] * 4, r["wgmma_waits"]  # the lo partial scaled under the hi MMA
+    assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
+    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("label", ["gemm2_fp8_30b", "gemm2_fp8_235b"])
+def test_ws_gemm2_fwd_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+
+    r = sm90_result(__file__, label)
+    assert r["target"], "PTX not built for sm_90a"
+    assert r["wgmma"] == 16, r  # two consumers x (lo, hi) x 4 k32 steps of m64n64: one K segment
+    assert r["wgmma_waits"] == ["1", "0"] * 2, r["wgmma_waits"]  # the lo partial scaled under the hi MMA
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]
@@ -276,6 +294,103 @@ def test_ws_gemm1_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
     ref[~valid] = 0
     assert rel_err(dx[:n], ref) < 1e-2
     assert rel_err(dx[:n], tdx[:n]) < 1e-2
+
+
+def _gemm2_operands(T, E, K, D, F, routing, seed, device):
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import make_routing
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=seed).to(device), E, 128)
+    h = torch.randn(lay.n_cap, F, device=device, generator=g).bfloat16()
+    w2 = (torch.randn(E, D, F, device=device, generator=g) / F ** 0.5).bfloat16()
+    scores = torch.rand(T, K, device=device, generator=g)
+    hq, hs = R.quantize_act_1x128(h)
+    w2q, w2s = R.quantize_weight_128x128(w2)
+    return lay, hq, hs, w2q, w2s, scores
+
+
+def test_ws_gemm2_fwd_fp8_refuses_what_it_cannot_take(monkeypatch):
+    from titan_megamoe.kernels import ws_gemm_fp8 as W
+
+    lay, hq, hs, w2q, w2s, scores = _gemm2_operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="ws_gemm2_fwd_fp8: .*(sm_90|Gluon|Triton)"):
+            W.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay)
+    monkeypatch.setattr(W, "_platform_reason", lambda t: None)
+    assert W.ws_gemm2_fwd_fp8_supported(hq, w2q) is None
+    assert "D % 128 == 0" in W.ws_gemm2_fwd_fp8_supported(hq, w2q[:, :64].contiguous())
+    with pytest.raises(ValueError, match="ws_gemm2_fwd_fp8: h_scale must be"):
+        W.ws_gemm2_fwd_fp8(hq, hs[:-1].contiguous(), w2q, w2s, scores, lay)
+    with pytest.raises(ValueError, match=r"ws_gemm2_fwd_fp8: scores must be a contiguous \(T, 2\) fp32"):
+        W.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores.reshape(-1), lay)
+    with pytest.raises(ValueError, match="ws_gemm2_fwd_fp8: out must be"):
+        W.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=torch.empty(3, 256, dtype=torch.bfloat16))
+
+
+def test_fp8_forward_takes_the_gluon_gemm2_only_when_switched_on(monkeypatch):
+    """``WS_GEMM2_FP8`` on (opt-in), off the interpreter, a supported case, rows by pair: the FP8 forward's y comes from
+    the Gluon GEMM2; off, or by_row (the EP combine's layout rows): from the Triton one."""
+    import titan_megamoe.kernels.grouped_gemm_fp8 as G8
+    import titan_megamoe.kernels.ws_gemm_fp8 as W
+    import titan_megamoe.ops.fp8_backend as fb
+    from titan_megamoe import switches
+
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM2_FP8"].default == "0"
+    T, E, K, D, F = 40, 4, 2, 256, 128
+    lay, hq, hs, w2q, w2s, scores = _gemm2_operands(T, E, K, D, F, "uniform", 0, "cpu")
+    calls = []
+    monkeypatch.setattr(W, "ws_gemm2_fwd_fp8_supported", lambda h, w: None)
+    monkeypatch.setattr(W, "ws_gemm2_fwd_fp8", lambda *a, **k: calls.append("gluon") or "gluon y")
+    monkeypatch.setattr(G8, "gemm2_scatter_fwd_fp8", lambda *a, **k: calls.append(("triton", k["by_row"])) or "triton y")
+    monkeypatch.setattr(W, "ws_gemm1_fwd_fp8_supported", lambda *a: "not here")  # the Triton GEMM1 path below
+    monkeypatch.setattr(G8, "gemm1_swiglu_fwd_fp8", lambda *a, **k: ("gate_up", hq, hs))
+    monkeypatch.setattr(fb, "_interp", lambda: False)
+    x = torch.randn(T * K, D).bfloat16()
+    w1 = torch.randn(E, F, D).bfloat16()
+    wq = [None] * 6 + [hq, hs, hq, hs, w2q, w2s]  # only wq[10:12] (w2) reaches GEMM2 here
+    for on, by_row, want in (("1", False, "gluon"), ("0", False, ("triton", False)), ("1", True, ("triton", True))):
+        calls.clear()
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM2_FP8": on}):
+            assert fb.WS_GEMM2_FP8 is (on == "1")
+            out = fb.fp8_experts_fwd(x, scores, lay, w1, w2q, w1, wq, True, "layer", by_row=by_row)
+        assert calls == [want], calls
+        assert out[0] == (want if isinstance(want, str) else want[0]) + " y"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 256, "zero_expert"),
+    (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
+], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"])
+def test_ws_gemm2_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.grouped_gemm_fp8 import gemm2_scatter_fwd_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm2_fwd_fp8
+    from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import rel_err
+
+    T, E, K, D, F, routing = case
+    lay, hq, hs, w2q, w2s, scores = _gemm2_operands(T, E, K, D, F, routing, 5, "cuda")
+    y = torch.full((T * K, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=y)
+    ty = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, lay)
+    assert not torch.isnan(y).any(), "a pair row left unwritten"
+    n = int(lay.offsets[-1])
+    rows = (lay.row_pair[:n] >= 0).nonzero().squeeze(1)
+    pairs = lay.row_pair[rows].long()
+    expert = lay.tile_expert.long()[rows // 128]
+    h = R.dequantize_act_1x128(hq, hs)[rows]
+    w2 = R.dequantize_weight_128x128(w2q, w2s)
+    ref = torch.zeros(T * K, D, device="cuda")
+    for e in range(E):
+        m = expert == e
+        ref[pairs[m]] = (h[m] @ w2[e].T) * scores.reshape(-1)[pairs[m]][:, None]
+    assert rel_err(y, ref) < 1e-2
+    assert rel_err(y, ty) < 1e-3  # the Triton kernel's partials and expression: equal to fp32 rounding
+    print(f"bitwise the Triton kernel: {torch.equal(y, ty)}")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ if HAVE_GLUON:
 
     from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _swiglu_store, _tile_of
 
-__all__ = ["DGRAD_FP8_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "sm90_compile_args_dgrad_fp8", "sm90_compile_args_fp8",
-           "ws_gemm1_dgrad_fp8", "ws_gemm1_dgrad_fp8_supported", "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported"]
+__all__ = ["DGRAD_FP8_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "GEMM2_FP8_CONFIG", "sm90_compile_args_dgrad_fp8",
+           "sm90_compile_args_fp8", "sm90_compile_args_gemm2_fp8", "ws_gemm1_dgrad_fp8", "ws_gemm1_dgrad_fp8_supported",
+           "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported", "ws_gemm2_fwd_fp8", "ws_gemm2_fwd_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -198,8 +199,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _g1d8_producer(a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                        D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr):
-        # one warp: the dgate_up row tile and the transposed weight tile (K-major) of every K step, by TMA
+                       STAGES: gl.constexpr, HALVES: gl.constexpr = 2):
+        # one warp: the A row tile (dgate_up, or h for GEMM2: HALVES = 1) and the K-major weight tile (w1 / w3
+        # transposed, or w2) of every K step, by TMA
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = w1t_desc.block_type.shape[0]
@@ -210,7 +212,7 @@ if HAVE_GLUON:
         for j in range(count):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
             e = gl.load(tile_expert_ptr + pid_m)
-            for half in gl.static_range(2):
+            for half in gl.static_range(HALVES):
                 for k in range(KH):
                     s = idx % STAGES
                     mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
@@ -226,9 +228,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _g1d8_consumer(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                        b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
-                       NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr = 2,
+                       scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); the tile's BN
-        # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second
+        # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second.
+        # SCATTER (GEMM2, HALVES = 1): rows scaled by their routing score and stored at their pair's row of out
         BMC: gl.constexpr = dx_desc.block_type.shape[0]
         BH: gl.constexpr = dx_desc.block_type.shape[1]
         BM: gl.constexpr = a_bufs.type.shape[1]
@@ -244,16 +248,17 @@ if HAVE_GLUON:
             row0 = pid_m * BM + C * BMC
             col0 = pid_n * 2 * BH
             rows = row0 + gl.arange(0, BMC, layout=row_layout)
-            ok = gl.load(row_pair_ptr + rows) >= 0
-            as_row = as_ptr + rows.to(gl.int64) * (2 * KH)  # dgate_up's 1x128 scales of each row
+            pair = gl.load(row_pair_ptr + rows)
+            ok = pair >= 0
+            as_row = as_ptr + rows.to(gl.int64) * (HALVES * KH)  # A's 1x128 scales of each row
             e = gl.load(tile_expert_ptr + pid_m)
             ws_off = (e * NBW + col0 // BK) * KH
             acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * 2 * KH
-            for half in gl.static_range(2):
+            idx0 = j * HALVES * KH
+            for half in gl.static_range(HALVES):
                 ws_ptr = w1ts_ptr if half == 0 else w3ts_ptr
                 for k in range(KH):
                     idx = idx0 + half * KH + k
@@ -269,17 +274,35 @@ if HAVE_GLUON:
                     p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_hi += p_hi * gl.expand_dims(sc, 1)
-            # epilogue: zeros on padding rows (a multiply, not a select: see ws_gemm.py), bf16, TMA store per half
-            vf = gl.expand_dims(ok.to(gl.float32), 1)
+            if SCATTER:  # y[pair] = score * acc (bf16), padding rows not stored
+                srow = gl.expand_dims(gl.load(scores_ptr + pair, mask=ok, other=0.0), 1)
+                _scatter_rows((acc_lo * srow).to(gl.bfloat16), pair, out_ptr, col0, D)
+                _scatter_rows((acc_hi * srow).to(gl.bfloat16), pair, out_ptr, col0 + BH, D)
+            else:
+                # epilogue: zeros on padding rows (a multiply, not a select: see ws_gemm.py), bf16, TMA store per half
+                vf = gl.expand_dims(ok.to(gl.float32), 1)
+                tma.store_wait(pendings=0)
+                c_smem.store((acc_lo * vf).to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(dx_desc, [row0, col0], c_smem)
+                tma.store_wait(pendings=0)
+                c_smem.store((acc_hi * vf).to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(dx_desc, [row0, col0 + BH], c_smem)
+        if not SCATTER:
             tma.store_wait(pendings=0)
-            c_smem.store((acc_lo * vf).to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dx_desc, [row0, col0], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store((acc_hi * vf).to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dx_desc, [row0, col0 + BH], c_smem)
-        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _scatter_rows(y, pair, out_ptr, col0, D: gl.constexpr):
+        """Rows of the (BMC, BH) bf16 tile y to out[pair, col0 : col0 + BH] (pair < 0: not stored), through a
+        layout of 16-byte row pieces (the MMA layout holds 4-byte pieces)."""
+        BH: gl.constexpr = y.type.shape[1]
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BH // 8), BH // 8], [4, 1], [1, 0])
+        yb = gl.convert_layout(y, L)
+        pr = gl.convert_layout(pair, gl.SliceLayout(1, L))
+        cols = col0 + gl.arange(0, BH, layout=gl.SliceLayout(0, L))
+        gl.store(out_ptr + gl.expand_dims(pr.to(gl.int64), 1) * D + gl.expand_dims(cols, 0), yb,
+                 mask=gl.expand_dims(pr >= 0, 1))
 
     @gluon.jit
     def _gemm1_dgrad_fp8_ws_kernel(a_desc, w1t_desc, w3t_desc, dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr,
@@ -303,6 +326,37 @@ if HAVE_GLUON:
                               a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
             (_g1d8_producer, (a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                               empty, D, F, NUM_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+    # ---------------------------------------------------------------------------------------------
+    # GEMM2: y[pair] = score * (h[r] @ w2[e]^T), e4m3 operands by TMA, rows scattered to pair order
+    # ---------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _gemm2_fwd_fp8_ws_kernel(a_desc, w2_desc, y_desc, as_ptr, w2s_ptr, scores_ptr, out_ptr, row_pair_ptr,
+                                 tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
+                                 NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Blockwise-FP8 GEMM2 of every live row tile (``ws_gemm2_fwd_fp8``): the GEMM1 dgrad's producer and consumers
+        with one K segment (h x w2) and a scatter epilogue. ``y_desc`` only gives the consumers' tile shape.
+        Grid: (programs,)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        gl.warp_specialize([
+            (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                              b_bufs, ready, empty, a_bufs, 0, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
+                              True)),
+            (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                              b_bufs, ready, empty, a_bufs, 1, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
+                              True)),
+            (_g1d8_producer, (a_desc, w2_desc, w2_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                              D, F, NUM_N, GROUP_M, STAGES, 1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -501,6 +555,108 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
     sig = {"a_desc": fp8([bm, bk]), "w1t_desc": fp8([bn, bk]), "w3t_desc": fp8([bn, bk]),
            "dx_desc": desc([bm // 2, bn // 2], gl.bfloat16, "bf16"), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
            "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
+    cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
+              CONSUMER_REGS=cfg.consumer_regs)
+    return sig, cx
+
+
+#: Config of the FP8 GEMM2: the GEMM1 dgrad's (128 x 128 tiles, 5 stages; no epilogue buffers: rows are stored from
+#: registers).
+GEMM2_FP8_CONFIG = DGRAD_FP8_CONFIG
+
+
+def ws_gemm2_fwd_fp8_supported(h_fp8: Tensor, w2_fp8: Tensor, cfg: Fp8WsConfig = GEMM2_FP8_CONFIG) -> str | None:
+    """None if the warp-specialized FP8 GEMM2 can take these operands, else why not."""
+    reason = _platform_reason(h_fp8)
+    if reason:
+        return reason
+    E, D, F = w2_fp8.shape
+    if F % cfg.block_k or D % cfg.block_n or cfg.block_n != cfg.block_k:
+        return (f"needs F % {cfg.block_k} == 0, D % {cfg.block_n} == 0 and block_n == {cfg.block_k} "
+                f"(F={F}, D={D}, block_n={cfg.block_n})")
+    return None
+
+
+def ws_gemm2_fwd_fp8(h_fp8: Tensor, h_scale: Tensor, w2_fp8: Tensor, w2_scale: Tensor, scores: Tensor, layout, *,
+                     out: Tensor | None = None, cfg: Fp8WsConfig = GEMM2_FP8_CONFIG,
+                     programs: int | None = None) -> Tensor:
+    """Blockwise-FP8 GEMM2 by the warp-specialized Gluon kernel: y[p] = scores[p] * (h[r] @ w2[e]^T) for every layout
+    row r with pair p = row_pair[r] >= 0, in pair (token-major) order.
+
+    Same contract and result as ``grouped_gemm_fp8.gemm2_scatter_fwd_fp8`` (``by_row=False``): a fresh fp32 partial per
+    128-wide K block, scaled (h's 1x128 scale of the row times w2's 128 x 128 block scale) and accumulated in fp32 over
+    F, times the score, rounded to bf16. The kernel is ``ws_gemm1_dgrad_fp8``'s producer and consumers (one K segment
+    instead of two) with a scatter epilogue.
+
+    Args:
+        h_fp8: (N_cap, F) float8_e4m3fn, h quantized 1x128; h_scale: (N_cap, F // 128) fp32.
+        w2_fp8: (E, D, F) float8_e4m3fn; w2_scale: (E, D // 128, F // 128) fp32.
+        scores: (T, top_k) fp32 contiguous routing scores; pair p = t * top_k + k, P = T * top_k.
+        layout: the routing layout (block_m 128).
+        out: optional (P, D) bf16 output. programs: persistent grid size (default: the SM count).
+
+    Returns:
+        y (P, D) bf16: every pair placed in the layout written once; pairs without a row (dropped ids) untouched.
+
+    Raises:
+        ValueError: an unsupported case (``ws_gemm2_fwd_fp8_supported``'s reason), a layout with another block_m,
+            or an operand of another shape, dtype, layout or device.
+    """
+    fn = "ws_gemm2_fwd_fp8"
+    reason = ws_gemm2_fwd_fp8_supported(h_fp8, w2_fp8, cfg)
+    if reason:
+        raise ValueError(f"{fn}: {reason}")
+    E, D, F = w2_fp8.shape
+    n_cap, dev, bk = layout.n_cap, h_fp8.device, cfg.block_k
+    if layout.block_m != cfg.block_m:
+        raise ValueError(f"{fn}: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build the routing "
+                         f"layout with block_m {cfg.block_m})")
+    _check("h_fp8", h_fp8, (n_cap, F), FP8, dev, fn)
+    _check("h_scale", h_scale, (n_cap, F // bk), torch.float32, dev, fn)
+    _check("w2_fp8", w2_fp8, (E, D, F), FP8, dev, fn)
+    _check("w2_scale", w2_scale, (E, D // bk, F // bk), torch.float32, dev, fn)
+    if (scores.dim() != 2 or scores.shape[1] != layout.top_k or scores.dtype != torch.float32 or scores.device != dev
+            or not scores.is_contiguous()):
+        raise ValueError(f"{fn}: scores must be a contiguous (T, {layout.top_k}) fp32 tensor on {dev} (the layout's "
+                         f"top_k), got {scores.dtype} {tuple(scores.shape)} on {scores.device}")
+    P = scores.numel()
+    y = torch.empty((P, D), dtype=torch.bfloat16, device=dev) if out is None else out
+    _check("out", y, (P, D), torch.bfloat16, dev, fn)
+    if layout.n_tiles_cap == 0 or P == 0:
+        return y
+    return launch_gemm2_fwd_fp8(h_fp8, h_scale, w2_fp8, w2_scale, scores, layout, y, cfg, programs)
+
+
+def launch_gemm2_fwd_fp8(h_fp8, h_scale, w2_fp8, w2_scale, scores, layout, y: Tensor,
+                         cfg: Fp8WsConfig = GEMM2_FP8_CONFIG, programs: int | None = None) -> Tensor:
+    """``ws_gemm2_fwd_fp8`` without its checks, for a caller that has made them; returns y."""
+    E, D, F = w2_fp8.shape
+    n_cap, dev = layout.n_cap, h_fp8.device
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_desc = _desc(h_fp8, (n_cap, F), (bm, bk))
+    w2_desc = _desc(w2_fp8, (E * D, F), (bn, bk))
+    y_desc = _desc(y, (y.shape[0], D), (bm // 2, bn // 2))  # the consumers' tile shape only: rows are scattered
+    num_n = D // bn
+    programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
+    launch(_gemm2_fwd_fp8_ws_kernel, (programs,),
+           a_desc, w2_desc, y_desc, h_scale, w2_scale, scores, y, layout.row_pair, layout.tile_expert, layout.offsets,
+           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
+           num_warps=4, maxnreg=cfg.maxnreg)
+    return y
+
+
+def sm90_compile_args_gemm2_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_gemm2_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90``."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+
+    def desc(block, dtype, name):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
+
+    fp8 = lambda block: desc(block, gl.float8e4nv, "fp8e4nv")  # noqa: E731
+    sig = {"a_desc": fp8([bm, bk]), "w2_desc": fp8([bn, bk]), "y_desc": desc([bm // 2, bn // 2], gl.bfloat16, "bf16"),
+           "as_ptr": "*fp32", "w2s_ptr": "*fp32", "scores_ptr": "*fp32", "out_ptr": "*bf16", "row_pair_ptr": "*i32",
+           "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
               CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx

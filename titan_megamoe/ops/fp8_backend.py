@@ -77,6 +77,12 @@ WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", True)
 #: Triton kernel (its epilogue, docs/NOTES.md session 21); ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=1``. Read at import; a
 #: same-process switch.
 WS_GEMM2_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", False)
+#: The "fp8" forward's GEMM2 by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm2_fwd_fp8``: the FP8
+#: GEMM1 dgrad's producer and consumers with one K segment and a scatter epilogue) where it applies (sm_90, D and F
+#: multiples of 128, rows stored by pair) instead of the Triton one. Opt-in until measured (session 23: the Triton FP8
+#: GEMM2 runs 0.70 ms at 30B on an H100, no faster than the bf16 one); ``TITAN_MEGAMOE_WS_GEMM2_FP8=1``. Read at
+#: import; a same-process switch.
+WS_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_FP8", False)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
@@ -362,6 +368,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         gemm1_swiglu_fwd_fp8,
         gemm2_scatter_fwd_fp8,
     )
+    from titan_megamoe.kernels import ws_gemm_fp8
     from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm1_fwd_fp8, ws_gemm1_fwd_fp8_supported
 
     E, F, D = w1.shape
@@ -400,8 +407,12 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
             mark("gemm1")
             hq, hs = quantize_act_1x128(h, row_valid=layout.row_pair, nonfinite_count=count, name=f"{layer_name} h")
             mark("quant_h")
-        c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
-        y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, by_row=by_row, config=c2)
+        if (WS_GEMM2_FP8 and not interp and not by_row
+                and ws_gemm_fp8.ws_gemm2_fwd_fp8_supported(hq, w2q) is None):
+            y = ws_gemm_fp8.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, layout)
+        else:
+            c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
+            y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, by_row=by_row, config=c2)
         mark("gemm2")
         NONFINITE.record(f"{layer_name} forward activations", count)
     else:
