@@ -325,19 +325,22 @@ def test_ws_gemm2_fwd_fp8_refuses_what_it_cannot_take(monkeypatch):
         W.ws_gemm2_fwd_fp8(hq, hs[:-1].contiguous(), w2q, w2s, scores, lay)
     with pytest.raises(ValueError, match=r"ws_gemm2_fwd_fp8: scores must be a contiguous \(T, 2\) fp32"):
         W.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores.reshape(-1), lay)
+    with pytest.raises(ValueError, match="ws_gemm2_fwd_fp8: the layout was built for 80 pairs and 4 experts, the "
+                                         "scores hold 78 pairs"):
+        W.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores[:39].contiguous(), lay)
     with pytest.raises(ValueError, match="ws_gemm2_fwd_fp8: out must be"):
         W.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=torch.empty(3, 256, dtype=torch.bfloat16))
 
 
 def test_fp8_forward_takes_the_gluon_gemm2_only_when_switched_on(monkeypatch):
-    """``WS_GEMM2_FP8`` on (opt-in), off the interpreter, a supported case, rows by pair: the FP8 forward's y comes from
+    """``WS_GEMM2_FP8`` on (the default), off the interpreter, a supported case, rows by pair: the FP8 forward's y comes from
     the Gluon GEMM2; off, or by_row (the EP combine's layout rows): from the Triton one."""
     import titan_megamoe.kernels.grouped_gemm_fp8 as G8
     import titan_megamoe.kernels.ws_gemm_fp8 as W
     import titan_megamoe.ops.fp8_backend as fb
     from titan_megamoe import switches
 
-    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM2_FP8"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM2_FP8"].default == "1"
     T, E, K, D, F = 40, 4, 2, 256, 128
     lay, hq, hs, w2q, w2s, scores = _gemm2_operands(T, E, K, D, F, "uniform", 0, "cpu")
     calls = []

@@ -560,9 +560,10 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
     return sig, cx
 
 
-#: Config of the FP8 GEMM2: the GEMM1 dgrad's (128 x 128 tiles, 5 stages; no epilogue buffers: rows are stored from
-#: registers).
-GEMM2_FP8_CONFIG = DGRAD_FP8_CONFIG
+#: Config of the FP8 GEMM2: the GEMM1 dgrad's 128 x 128 tiles at 4 stages (no epilogue buffers: rows are stored from
+#: registers). One H100, 30B / 235B: 0.582 / 1.983 ms at 4 stages, 0.598 / 2.032 at 5, group_m 1 and 16 no better;
+#: the Triton kernel 0.706 / 2.456 (bench_ws_gemm2_fp8_1xh100_s23i_20261206.json, all bitwise the Triton output).
+GEMM2_FP8_CONFIG = Fp8WsConfig(block_n=128, stages=4, group_m=8, producer_regs=40, consumer_regs=232)
 
 
 def ws_gemm2_fwd_fp8_supported(h_fp8: Tensor, w2_fp8: Tensor, cfg: Fp8WsConfig = GEMM2_FP8_CONFIG) -> str | None:
@@ -599,8 +600,8 @@ def ws_gemm2_fwd_fp8(h_fp8: Tensor, h_scale: Tensor, w2_fp8: Tensor, w2_scale: T
         y (P, D) bf16: every pair placed in the layout written once; pairs without a row (dropped ids) untouched.
 
     Raises:
-        ValueError: an unsupported case (``ws_gemm2_fwd_fp8_supported``'s reason), a layout with another block_m,
-            or an operand of another shape, dtype, layout or device.
+        ValueError: an unsupported case (``ws_gemm2_fwd_fp8_supported``'s reason), a layout with another block_m or
+            built for other pairs / experts, or an operand of another shape, dtype, layout or device.
     """
     fn = "ws_gemm2_fwd_fp8"
     reason = ws_gemm2_fwd_fp8_supported(h_fp8, w2_fp8, cfg)
@@ -620,6 +621,9 @@ def ws_gemm2_fwd_fp8(h_fp8: Tensor, h_scale: Tensor, w2_fp8: Tensor, w2_scale: T
         raise ValueError(f"{fn}: scores must be a contiguous (T, {layout.top_k}) fp32 tensor on {dev} (the layout's "
                          f"top_k), got {scores.dtype} {tuple(scores.shape)} on {scores.device}")
     P = scores.numel()
+    if layout.pair_row.shape[0] != P or layout.num_experts != E:
+        raise ValueError(f"{fn}: the layout was built for {layout.pair_row.shape[0]} pairs and {layout.num_experts} "
+                         f"experts, the scores hold {P} pairs and w2 {E} experts (build the layout from these ids)")
     y = torch.empty((P, D), dtype=torch.bfloat16, device=dev) if out is None else out
     _check("out", y, (P, D), torch.bfloat16, dev, fn)
     if layout.n_tiles_cap == 0 or P == 0:

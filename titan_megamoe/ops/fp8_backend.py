@@ -79,10 +79,10 @@ WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", True)
 WS_GEMM2_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", False)
 #: The "fp8" forward's GEMM2 by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm2_fwd_fp8``: the FP8
 #: GEMM1 dgrad's producer and consumers with one K segment and a scatter epilogue) where it applies (sm_90, D and F
-#: multiples of 128, rows stored by pair) instead of the Triton one. Opt-in until measured (session 23: the Triton FP8
-#: GEMM2 runs 0.70 ms at 30B on an H100, no faster than the bf16 one); ``TITAN_MEGAMOE_WS_GEMM2_FP8=1``. Read at
-#: import; a same-process switch.
-WS_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_FP8", False)
+#: multiples of 128, rows stored by pair) instead of the Triton one; bitwise the same y. On by default since session 23
+#: (one H100, 30B: kernel 0.706 -> 0.598 ms, 235B 2.456 -> 2.032; same process, fp8 fwd+bwd 8.47 -> 8.25 ms, forward
+#: 2.69 -> 2.48); ``TITAN_MEGAMOE_WS_GEMM2_FP8=0`` turns it off. Read at import; a same-process switch.
+WS_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_FP8", True)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
