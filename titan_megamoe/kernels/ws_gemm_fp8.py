@@ -36,6 +36,11 @@ tests/test_ws_gemm_fp8.py). GEMM1 750 vs 586 TF/s at 30B (H100), GEMM1 dgrad 856
 The GEMM1 dgrad (``ws_gemm1_dgrad_fp8``) uses the same consumer scheme on contiguous operands: one TMA producer warp
 (dgate_up rows and the transposed e4m3 weights, K-major), each consumer's 128 columns as two 64-column halves whose
 MMAs are in flight together.
+
+The GEMM2 (``ws_gemm2_fwd_fp8``, session 23) is that dgrad kernel with one K segment (h x w2: w2 (E, D, F) is already
+K-major, like w1 / w3 transposed) and a scatter epilogue: each row times its routing score, rounded to bf16, stored from
+registers at its pair's row of y. Bitwise the Triton kernel's y on an H100; 30B 0.706 -> 0.582 ms, 235B 2.456 -> 1.983
+(``bench_ws_gemm2_fp8_1xh100_s23i_20261206.json``); on by default (``ops/fp8_backend.WS_GEMM2_FP8``).
 """
 
 from __future__ import annotations
