@@ -453,17 +453,21 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     return gu, h
 
 
+def _sig_desc(block, fp8: bool = True) -> str:
+    """The compile signature string of an e4m3 (or bf16) TMA descriptor argument with tiles ``block``
+    (``sm90_compile_args_*``)."""
+    dtype, name = (gl.float8e4nv, "fp8e4nv") if fp8 else (gl.bfloat16, "bf16")
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
+
+
 def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> tuple[dict, dict]:
     """(signature, constexprs) of ``_gemm1_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
-    def desc(block, dtype, name):
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
-
-    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_desc": desc([bn, bk], gl.float8e4nv, "fp8e4nv"),
-           "w3_desc": desc([bn, bk], gl.float8e4nv, "fp8e4nv"), "w1s_ptr": "*fp32", "w3s_ptr": "*fp32",
-           "gu_desc": desc([bm // 2, bn], gl.bfloat16, "bf16"), "h_desc": desc([bm // 2, bn], gl.bfloat16, "bf16"),
+    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_desc": _sig_desc([bn, bk]), "w3_desc": _sig_desc([bn, bk]),
+           "w1s_ptr": "*fp32", "w3s_ptr": "*fp32", "gu_desc": _sig_desc([bm // 2, bn], fp8=False),
+           "h_desc": _sig_desc([bm // 2, bn], fp8=False),
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
@@ -552,13 +556,8 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
     """(signature, constexprs) of ``_gemm1_dgrad_fp8_ws_kernel`` for ``sm90_check.compile_sm90``."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
-    def desc(block, dtype, name):
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
-
-    fp8 = lambda block: desc(block, gl.float8e4nv, "fp8e4nv")  # noqa: E731
-    sig = {"a_desc": fp8([bm, bk]), "w1t_desc": fp8([bn, bk]), "w3t_desc": fp8([bn, bk]),
-           "dx_desc": desc([bm // 2, bn // 2], gl.bfloat16, "bf16"), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
+    sig = {"a_desc": _sig_desc([bm, bk]), "w1t_desc": _sig_desc([bn, bk]), "w3t_desc": _sig_desc([bn, bk]),
+           "dx_desc": _sig_desc([bm // 2, bn // 2], fp8=False), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
            "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
               CONSUMER_REGS=cfg.consumer_regs)
@@ -572,15 +571,9 @@ GEMM2_FP8_CONFIG = Fp8WsConfig(block_n=128, stages=4, group_m=8, producer_regs=4
 
 
 def ws_gemm2_fwd_fp8_supported(h_fp8: Tensor, w2_fp8: Tensor, cfg: Fp8WsConfig = GEMM2_FP8_CONFIG) -> str | None:
-    """None if the warp-specialized FP8 GEMM2 can take these operands, else why not."""
-    reason = _platform_reason(h_fp8)
-    if reason:
-        return reason
-    E, D, F = w2_fp8.shape
-    if F % cfg.block_k or D % cfg.block_n or cfg.block_n != cfg.block_k:
-        return (f"needs F % {cfg.block_k} == 0, D % {cfg.block_n} == 0 and block_n == {cfg.block_k} "
-                f"(F={F}, D={D}, block_n={cfg.block_n})")
-    return None
+    """None if the warp-specialized FP8 GEMM2 can take these operands, else why not: the GEMM1 dgrad's conditions
+    (its operands have the same forms: A rows with 1x128 scales, a K-major (E, D, F) weight)."""
+    return ws_gemm1_dgrad_fp8_supported(h_fp8, w2_fp8, cfg)
 
 
 def ws_gemm2_fwd_fp8(h_fp8: Tensor, h_scale: Tensor, w2_fp8: Tensor, w2_scale: Tensor, scores: Tensor, layout, *,
@@ -658,12 +651,8 @@ def sm90_compile_args_gemm2_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
     """(signature, constexprs) of ``_gemm2_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90``."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
-    def desc(block, dtype, name):
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
-
-    fp8 = lambda block: desc(block, gl.float8e4nv, "fp8e4nv")  # noqa: E731
-    sig = {"a_desc": fp8([bm, bk]), "w2_desc": fp8([bn, bk]), "y_desc": desc([bm // 2, bn // 2], gl.bfloat16, "bf16"),
+    sig = {"a_desc": _sig_desc([bm, bk]), "w2_desc": _sig_desc([bn, bk]),
+           "y_desc": _sig_desc([bm // 2, bn // 2], fp8=False),
            "as_ptr": "*fp32", "w2s_ptr": "*fp32", "scores_ptr": "*fp32", "out_ptr": "*bf16", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
