@@ -490,6 +490,22 @@ def ws_gemm1_dgrad_fp8_supported(dgu_fp8: Tensor, w1t_fp8: Tensor, cfg: Fp8WsCon
     return None
 
 
+def _check_k_major_call(fn: str, a_fp8: Tensor, w_fp8: Tensor, layout, cfg: Fp8WsConfig) -> tuple[int, int, int]:
+    """The checks the GEMM1 dgrad and GEMM2 launchers share (operands of the same forms: A rows with 1x128 scales, a
+    K-major (E, D, F) weight): the case is supported and the layout's block is the config's; returns (E, D, F).
+
+    Raises:
+        ValueError: naming ``fn`` and what to change.
+    """
+    reason = ws_gemm1_dgrad_fp8_supported(a_fp8, w_fp8, cfg)
+    if reason:
+        raise ValueError(f"{fn}: {reason}")
+    if layout.block_m != cfg.block_m:
+        raise ValueError(f"{fn}: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build the routing "
+                         f"layout with block_m {cfg.block_m})")
+    return tuple(w_fp8.shape)
+
+
 def ws_gemm1_dgrad_fp8(dgu_fp8: Tensor, dgu_scale: Tensor, w1t_fp8: Tensor, w1t_scale: Tensor, w3t_fp8: Tensor,
                        w3t_scale: Tensor, layout, *, out: Tensor | None = None, cfg: Fp8WsConfig = DGRAD_FP8_CONFIG,
                        programs: int | None = None) -> Tensor:
@@ -512,14 +528,8 @@ def ws_gemm1_dgrad_fp8(dgu_fp8: Tensor, dgu_scale: Tensor, w1t_fp8: Tensor, w1t_
         ValueError: an unsupported case (``ws_gemm1_dgrad_fp8_supported``'s reason), a layout with another block_m,
             or an operand of another shape, dtype, layout or device.
     """
-    reason = ws_gemm1_dgrad_fp8_supported(dgu_fp8, w1t_fp8, cfg)
-    if reason:
-        raise ValueError(f"ws_gemm1_dgrad_fp8: {reason}")
-    E, D, F = w1t_fp8.shape
+    E, D, F = _check_k_major_call("ws_gemm1_dgrad_fp8", dgu_fp8, w1t_fp8, layout, cfg)
     n_cap, dev, bk = layout.n_cap, dgu_fp8.device, cfg.block_k
-    if layout.block_m != cfg.block_m:
-        raise ValueError(f"ws_gemm1_dgrad_fp8: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build "
-                         f"the routing layout with block_m {cfg.block_m})")
     _check("dgu_fp8", dgu_fp8, (n_cap, 2 * F), FP8, dev, "ws_gemm1_dgrad_fp8")
     _check("dgu_scale", dgu_scale, (n_cap, 2 * F // bk), torch.float32, dev, "ws_gemm1_dgrad_fp8")
     for name, w, s in (("w1t", w1t_fp8, w1t_scale), ("w3t", w3t_fp8, w3t_scale)):
@@ -602,14 +612,8 @@ def ws_gemm2_fwd_fp8(h_fp8: Tensor, h_scale: Tensor, w2_fp8: Tensor, w2_scale: T
             built for other pairs / experts, or an operand of another shape, dtype, layout or device.
     """
     fn = "ws_gemm2_fwd_fp8"
-    reason = ws_gemm2_fwd_fp8_supported(h_fp8, w2_fp8, cfg)
-    if reason:
-        raise ValueError(f"{fn}: {reason}")
-    E, D, F = w2_fp8.shape
+    E, D, F = _check_k_major_call(fn, h_fp8, w2_fp8, layout, cfg)
     n_cap, dev, bk = layout.n_cap, h_fp8.device, cfg.block_k
-    if layout.block_m != cfg.block_m:
-        raise ValueError(f"{fn}: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build the routing "
-                         f"layout with block_m {cfg.block_m})")
     _check("h_fp8", h_fp8, (n_cap, F), FP8, dev, fn)
     _check("h_scale", h_scale, (n_cap, F // bk), torch.float32, dev, fn)
     _check("w2_fp8", w2_fp8, (E, D, F), FP8, dev, fn)
