@@ -67,16 +67,23 @@ class Fp8WgradConfig:
         stages: operand buffers in the ring (two 128 x 128 e4m3 tiles each: 32 KiB).
         maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split (two consumer
             warpgroups with four 64 x 64 fp32 tiles each, 128 registers, and a one-warp TMA producer).
+        pipeline: the consumers keep an MMA in flight across K steps (the next step's first half is issued before
+            this step's second half is scaled) and stage the tile's two output halves in two buffers (no wait for
+            the first half's TMA store); False: session 20's consumer, which idles the tensor cores while the
+            second half of each step is scaled and between the two output stores. The same bits either way.
     """
 
     stages: int = 5
     maxnreg: int = 168
     producer_regs: int = 40
     consumer_regs: int = 232
+    pipeline: bool = True
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
-        """Shared memory of the operand ring and the two consumers' 64 x 64 output staging tiles."""
-        return self.stages * 2 * _G * _G + 2 * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
+        """Shared memory of the operand ring and the consumers' 64 x 64 output staging tiles (one per consumer, two
+        with ``pipeline``)."""
+        staging = (4 if self.pipeline else 2) * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
+        return self.stages * 2 * _G * _G + staging
 
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
@@ -165,10 +172,102 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _wg8_scales(as_ptr, bs_ptr, g, rows, cols, MA: gl.constexpr, NC: gl.constexpr, BH: gl.constexpr):
+        """(a_scale column, b_scale rows of the lo half, of the hi half) of scale group g, broadcastable to a half."""
+        sa = gl.expand_dims(gl.load(as_ptr + g * MA + rows), 1)
+        sb_lo = gl.expand_dims(gl.load(bs_ptr + g * NC + cols), 0)
+        sb_hi = gl.expand_dims(gl.load(bs_ptr + g * NC + BH + cols), 0)
+        return sa, sb_lo, sb_hi
+
+    @gluon.jit
+    def _wg8_consumer_pipe(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_lo,
+                           c_hi, C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr,
+                           MT: gl.constexpr, NT: gl.constexpr, STAGES: gl.constexpr):
+        # _wg8_consumer's tiles and math (the same partials, scaled in the same order), with one MMA always in flight:
+        # step k's hi MMA runs while its lo partial is scaled, step k + 1's lo MMA while its hi partial is; the tile's
+        # two output halves leave through two staging buffers
+        BMC: gl.constexpr = out0_desc.block_type.shape[0]
+        BH: gl.constexpr = out0_desc.block_type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        idx = 0
+        for j in range(_wg_count(E, MT, NT)):
+            e, m, n = _wg_tile(j, MT, NT)
+            start = gl.load(offsets_ptr + e)
+            steps = (gl.load(offsets_ptr + e + 1) - start) // BK  # segments are whole 128-row blocks
+            row0 = m * 2 * BMC + C * BMC
+            col0 = n * 2 * BH
+            rows = row0 + gl.arange(0, BMC, layout=row_layout)
+            cols = col0 + gl.arange(0, BH, layout=col_layout)
+            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            g0 = start // BK
+            # pairs of steps, nothing in flight at the loop's back-edge (ptxas serializes every wgmma of the kernel
+            # when a wgmma is in flight across it: C7514)
+            for k in range(0, steps - 1, 2):
+                s0 = idx % STAGES
+                s1 = (idx + 1) % STAGES
+                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g0 + k, rows, cols, MA, NC, BH)
+                mbarrier.wait(ready.index(s0), (idx // STAGES) & 1)
+                a = a_bufs.index(s0).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s0)
+                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
+                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                acc_lo += (p_lo * sa) * sb_lo
+                mbarrier.wait(ready.index(s1), ((idx + 1) // STAGES) & 1)
+                a = a_bufs.index(s1).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s1)
+                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
+                p_hi = warpgroup_mma_wait(num_outstanding=1, deps=(p_hi,))  # step k + 1's lo runs
+                mbarrier.arrive(empty.index(s0), count=1)
+                acc_hi += (p_hi * sa) * sb_hi
+                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g0 + k + 1, rows, cols, MA, NC, BH)
+                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                acc_lo += (p_lo * sa) * sb_lo
+                p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
+                mbarrier.arrive(empty.index(s1), count=1)
+                acc_hi += (p_hi * sa) * sb_hi
+                idx += 2
+            if steps % 2 == 1:  # the last, unpaired step as _wg8_consumer takes every step
+                s0 = idx % STAGES
+                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g0 + steps - 1, rows, cols, MA, NC, BH)
+                mbarrier.wait(ready.index(s0), (idx // STAGES) & 1)
+                a = a_bufs.index(s0).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s0)
+                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
+                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                acc_lo += (p_lo * sa) * sb_lo
+                p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
+                mbarrier.arrive(empty.index(s0), count=1)
+                acc_hi += (p_hi * sa) * sb_hi
+                idx += 1
+            dt: gl.constexpr = out0_desc.dtype
+            for half in gl.static_range(2):
+                c_smem = c_lo if half == 0 else c_hi
+                tma.store_wait(pendings=1)  # this buffer's store of the previous tile has read it
+                c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
+                fence_async_shared()
+                if row0 < M1:
+                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
+                else:
+                    tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
+                                                    c_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
     def _wgrad_fp8_ws_kernel(a_desc, b_desc, out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, MA: gl.constexpr,
                              NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr):
-        """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,)."""
+                             CONSUMER_REGS: gl.constexpr, PIPE: gl.constexpr = True):
+        """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,).
+        PIPE: the consumers of ``_wg8_consumer_pipe`` (else ``_wg8_consumer``)."""
         MT: gl.constexpr = MA // a_desc.block_type.shape[0]
         NT: gl.constexpr = NC // b_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -180,13 +279,24 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        gl.warp_specialize([
-            (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
-                             0, MA, NC, M1, MT, NT, STAGES)),
-            (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
-                             1, MA, NC, M1, MT, NT, STAGES)),
-            (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if PIPE:
+            c2 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
+            c3 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
+            gl.warp_specialize([
+                (_wg8_consumer_pipe, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                      empty, c0, c2, 0, MA, NC, M1, MT, NT, STAGES)),
+                (_wg8_consumer_pipe, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                      empty, c1, c3, 1, MA, NC, M1, MT, NT, STAGES)),
+                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                                 c0, 0, MA, NC, M1, MT, NT, STAGES)),
+                (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                                 c1, 1, MA, NC, M1, MT, NT, STAGES)),
+                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_wgrad_fp8_supported(aT_q: Tensor, MA: int, NC: int, split: int | None, layout) -> str | None:
@@ -269,7 +379,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, MA, NC, M1, cfg.stages, cfg.producer_regs,
-           cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, cfg.pipeline, num_warps=4, maxnreg=cfg.maxnreg)
     return (out1,) if split is None else (out1, out2)
 
 
@@ -286,5 +396,5 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
     sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs)
+              CONSUMER_REGS=cfg.consumer_regs, PIPE=cfg.pipeline)
     return sig, cx

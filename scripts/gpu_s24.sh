@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU calls of session 24 (1 H200 asked; say in the results which card ran).
+# Call as: REV=<hash> PART=a bash scripts/gpu_s24.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
+gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line and failures
+  local tag=$1; shift
+  timeout -s KILL 200 python3 -m pytest -q -rfE -s "$@" -p no:cacheprovider > "$OUT/keep/tests_gpu_$tag.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_$tag.log")"
+  grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
+}
+layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer rows, default and with each switch set
+  local lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} \
+    --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -12
+}
+wgrad_ncu() {  # wgrad_ncu TAG: Nsight Compute on the FP8 wgrad kernels at 30B (Triton, Gluon configs)
+  timeout 200 "$(ncu_bin)" --clock-control none --launch-count 16 -k "regex:_wgrad_fp8" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active" \
+    python3 scripts/bench_wgrad_fp8.py --shapes 30b --ncu > "$OUT/keep/ncu_wgrad_$1.txt" 2> "$OUT/keep/ncu_wgrad_$1.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  awk '/^  _/{print; next} /Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1\/TEX Hit|L2 Hit|lts__t_bytes|gmma_cycles|Achieved Occupancy|Issued Warp|stalled/' \
+    "$OUT/keep/ncu_wgrad_$1.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -150
+  tail -3 "$OUT/keep/ncu_wgrad_$1.err" | cut -c1-200
+}
+# PART=a: the FP8 wgrad's pipelined consumer (ws_wgrad_fp8 pipeline=True: steps in pairs, one MMA in flight while the
+#   other half is scaled; two output staging buffers): (1) GPU tests (bitwise v1 and the Triton wgrad); (2)
+#   bench_wgrad_fp8.py, Triton / Gluon v1 / pipelined, 30B and 235B; (3) Nsight Compute on the three at 30B (is the
+#   kernel L2-bound or issue-bound); (4) on an H200 only: compare.layer bf16 beside stock TorchTitan (issue 4).
+if [ "$PART" = a ]; then
+  gpu_tests a tests/test_ws_wgrad_fp8.py
+  timeout 200 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_a.json" > "$OUT/keep/bench_wgrad_fp8_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_a.log" | cut -c1-230 | tail -14
+  wgrad_ncu a
+  if grep -q H200 "$OUT/gpu.txt"; then
+    layer_ab 30b_bf16_a "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
+    layer_ab 235b_bf16_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
+  fi
+fi
+session_pack "s24$PART"
