@@ -1,7 +1,7 @@
 """Time the blockwise-FP8 weight gradients (dw2, dw1 | dw3) of the FP8 backward: the Triton kernel, the Gluon kernel
 of ``kernels/ws_wgrad_fp8.py`` per config, in one process (GPU only).
 
-    python scripts/bench_wgrad_fp8.py [--shapes 30b,235b] [--out f.json] [--ncu]
+    python scripts/bench_wgrad_fp8.py [--shapes 30b,235b] [--out f.json] [--ncu] [--ablate]
 
 16384 tokens, top-8, 128 experts, near-uniform random routing; operands made by the op's own quantizers (dout and x
 gathered 128x1, s * h and dgate_up random bf16 rows through the dual pass). For each shape: the dense e4m3 rate of
@@ -9,7 +9,8 @@ this GPU (``torch._scaled_mm`` rowwise 8192^3, the ceiling), then ``triton.testi
 100 ms of repeats) per kernel, TF/s = 2 * P * MA * NC / time over the live rows P, the ratio to the dense rate, and
 each result compared bitwise with the first Gluon config's and with the Triton kernel's (a mismatch with the Gluon
 reference exits 1: every config computes the same partials in the same order). ``--ncu``: each kernel runs twice,
-untimed (for ``ncu -k regex:_wgrad``).
+untimed (for ``ncu -k regex:_wgrad``). ``--ablate``: also the Gluon v1 kernel with parts left out (``ws_wgrad_fp8``'s
+``_ablate`` bits; wrong results, timing only): where its time goes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="30b,235b")
     p.add_argument("--out")
     p.add_argument("--ncu", action="store_true")
+    p.add_argument("--ablate", action="store_true")
     args = p.parse_args(argv)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     dense = None if args.ncu else _dense_fp8_tflops(bench)
@@ -101,6 +103,16 @@ def main(argv=None) -> int:
                 bad += row["bitwise_gluon_v1"] is False
                 rows.append(row)
                 print(shape, row)
+            if args.ablate and not args.ncu:
+                v1 = dict(_configs())["gluon v1"]
+                for bits, what in ((1, "scales loaded once per tile"), (2, "no scaling"), (4, "no output stores"),
+                                   (16, "one accumulator chain"), (20, "one chain, no stores"),
+                                   (8, "no MMA (operand stream)"), (12, "no MMA, no stores")):
+                    ms = bench((lambda b: lambda: ws_wgrad_fp8(*aT, *bT, lay, split=split, cfg=v1, _ablate=b))(bits))
+                    row = dict(kernel=name, variant=f"gluon v1 ablate {bits}: {what}", ms=round(ms, 4),
+                               tflops=round(flop / ms / 1e9, 1), of_dense=round(flop / ms / 1e9 / dense, 3))
+                    rows.append(row)
+                    print(shape, row)
             del tri, ref
         rec["shapes"].append(dict(shape=shape, T=T, E=E, K=K, D=D, F=F, live_rows=live, rows=rows))
     if args.out and not args.ncu:

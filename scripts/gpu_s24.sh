@@ -41,4 +41,11 @@ if [ "$PART" = a ]; then
     layer_ab 235b_bf16_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
   fi
 fi
+# PART=b: where the Gluon FP8 wgrad's time goes (PART a: the pipelined consumer gained 0-6 %; Nsight Compute: L2 at
+#   5.1-5.3 TB/s, 43-48 % of its peak, long-scoreboard and barrier stalls): bench_wgrad_fp8.py --ablate, v1 with the
+#   per-step scale loads, the scaling, the output stores, the MMAs or the per-step partials left out.
+if [ "$PART" = b ]; then
+  timeout 300 python3 scripts/bench_wgrad_fp8.py --ablate --out "$OUT/keep/bench_wgrad_fp8_b.json" > "$OUT/keep/bench_wgrad_fp8_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_b.log" | cut -c1-160 | tail -40
+fi
 session_pack "s24$PART"

@@ -117,7 +117,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _wg8_consumer(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
                       C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, MT: gl.constexpr,
-                      NT: gl.constexpr, STAGES: gl.constexpr):
+                      NT: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
         # cooperative: both consumers take every tile, C its output rows [C * 64, C * 64 + 64); the tile's 128
         # columns as two 64-column halves, both MMAs of a K step in flight, the first scaled under the second
         BMC: gl.constexpr = out0_desc.block_type.shape[0]
@@ -140,35 +140,54 @@ if HAVE_GLUON:
             acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            if ABLATE & 1:  # timing diagnosis: the tile's first scales for every step
+                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, start // BK, rows, cols, MA, NC, BH)
             for r0 in range(start, end, BK):
                 s = idx % STAGES
                 g = r0 // BK  # this step's scale group
-                sa = gl.expand_dims(gl.load(as_ptr + g * MA + rows), 1)
-                sb_lo = gl.expand_dims(gl.load(bs_ptr + g * NC + cols), 0)
-                sb_hi = gl.expand_dims(gl.load(bs_ptr + g * NC + BH + cols), 0)
+                if ABLATE & 3 == 0:
+                    sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g, rows, cols, MA, NC, BH)
                 mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
                 a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
                 b = b_bufs.index(s)
-                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
-                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
-                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
-                acc_lo += (p_lo * sa) * sb_lo  # scaled under the other half's MMA
-                p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_hi += (p_hi * sa) * sb_hi
-                idx += 1
-            # epilogue: the two halves through this consumer's staging tile, TMA stores into dW[e] (or the
-            # second output past row M1: dw3 of the stacked dgate_up)
-            dt: gl.constexpr = out0_desc.dtype
-            for half in gl.static_range(2):
-                tma.store_wait(pendings=0)  # the previous store has read c_smem
-                c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
-                fence_async_shared()
-                if row0 < M1:
-                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
+                if ABLATE & 8:  # no MMA: the operand stream alone
+                    mbarrier.arrive(empty.index(s), count=1)
+                elif ABLATE & 16:  # one accumulator chain, no per-step partials or scaling
+                    acc_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), acc_lo, is_async=True)
+                    acc_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), acc_hi, is_async=True)
+                    acc_lo = warpgroup_mma_wait(num_outstanding=1, deps=(acc_lo,))
+                    acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_hi,))
+                    mbarrier.arrive(empty.index(s), count=1)
                 else:
-                    tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
-                                                    c_smem)
+                    p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False,
+                                         is_async=True)
+                    p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False,
+                                         is_async=True)
+                    p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                    if ABLATE & 2:
+                        acc_lo += p_lo
+                    else:
+                        acc_lo += (p_lo * sa) * sb_lo  # scaled under the other half's MMA
+                    p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    if ABLATE & 2:
+                        acc_hi += p_hi
+                    else:
+                        acc_hi += (p_hi * sa) * sb_hi
+                idx += 1
+            if ABLATE & 4 == 0:  # (bit 4: no output stores)
+                # epilogue: the two halves through this consumer's staging tile, TMA stores into dW[e] (or the
+                # second output past row M1: dw3 of the stacked dgate_up)
+                dt: gl.constexpr = out0_desc.dtype
+                for half in gl.static_range(2):
+                    tma.store_wait(pendings=0)  # the previous store has read c_smem
+                    c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
+                    fence_async_shared()
+                    if row0 < M1:
+                        tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
+                    else:
+                        tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
+                                                        c_smem)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -265,9 +284,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _wgrad_fp8_ws_kernel(a_desc, b_desc, out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, MA: gl.constexpr,
                              NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PIPE: gl.constexpr = True):
+                             CONSUMER_REGS: gl.constexpr, PIPE: gl.constexpr = True, ABLATE: gl.constexpr = 0):
         """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,).
-        PIPE: the consumers of ``_wg8_consumer_pipe`` (else ``_wg8_consumer``)."""
+        PIPE: the consumers of ``_wg8_consumer_pipe`` (else ``_wg8_consumer``). ABLATE (timing diagnosis, wrong
+        results; ``_wg8_consumer`` only): bits leaving parts out (``ws_wgrad_fp8``'s ``_ablate``)."""
         MT: gl.constexpr = MA // a_desc.block_type.shape[0]
         NT: gl.constexpr = NC // b_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -292,9 +312,9 @@ if HAVE_GLUON:
         else:
             gl.warp_specialize([
                 (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                                 c0, 0, MA, NC, M1, MT, NT, STAGES)),
+                                 c0, 0, MA, NC, M1, MT, NT, STAGES, ABLATE)),
                 (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                                 c1, 1, MA, NC, M1, MT, NT, STAGES)),
+                                 c1, 1, MA, NC, M1, MT, NT, STAGES, ABLATE)),
                 (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -319,7 +339,8 @@ def _k_major(t: Tensor) -> Tensor:
 
 def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout, *, split: int | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, out: tuple[Tensor, ...] | None = None,
-                 cfg: Fp8WgradConfig = FP8_WGRAD_CONFIG, programs: int | None = None) -> tuple[Tensor, ...]:
+                 cfg: Fp8WgradConfig = FP8_WGRAD_CONFIG, programs: int | None = None,
+                 _ablate: int = 0) -> tuple[Tensor, ...]:
     """Blockwise-FP8 K-grouped weight gradient by the warp-specialized Gluon kernel: dW[e] = sum over expert e's rows r
     of aT[:, r] outer bT[:, r], each 128-row group's fp32 partial scaled by a_s[g, m] * b_s[g, n].
 
@@ -336,6 +357,10 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         out: optional output buffers, contiguous ``out_dtype``: (dW,) of (E, MA, NC), or (dW_top, dW_bottom) of
             (E, split, NC) and (E, MA - split, NC).
         programs: persistent grid size (default: the SM count).
+        _ablate: timing diagnosis only (wrong results), with ``cfg.pipeline`` False: bits leaving parts out, 1 the
+            per-step scale loads (the tile's first scales throughout), 2 the scaling (and its loads), 4 the output
+            stores, 8 the MMAs (the operand stream alone), 16 the per-step partials (one accumulator chain).
+            ``scripts/bench_wgrad_fp8.py --ablate`` times them.
 
     Returns:
         (dW,) or (dW_top, dW_bottom) in ``out_dtype``; experts without rows get zeros.
@@ -351,6 +376,8 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     reason = ws_wgrad_fp8_supported(aT_q, MA, NC, split, layout)
     if reason:
         raise ValueError(f"{fn}: {reason}")
+    if _ablate and cfg.pipeline:
+        raise ValueError(f"{fn}: _ablate needs cfg.pipeline False (it leaves parts of that consumer out)")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"{fn}: out_dtype must be bf16 or fp32, got {out_dtype}")
     _check_transposed(fn, "aT_q", aT_q, (MA, n_cap), dev)
@@ -379,7 +406,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, MA, NC, M1, cfg.stages, cfg.producer_regs,
-           cfg.consumer_regs, cfg.pipeline, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, cfg.pipeline, _ablate, num_warps=4, maxnreg=cfg.maxnreg)
     return (out1,) if split is None else (out1, out2)
 
 
@@ -396,5 +423,5 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
     sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, PIPE=cfg.pipeline)
+              CONSUMER_REGS=cfg.consumer_regs, PIPE=cfg.pipeline, ABLATE=0)
     return sig, cx
