@@ -48,4 +48,15 @@ if [ "$PART" = b ]; then
   timeout 300 python3 scripts/bench_wgrad_fp8.py --ablate --out "$OUT/keep/bench_wgrad_fp8_b.json" > "$OUT/keep/bench_wgrad_fp8_b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_b.log" | cut -c1-160 | tail -40
 fi
+# PART=c: the FP8 wgrad's scale rows by TMA into each stage (smem_scales, the default; PART b: the per-step global
+#   scale loads cost dw2 0.66 vs 0.50 ms): (1) GPU tests (bitwise v1, the pipelined consumer and the Triton wgrad);
+#   (2) bench_wgrad_fp8.py, 30B and 235B; (3) compare.layer fp8 / fp8_bwd 30B and fp8 235B with
+#   FP8_WGRAD_SMEM_SCALES=0 rows, same process per shape.
+if [ "$PART" = c ]; then
+  gpu_tests c tests/test_ws_wgrad_fp8.py
+  timeout 200 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_c.json" > "$OUT/keep/bench_wgrad_fp8_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_c.log" | cut -c1-200 | tail -24
+  layer_ab 30b_fp8_c FP8_WGRAD_SMEM_SCALES=0 qwen3-30b-a3b fp8,fp8_bwd
+  layer_ab 235b_fp8_c FP8_WGRAD_SMEM_SCALES=0 qwen3-235b-a22b fp8
+fi
 session_pack "s24$PART"

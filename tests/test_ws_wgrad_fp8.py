@@ -14,15 +14,22 @@ from _sm90 import sm90_result  # noqa: E402
 # (label, MA, NC, split, out dtype): dw2 (D x F), dw1 | dw3 (2F x D split at F) at both Qwen3 shapes
 BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 768, torch.bfloat16),
           ("w2_235b", 4096, 1536, None, torch.bfloat16), ("w13_235b", 3072, 4096, 1536, torch.bfloat16),
-          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16)]
+          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16),
+          ("w13_30b_pipe", 1536, 2048, 768, torch.bfloat16), ("w2_235b_fp32_pipe", 4096, 1536, None, torch.float32)]
 
 
 def _config(label: str):
+    """The default config, or by the label's suffix: ``_v1`` (scales loaded from global memory every step, session
+    20's consumer) or ``_pipe`` (steps in pairs, global scales)."""
     import dataclasses
 
     from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG
 
-    return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=False) if label.endswith("_v1") else FP8_WGRAD_CONFIG
+    if label.endswith("_v1"):
+        return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=False, smem_scales=False)
+    if label.endswith("_pipe"):
+        return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=True, smem_scales=False)
+    return FP8_WGRAD_CONFIG
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -57,6 +64,8 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
         assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
         assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
+    if cfg.smem_scales and not cfg.pipeline:
+        assert r["tma"] >= 4, "the scale rows by TMA too"
     assert cfg.smem_bytes(dt) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap
     # a few spilled scalars (addresses) in the pipelined consumer's pair loop; none in v1
@@ -173,8 +182,9 @@ def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
         out = tuple(torch.full(sh, float("nan"), device="cuda", dtype=dt) for sh in shapes)  # poisoned
         got = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=out)
         assert all(g is o for g, o in zip(got, out))
-        v1 = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config("v1_v1"))
-        assert all(torch.equal(g, o) for g, o in zip(got, v1)), f"{name}: the pipelined consumer differs from v1"
+        for other in ("_v1", "_pipe"):  # every consumer variant computes the same partials in the same order
+            alt = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config(other))
+            assert all(torch.equal(g, o) for g, o in zip(got, alt)), f"{name}: config {other} differs"
         tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
         got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
         assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"
