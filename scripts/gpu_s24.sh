@@ -59,4 +59,18 @@ if [ "$PART" = c ]; then
   layer_ab 30b_fp8_c FP8_WGRAD_SMEM_SCALES=0 qwen3-30b-a3b fp8,fp8_bwd
   layer_ab 235b_fp8_c FP8_WGRAD_SMEM_SCALES=0 qwen3-235b-a22b fp8
 fi
+# PART=d: the pipelined consumer with the scale rows in shared memory (FP8_WGRAD_CONSUMER=pipe) against the new default
+#   (smem) and v1: (1) GPU tests (all consumers bitwise each other and the Triton wgrad); (2) bench_wgrad_fp8.py 30B and
+#   235B; (3) compare.layer 30B fp8 / fp8_bwd and 235B fp8 with CONSUMER=pipe and =v1 rows, same process per shape;
+#   (4) compare.profile of the 30B fp8 step.
+if [ "$PART" = d ]; then
+  gpu_tests d tests/test_ws_wgrad_fp8.py
+  timeout 200 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_d.json" > "$OUT/keep/bench_wgrad_fp8_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_d.log" | cut -c1-170 | tail -24
+  layer_ab 30b_fp8_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-30b-a3b fp8,fp8_bwd
+  layer_ab 235b_fp8_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-235b-a22b fp8
+  timeout 100 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
+    --top 22 --out "$OUT/keep/profile_30b_fp8_d.json" > "$OUT/keep/profile_30b_fp8_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -24 "$OUT/keep/profile_30b_fp8_d.log" | cut -c1-120
+fi
 session_pack "s24$PART"

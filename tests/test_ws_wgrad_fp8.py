@@ -20,7 +20,7 @@ BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 7
 
 def _config(label: str):
     """The default config, or by the label's suffix: ``_v1`` (scales loaded from global memory every step, session
-    20's consumer) or ``_pipe`` (steps in pairs, global scales)."""
+    20's consumer) or ``_pipe`` (steps in pairs, scale rows in shared memory)."""
     import dataclasses
 
     from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG
@@ -28,7 +28,7 @@ def _config(label: str):
     if label.endswith("_v1"):
         return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=False, smem_scales=False)
     if label.endswith("_pipe"):
-        return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=True, smem_scales=False)
+        return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=True)
     return FP8_WGRAD_CONFIG
 
 
@@ -52,8 +52,8 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 
     r = sm90_result(__file__, label)
-    cfg = _config(label)
     dt = dict((b[0], b[4]) for b in BUILDS)[label]
+    cfg = _config(label).fitted(dt)
     assert r["target"], "PTX not built for sm_90a"
     if cfg.pipeline:
         # per consumer: a pair of steps (4 half MMAs, one in flight while the other half is scaled, all done at the
@@ -64,7 +64,7 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
         assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
         assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
-    if cfg.smem_scales and not cfg.pipeline:
+    if cfg.smem_scales or cfg.pipeline:
         assert r["tma"] >= 4, "the scale rows by TMA too"
     assert cfg.smem_bytes(dt) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap
@@ -93,6 +93,41 @@ def _operands(T, E, K, D, F, routing, seed, device):
     hsT = quantize_dual_1x128_128x1_t(hs, valid)[2:]
     dguT = quantize_dual_1x128_128x1_t(dgu, valid)[2:]
     return lay, doT, xT, hsT, dguT
+
+
+def test_fp8_wgrad_config_fits_hopper_shared_memory():
+    """``fitted`` drops stages until the ring, the scale rows and the staging tiles fit 227 KiB: fp32 outputs with the
+    pipelined consumer's four staging tiles take 4 stages; the default (bf16) keeps its 5."""
+    import dataclasses
+
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG as C
+
+    assert C.fitted(torch.bfloat16) == C and C.stages == 5 and C.smem_scales and not C.pipeline
+    pipe = dataclasses.replace(C, pipeline=True)
+    assert pipe.smem_bytes(torch.float32) > HOPPER_SMEM_BYTES
+    assert pipe.fitted(torch.float32).stages == 4 and pipe.fitted(torch.float32).smem_bytes(torch.float32) <= \
+        HOPPER_SMEM_BYTES
+    assert pipe.fitted(torch.bfloat16).stages == 5
+    # the scale rows: 1 KiB per stage where they are used
+    v1 = dataclasses.replace(C, smem_scales=False)
+    assert C.smem_bytes() - v1.smem_bytes() == 5 * 1024
+
+
+def test_fp8_wgrad_consumer_switch_names_the_three_consumers():
+    """``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER``: a same-process switch (compare.layer --switches) whose three values map to
+    the three consumer configs; smem (scale rows through shared memory) is the default."""
+    from titan_megamoe import switches
+    from titan_megamoe.kernels import ws_wgrad_fp8 as W
+
+    sw = switches.SWITCHES["TITAN_MEGAMOE_FP8_WGRAD_CONSUMER"]
+    assert sw.default == "smem" and set(sw.values) == {"smem", "pipe", "v1"}
+    got = {c: (W.consumer_config(c).smem_scales, W.consumer_config(c).pipeline) for c in sw.values}
+    assert got == {"smem": (True, False), "pipe": (True, True), "v1": (False, False)}
+    for value in sw.values:
+        with switches.override({sw.env: value}):
+            assert W.CONSUMER == value
+    assert W.CONSUMER == "smem"
 
 
 def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):

@@ -36,8 +36,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import env_flag
+from titan_megamoe.kernels.jit import env_choice
 from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
 if HAVE_GLUON:
@@ -69,13 +70,14 @@ class Fp8WgradConfig:
         maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split (two consumer
             warpgroups with four 64 x 64 fp32 tiles each, 128 registers, and a one-warp TMA producer).
         pipeline: the consumers take the steps in pairs, the next step's first half issued before this step's
-            second half is scaled, and stage the tile's two output halves in two buffers; measured on an H100
-            (session 24) 0-6 % faster than without, less than ``smem_scales``, with which it is not combined.
+            second half is scaled, and stage the tile's two output halves in two buffers; the scale rows always
+            come through shared memory (``smem_scales`` is implied). With global scale loads it measured 0-6 %
+            faster than without on an H100 (session 24).
         smem_scales: the producer copies each step's 128 a scales and 128 b scales (one row of each scale tensor)
             into the stage with its operands by TMA, and the consumers read them from shared memory after the
-            stage's barrier, instead of loading them from global memory every step (session 24, H100, 30B: the
-            per-step loads cost dw2 0.66 against 0.50 ms with the tile's first scales reused). Not with
-            ``pipeline``. The same bits in every combination.
+            stage's barrier, instead of loading them from global memory every step (session 24, H100: dw2 30B
+            0.671 -> 0.561 ms, dw1 | dw3 1.421 -> 1.118; 235B 2.527 -> 2.268, 5.643 -> 4.498). The same bits in
+            every combination.
     """
 
     stages: int = 5
@@ -89,16 +91,31 @@ class Fp8WgradConfig:
         """Shared memory of the operand ring (with the scale rows where ``smem_scales`` applies) and the consumers'
         64 x 64 output staging tiles (one per consumer, two with ``pipeline``)."""
         staging = (4 if self.pipeline else 2) * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
-        scales = 2 * _G * 4 if self.smem_scales and not self.pipeline else 0
+        scales = 2 * _G * 4 if self.smem_scales or self.pipeline else 0
         return self.stages * (2 * _G * _G + scales) + staging
+
+    def fitted(self, out_dtype: torch.dtype = torch.bfloat16) -> "Fp8WgradConfig":
+        """This config with as many stages as fit Hopper's shared memory (fp32 outputs with ``pipeline``: 4)."""
+        cfg = self
+        while cfg.smem_bytes(out_dtype) > HOPPER_SMEM_BYTES and cfg.stages > 2:
+            cfg = replace(cfg, stages=cfg.stages - 1)
+        return cfg
 
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
 FP8_WGRAD_CONFIG = Fp8WgradConfig()
 
-#: ``TITAN_MEGAMOE_FP8_WGRAD_SMEM_SCALES`` (default 1): a launch without ``cfg`` uses FP8_WGRAD_CONFIG with
-#: ``smem_scales`` set to this (0: session 20's per-step global loads). Read at import; a same-process switch.
-SMEM_SCALES = env_flag("TITAN_MEGAMOE_FP8_WGRAD_SMEM_SCALES", True)
+#: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``, FP8_WGRAD_CONFIG
+#: with ``smem``: the scale rows through shared memory; ``pipe``: that and ``pipeline``; ``v1``: session 20's
+#: consumer (per-step global scale loads). Read at import; a same-process switch.
+CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "pipe", "v1"))
+
+
+def consumer_config(consumer: str) -> Fp8WgradConfig:
+    """FP8_WGRAD_CONFIG with the consumer named as in :data:`CONSUMER`."""
+    return {"smem": replace(FP8_WGRAD_CONFIG, smem_scales=True, pipeline=False),
+            "pipe": replace(FP8_WGRAD_CONFIG, smem_scales=True, pipeline=True),
+            "v1": replace(FP8_WGRAD_CONFIG, smem_scales=False, pipeline=False)}[consumer]
 
 
 if HAVE_GLUON:
@@ -148,10 +165,8 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BH, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        if SMEM_SCALES:  # the [STAGES, 1, 128] scale rows (unswizzled) as [STAGES, 128], one row per stage
-            flat: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-            sa_rows = sa_bufs._reinterpret(gl.float32, [STAGES, 2 * BMC], flat)
-            sb_rows = sb_bufs._reinterpret(gl.float32, [STAGES, 2 * BH], flat)
+        if SMEM_SCALES:
+            sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, BMC, BH)
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
             e, m, n = _wg_tile(j, MT, NT)
@@ -176,9 +191,7 @@ if HAVE_GLUON:
                 a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
                 b = b_bufs.index(s)
                 if ABLATE & 3 == 0 and SMEM_SCALES:  # the producer's copies of this step's scale rows
-                    sa = gl.expand_dims(sa_rows.index(s).slice(C * BMC, BMC).load(row_layout), 1)
-                    sb_lo = gl.expand_dims(sb_rows.index(s).slice(0, BH).load(col_layout), 0)
-                    sb_hi = gl.expand_dims(sb_rows.index(s).slice(BH, BH).load(col_layout), 0)
+                    sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s, C, BMC, BH, row_layout, col_layout)
                 if ABLATE & 8:  # no MMA: the operand stream alone
                     mbarrier.arrive(empty.index(s), count=1)
                 elif ABLATE & 16:  # one accumulator chain, no per-step partials or scaling
@@ -228,12 +241,30 @@ if HAVE_GLUON:
         return sa, sb_lo, sb_hi
 
     @gluon.jit
-    def _wg8_consumer_pipe(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_lo,
+    def _wg8_scale_rows(sa_bufs, sb_bufs, STAGES: gl.constexpr, BMC: gl.constexpr, BH: gl.constexpr):
+        """The [STAGES, 1, 2 BMC] / [STAGES, 1, 2 BH] (unswizzled) scale-row buffers as [STAGES, 2 BMC] / [STAGES,
+        2 BH]: one row per stage, a 1-D view to slice."""
+        flat: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        return (sa_bufs._reinterpret(gl.float32, [STAGES, 2 * BMC], flat),
+                sb_bufs._reinterpret(gl.float32, [STAGES, 2 * BH], flat))
+
+    @gluon.jit
+    def _wg8_smem_scales(sa_rows, sb_rows, s, C: gl.constexpr, BMC: gl.constexpr, BH: gl.constexpr,
+                         row_layout: gl.constexpr, col_layout: gl.constexpr):
+        """Stage s's (a_scale column of consumer C's rows, b_scale rows of the lo and hi halves), broadcastable to a
+        half; read after the stage's ready barrier."""
+        sa = gl.expand_dims(sa_rows.index(s).slice(C * BMC, BMC).load(row_layout), 1)
+        sb_lo = gl.expand_dims(sb_rows.index(s).slice(0, BH).load(col_layout), 0)
+        sb_hi = gl.expand_dims(sb_rows.index(s).slice(BH, BH).load(col_layout), 0)
+        return sa, sb_lo, sb_hi
+
+    @gluon.jit
+    def _wg8_consumer_pipe(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_lo,
                            c_hi, C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr,
                            MT: gl.constexpr, NT: gl.constexpr, STAGES: gl.constexpr):
-        # _wg8_consumer's tiles and math (the same partials, scaled in the same order), with one MMA always in flight:
-        # step k's hi MMA runs while its lo partial is scaled, step k + 1's lo MMA while its hi partial is; the tile's
-        # two output halves leave through two staging buffers
+        # _wg8_consumer's tiles and math (the same partials, scaled in the same order; scale rows from shared memory)
+        # with the steps in pairs: step k's hi MMA runs while its lo partial is scaled, step k + 1's lo MMA while
+        # step k's hi partial is; the tile's two output halves leave through two staging buffers
         BMC: gl.constexpr = out0_desc.block_type.shape[0]
         BH: gl.constexpr = out0_desc.block_type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -241,6 +272,7 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BH, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, BMC, BH)
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
             e, m, n = _wg_tile(j, MT, NT)
@@ -248,24 +280,21 @@ if HAVE_GLUON:
             steps = (gl.load(offsets_ptr + e + 1) - start) // BK  # segments are whole 128-row blocks
             row0 = m * 2 * BMC + C * BMC
             col0 = n * 2 * BH
-            rows = row0 + gl.arange(0, BMC, layout=row_layout)
-            cols = col0 + gl.arange(0, BH, layout=col_layout)
             acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            g0 = start // BK
             # pairs of steps, nothing in flight at the loop's back-edge (ptxas serializes every wgmma of the kernel
             # when a wgmma is in flight across it: C7514)
             for k in range(0, steps - 1, 2):
                 s0 = idx % STAGES
                 s1 = (idx + 1) % STAGES
-                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g0 + k, rows, cols, MA, NC, BH)
                 mbarrier.wait(ready.index(s0), (idx // STAGES) & 1)
                 a = a_bufs.index(s0).slice(C * BMC, BMC, dim=0)
                 b = b_bufs.index(s0)
                 p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
                 p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s0, C, BMC, BH, row_layout, col_layout)
                 p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
                 acc_lo += (p_lo * sa) * sb_lo
                 mbarrier.wait(ready.index(s1), ((idx + 1) // STAGES) & 1)
@@ -273,10 +302,10 @@ if HAVE_GLUON:
                 b = b_bufs.index(s1)
                 p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
                 p_hi = warpgroup_mma_wait(num_outstanding=1, deps=(p_hi,))  # step k + 1's lo runs
-                mbarrier.arrive(empty.index(s0), count=1)
+                mbarrier.arrive(empty.index(s0), count=1)  # the scales are in registers
                 acc_hi += (p_hi * sa) * sb_hi
                 p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
-                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g0 + k + 1, rows, cols, MA, NC, BH)
+                sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s1, C, BMC, BH, row_layout, col_layout)
                 p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
                 acc_lo += (p_lo * sa) * sb_lo
                 p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
@@ -285,12 +314,12 @@ if HAVE_GLUON:
                 idx += 2
             if steps % 2 == 1:  # the last, unpaired step as _wg8_consumer takes every step
                 s0 = idx % STAGES
-                sa, sb_lo, sb_hi = _wg8_scales(as_ptr, bs_ptr, g0 + steps - 1, rows, cols, MA, NC, BH)
                 mbarrier.wait(ready.index(s0), (idx // STAGES) & 1)
                 a = a_bufs.index(s0).slice(C * BMC, BMC, dim=0)
                 b = b_bufs.index(s0)
                 p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
                 p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s0, C, BMC, BH, row_layout, col_layout)
                 p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
                 acc_lo += (p_lo * sa) * sb_lo
                 p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
@@ -330,15 +359,18 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        if PIPE:
+        if PIPE:  # scale rows in shared memory
+            sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+            sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
             c2 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
             c3 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
             gl.warp_specialize([
-                (_wg8_consumer_pipe, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                (_wg8_consumer_pipe, (out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
                                       empty, c0, c2, 0, MA, NC, M1, MT, NT, STAGES)),
-                (_wg8_consumer_pipe, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                (_wg8_consumer_pipe, (out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
                                       empty, c1, c3, 1, MA, NC, M1, MT, NT, STAGES)),
-                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
+                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES,
+                                 sa_desc, sb_desc, sa_bufs, sb_bufs, True)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         elif SMEM_SCALES:
             sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
@@ -398,7 +430,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         out_dtype: bf16 or fp32.
         out: optional output buffers, contiguous ``out_dtype``: (dW,) of (E, MA, NC), or (dW_top, dW_bottom) of
             (E, split, NC) and (E, MA - split, NC).
-        cfg: the pipeline (default: :data:`FP8_WGRAD_CONFIG` with ``smem_scales`` from :data:`SMEM_SCALES`).
+        cfg: the pipeline (default: ``consumer_config(CONSUMER)``).
         programs: persistent grid size (default: the SM count).
         _ablate: timing diagnosis only (wrong results), with ``cfg.pipeline`` False: bits leaving parts out, 1 the
             per-step scale loads (the tile's first scales throughout), 2 the scaling (and its loads), 4 the output
@@ -416,7 +448,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
 
     fn = "ws_wgrad_fp8"
     if cfg is None:
-        cfg = FP8_WGRAD_CONFIG if SMEM_SCALES else replace(FP8_WGRAD_CONFIG, smem_scales=False)
+        cfg = consumer_config(CONSUMER)
     MA, NC, n_cap, E, dev = aT_q.shape[0], bT_q.shape[0], layout.n_cap, layout.num_experts, aT_q.device
     reason = ws_wgrad_fp8_supported(aT_q, MA, NC, split, layout)
     if reason:
@@ -449,6 +481,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (_G, _G))
     o1 = _desc(out1, (E * M1, NC), (64, 64))
     o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
+    cfg = cfg.fitted(out_dtype)
     sa_desc = _desc(aT_s, (n_cap // _G, MA), (1, _G))  # one scale row per step
     sb_desc = _desc(bT_s, (n_cap // _G, NC), (1, _G))
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
@@ -466,6 +499,7 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
         layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
+    cfg = cfg.fitted(out_dtype)
     fp8 = desc([_G, _G], gl.float8e4nv, "fp8e4nv")
     out = (desc([64, 64], gl.bfloat16, "bf16") if out_dtype == torch.bfloat16
            else desc([64, 64], gl.float32, "fp32"))
