@@ -15,7 +15,7 @@ layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer ro
   timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \
     --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} \
     --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -12
+  echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -${6:-12}
 }
 wgrad_ncu() {  # wgrad_ncu TAG: Nsight Compute on the FP8 wgrad kernels at 30B (Triton, Gluon configs)
   timeout 200 "$(ncu_bin)" --clock-control none --launch-count 16 -k "regex:_wgrad_fp8" \
@@ -61,14 +61,14 @@ if [ "$PART" = c ]; then
 fi
 # PART=d: the pipelined consumer with the scale rows in shared memory (FP8_WGRAD_CONSUMER=pipe) against the new default
 #   (smem) and v1: (1) GPU tests (all consumers bitwise each other and the Triton wgrad); (2) bench_wgrad_fp8.py 30B and
-#   235B; (3) compare.layer 30B fp8 / fp8_bwd and 235B fp8 with CONSUMER=pipe and =v1 rows, same process per shape;
-#   (4) compare.profile of the 30B fp8 step.
+#   235B; (3) compare.layer 30B and 235B, bf16 and fp8, stock TorchTitan compiled beside, megamoe with CONSUMER=pipe
+#   and =v1 rows, same process per shape; (4) compare.profile of the 30B fp8 step.
 if [ "$PART" = d ]; then
   gpu_tests d tests/test_ws_wgrad_fp8.py
   timeout 200 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_d.json" > "$OUT/keep/bench_wgrad_fp8_d.log" 2>&1
   echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_d.log" | cut -c1-170 | tail -24
-  layer_ab 30b_fp8_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-30b-a3b fp8,fp8_bwd
-  layer_ab 235b_fp8_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-235b-a22b fp8
+  layer_ab 30b_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton
+  layer_ab 235b_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-235b-a22b bf16,fp8 tt-compile,megamoe-triton
   timeout 100 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
     --top 22 --out "$OUT/keep/profile_30b_fp8_d.json" > "$OUT/keep/profile_30b_fp8_d.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -24 "$OUT/keep/profile_30b_fp8_d.log" | cut -c1-120
