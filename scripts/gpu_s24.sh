@@ -6,7 +6,7 @@ session_start
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
 gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line and failures
   local tag=$1; shift
-  timeout -s KILL 200 python3 -m pytest -q -rfE -s "$@" -p no:cacheprovider > "$OUT/keep/tests_gpu_$tag.log" 2>&1
+  timeout -s KILL 240 python3 -m pytest -q -rfE -s "$@" -p no:cacheprovider > "$OUT/keep/tests_gpu_$tag.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_$tag.log")"
   grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
 }
@@ -59,18 +59,18 @@ if [ "$PART" = c ]; then
   layer_ab 30b_fp8_c FP8_WGRAD_SMEM_SCALES=0 qwen3-30b-a3b fp8,fp8_bwd
   layer_ab 235b_fp8_c FP8_WGRAD_SMEM_SCALES=0 qwen3-235b-a22b fp8
 fi
-# PART=d: the pipelined consumer with the scale rows in shared memory (FP8_WGRAD_CONSUMER=pipe) against the new default
-#   (smem) and v1: (1) GPU tests (all consumers bitwise each other and the Triton wgrad); (2) bench_wgrad_fp8.py 30B and
-#   235B; (3) compare.layer 30B and 235B, bf16 and fp8, stock TorchTitan compiled beside, megamoe with CONSUMER=pipe
-#   and =v1 rows, same process per shape; (4) compare.profile of the 30B fp8 step.
+# PART=d: (1) GPU tests of the FP8 wgrad (every consumer bitwise the others and the Triton wgrad) and of the Gluon FP8
+#   GEMMs with their scales loaded a step ahead (FP8_SCALE_PREFETCH, default; bitwise the Triton kernels); (2)
+#   bench_wgrad_fp8.py (smem / pipe consumers) and bench_fp8_prefetch.py, 30B and 235B; (3) compare.layer 30B and 235B,
+#   bf16 and fp8, megamoe rows with FP8_WGRAD_CONSUMER=pipe, =v1 and FP8_SCALE_PREFETCH=0, same process per shape.
 if [ "$PART" = d ]; then
-  gpu_tests d tests/test_ws_wgrad_fp8.py
-  timeout 200 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_d.json" > "$OUT/keep/bench_wgrad_fp8_d.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_d.log" | cut -c1-170 | tail -24
-  layer_ab 30b_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton
-  layer_ab 235b_d "FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1" qwen3-235b-a22b bf16,fp8 tt-compile,megamoe-triton
-  timeout 100 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
-    --top 22 --out "$OUT/keep/profile_30b_fp8_d.json" > "$OUT/keep/profile_30b_fp8_d.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -24 "$OUT/keep/profile_30b_fp8_d.log" | cut -c1-120
+  gpu_tests d tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py
+  timeout 150 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_d.json" > "$OUT/keep/bench_wgrad_fp8_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_d.log" | grep gluon | cut -c1-150 | tail -20
+  timeout 120 python3 scripts/bench_fp8_prefetch.py --out "$OUT/keep/bench_fp8_prefetch_d.json" > "$OUT/keep/bench_fp8_prefetch_d.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; cut -c1-150 "$OUT/keep/bench_fp8_prefetch_d.log" | tail -18
+  sw="FP8_WGRAD_CONSUMER=pipe FP8_WGRAD_CONSUMER=v1 FP8_SCALE_PREFETCH=0"
+  layer_ab 30b_d "$sw" qwen3-30b-a3b bf16,fp8 megamoe-triton 10
+  layer_ab 235b_d "$sw" qwen3-235b-a22b bf16,fp8 megamoe-triton 10
 fi
 session_pack "s24$PART"
