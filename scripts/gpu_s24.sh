@@ -73,4 +73,12 @@ if [ "$PART" = d ]; then
   layer_ab 30b_d "$sw" qwen3-30b-a3b bf16,fp8 megamoe-triton 10
   layer_ab 235b_d "$sw" qwen3-235b-a22b bf16,fp8 megamoe-triton 10
 fi
+# PART=e: the final tree (the FP8 wgrad's scale rows by TMA, the pipelined consumer and the scale prefetch of PART d
+#   removed: both slower): (1) GPU tests of the FP8 wgrad and GEMMs; (2) compare.layer with stock TorchTitan compiled in
+#   the same process, 30B bf16 / fp8 / fp8_bwd, then 235B bf16 / fp8.
+if [ "$PART" = e ]; then
+  gpu_tests e tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py
+  layer_ab 30b_e "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
+  layer_ab 235b_e "" qwen3-235b-a22b bf16,fp8 tt-compile,megamoe-triton 8
+fi
 session_pack "s24$PART"

@@ -14,22 +14,17 @@ from _sm90 import sm90_result  # noqa: E402
 # (label, MA, NC, split, out dtype): dw2 (D x F), dw1 | dw3 (2F x D split at F) at both Qwen3 shapes
 BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 768, torch.bfloat16),
           ("w2_235b", 4096, 1536, None, torch.bfloat16), ("w13_235b", 3072, 4096, 1536, torch.bfloat16),
-          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16),
-          ("w13_30b_pipe", 1536, 2048, 768, torch.bfloat16), ("w2_235b_fp32_pipe", 4096, 1536, None, torch.float32)]
+          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16)]
 
 
 def _config(label: str):
-    """The default config, or by the label's suffix: ``_v1`` (scales loaded from global memory every step, session
-    20's consumer) or ``_pipe`` (steps in pairs, scale rows in shared memory)."""
+    """The default config, or with the label's suffix ``_v1`` session 20's consumer (scales loaded from global memory
+    every step)."""
     import dataclasses
 
     from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG
 
-    if label.endswith("_v1"):
-        return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=False, smem_scales=False)
-    if label.endswith("_pipe"):
-        return dataclasses.replace(FP8_WGRAD_CONFIG, pipeline=True)
-    return FP8_WGRAD_CONFIG
+    return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False) if label.endswith("_v1") else FP8_WGRAD_CONFIG
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -47,30 +42,19 @@ def _compile_sm90_all() -> list[dict]:
 
 @pytest.mark.parametrize("label", [b[0] for b in BUILDS])
 def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
-    import re
-
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 
     r = sm90_result(__file__, label)
     dt = dict((b[0], b[4]) for b in BUILDS)[label]
-    cfg = _config(label).fitted(dt)
+    cfg = _config(label)
     assert r["target"], "PTX not built for sm_90a"
-    if cfg.pipeline:
-        # per consumer: a pair of steps (4 half MMAs, one in flight while the other half is scaled, all done at the
-        # pair's end) and the unpaired last step (2 half MMAs), each half 4 k32 wgmma of m64n64 e4m3
-        assert r["wgmma"] == 48, r
-        assert r["wgmma_waits"] == ["1", "1", "1", "0", "1", "0"] * 2, r["wgmma_waits"]
-    else:
-        assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
-        assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
+    assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
+    assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
-    if cfg.smem_scales or cfg.pipeline:
-        assert r["tma"] >= 4, "the scale rows by TMA too"
+    if label == "w13_30b":  # the same kernel with global scale loads: two TMA copies (the scale rows) fewer
+        assert r["tma"] == sm90_result(__file__, "w13_30b_v1")["tma"] + 2, r["tma"]
     assert cfg.smem_bytes(dt) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
-    assert f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap
-    # a few spilled scalars (addresses) in the pipelined consumer's pair loop; none in v1
-    assert int(re.search(r"STACK:(\d+)", r["usage"]).group(1)) <= (64 if cfg.pipeline else 0), r["usage"]
-    # no wgmma in flight across a loop back-edge, which makes ptxas serialize them all (C7514)
+    assert "STACK:0" in r["usage"] and f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap, no spills
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
@@ -95,35 +79,17 @@ def _operands(T, E, K, D, F, routing, seed, device):
     return lay, doT, xT, hsT, dguT
 
 
-def test_fp8_wgrad_config_fits_hopper_shared_memory():
-    """``fitted`` drops stages until the ring, the scale rows and the staging tiles fit 227 KiB: fp32 outputs with the
-    pipelined consumer's four staging tiles take 4 stages; the default (bf16) keeps its 5."""
-    import dataclasses
-
-    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
-    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG as C
-
-    assert C.fitted(torch.bfloat16) == C and C.stages == 5 and C.smem_scales and not C.pipeline
-    pipe = dataclasses.replace(C, pipeline=True)
-    assert pipe.smem_bytes(torch.float32) > HOPPER_SMEM_BYTES
-    assert pipe.fitted(torch.float32).stages == 4 and pipe.fitted(torch.float32).smem_bytes(torch.float32) <= \
-        HOPPER_SMEM_BYTES
-    assert pipe.fitted(torch.bfloat16).stages == 5
-    # the scale rows: 1 KiB per stage where they are used
-    v1 = dataclasses.replace(C, smem_scales=False)
-    assert C.smem_bytes() - v1.smem_bytes() == 5 * 1024
-
-
-def test_fp8_wgrad_consumer_switch_names_the_three_consumers():
-    """``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER``: a same-process switch (compare.layer --switches) whose three values map to
-    the three consumer configs; smem (scale rows through shared memory) is the default."""
+def test_fp8_wgrad_consumer_switch_names_the_two_consumers():
+    """``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER``: a same-process switch (compare.layer --switches) whose values map to the two
+    consumer configs; smem (scale rows through shared memory, 1 KiB more per stage) is the default."""
     from titan_megamoe import switches
     from titan_megamoe.kernels import ws_wgrad_fp8 as W
 
     sw = switches.SWITCHES["TITAN_MEGAMOE_FP8_WGRAD_CONSUMER"]
-    assert sw.default == "smem" and set(sw.values) == {"smem", "pipe", "v1"}
-    got = {c: (W.consumer_config(c).smem_scales, W.consumer_config(c).pipeline) for c in sw.values}
-    assert got == {"smem": (True, False), "pipe": (True, True), "v1": (False, False)}
+    assert sw.default == "smem" and set(sw.values) == {"smem", "v1"}
+    assert W.consumer_config("smem") == W.FP8_WGRAD_CONFIG and W.FP8_WGRAD_CONFIG.smem_scales
+    assert not W.consumer_config("v1").smem_scales
+    assert W.FP8_WGRAD_CONFIG.smem_bytes() - W.consumer_config("v1").smem_bytes() == W.FP8_WGRAD_CONFIG.stages * 1024
     for value in sw.values:
         with switches.override({sw.env: value}):
             assert W.CONSUMER == value
@@ -217,9 +183,8 @@ def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
         out = tuple(torch.full(sh, float("nan"), device="cuda", dtype=dt) for sh in shapes)  # poisoned
         got = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=out)
         assert all(g is o for g, o in zip(got, out))
-        for other in ("_v1", "_pipe"):  # every consumer variant computes the same partials in the same order
-            alt = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config(other))
-            assert all(torch.equal(g, o) for g, o in zip(got, alt)), f"{name}: config {other} differs"
+        v1 = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config("_v1"))  # the same partials, order
+        assert all(torch.equal(g, o) for g, o in zip(got, v1)), f"{name}: the v1 consumer differs"
         tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
         got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
         assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"

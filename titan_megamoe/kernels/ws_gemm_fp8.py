@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
@@ -106,12 +105,6 @@ class Fp8WsConfig:
 #: Default config (sm_90a build, both Qwen3 shapes: see tests/test_ws_gemm_fp8.py for registers and shared memory).
 FP8_FWD_CONFIG = Fp8WsConfig()
 
-#: ``TITAN_MEGAMOE_FP8_SCALE_PREFETCH`` (default 1): the consumers of the three kernels load step k + 1's scales
-#: during step k (a few registers), not before step k's operand wait: session 24 found the per-step scale loads'
-#: L2 latency outlasting an MMA in the FP8 wgrad. 0: load them at their step. The same bits. Read at import; a
-#: same-process switch.
-SCALE_PREFETCH = env_flag("TITAN_MEGAMOE_FP8_SCALE_PREFETCH", True)
-
 
 if HAVE_GLUON:
 
@@ -119,9 +112,8 @@ if HAVE_GLUON:
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, PREFETCH: gl.constexpr = True):
-        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2). PREFETCH: step
-        # k + 1's scales are loaded during step k (their L2 latency outlasts an MMA; session 24)
+                       STAGES: gl.constexpr):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
         BM: gl.constexpr = a_bufs.type.shape[1]
@@ -147,26 +139,13 @@ if HAVE_GLUON:
             p_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             p_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
-            if PREFETCH:
-                a_s_n = gl.load(xs_row, mask=ok, other=0.0)
-                s1_n = gl.load(w1s_ptr + ws_off)
-                s3_n = gl.load(w3s_ptr + ws_off)
             for k in range(KT):
                 idx = idx0 + k
                 s = idx % STAGES
                 ph = (idx // STAGES) & 1
-                if PREFETCH:
-                    a_s = a_s_n
-                    s1 = s1_n
-                    s3 = s3_n
-                    kn = gl.minimum(k + 1, KT - 1)  # the last step reloads its own (unused)
-                    a_s_n = gl.load(xs_row + kn, mask=ok, other=0.0)
-                    s1_n = gl.load(w1s_ptr + ws_off + kn)
-                    s3_n = gl.load(w3s_ptr + ws_off + kn)
-                else:
-                    a_s = gl.load(xs_row + k, mask=ok, other=0.0)
-                    s1 = gl.load(w1s_ptr + ws_off + k)
-                    s3 = gl.load(w3s_ptr + ws_off + k)
+                a_s = gl.load(xs_row + k, mask=ok, other=0.0)
+                s1 = gl.load(w1s_ptr + ws_off + k)
+                s3 = gl.load(w3s_ptr + ws_off + k)
                 mbarrier.wait(ready_a.index(s), ph)
                 mbarrier.wait(ready_b.index(s), ph)
                 fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
@@ -189,8 +168,7 @@ if HAVE_GLUON:
                                  tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                  TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                                  STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 PREFETCH: gl.constexpr = True):
+                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
@@ -208,10 +186,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, PREFETCH)),
+                              STAGES)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, PREFETCH)),
+                              STAGES)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -256,7 +234,7 @@ if HAVE_GLUON:
     def _g1d8_consumer(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                        b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr = 2,
-                       scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False, PREFETCH: gl.constexpr = True):
+                       scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); the tile's BN
         # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second.
         # SCATTER (GEMM2, HALVES = 1): rows scaled by their routing score and stored at their pair's row of out
@@ -285,25 +263,12 @@ if HAVE_GLUON:
             p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             idx0 = j * HALVES * KH
-            if PREFETCH:  # step k + 1's scale product is loaded during step k
-                sc_n = gl.load(as_row, mask=ok, other=0.0) * gl.load(w1ts_ptr + ws_off)
             for half in gl.static_range(HALVES):
                 ws_ptr = w1ts_ptr if half == 0 else w3ts_ptr
                 for k in range(KH):
                     idx = idx0 + half * KH + k
                     s = idx % STAGES
-                    if PREFETCH:
-                        sc = sc_n
-                        if half + 1 < HALVES:  # after the half's last step comes the next half's first
-                            last = k + 1 == KH
-                            kn = gl.where(last, 0, k + 1)
-                            w_n = gl.where(last, gl.load(w3ts_ptr + ws_off), gl.load(ws_ptr + ws_off + kn))
-                            sc_n = gl.load(as_row + half * KH + k + 1, mask=ok, other=0.0) * w_n
-                        else:
-                            kn = gl.minimum(k + 1, KH - 1)  # the last step reloads its own (unused)
-                            sc_n = gl.load(as_row + half * KH + kn, mask=ok, other=0.0) * gl.load(ws_ptr + ws_off + kn)
-                    else:
-                        sc = gl.load(as_row + half * KH + k, mask=ok, other=0.0) * gl.load(ws_ptr + ws_off + k)
+                    sc = gl.load(as_row + half * KH + k, mask=ok, other=0.0) * gl.load(ws_ptr + ws_off + k)
                     mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
                     a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
                     b = b_bufs.index(s)
@@ -348,8 +313,7 @@ if HAVE_GLUON:
     def _gemm1_dgrad_fp8_ws_kernel(a_desc, w1t_desc, w3t_desc, dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr,
                                    tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   PREFETCH: gl.constexpr = True):
+                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Blockwise-FP8 dx_rows of every live row tile (``ws_gemm1_dgrad_fp8``). Grid: (programs,)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(w1t_desc.dtype, [STAGES] + w1t_desc.block_type.shape, w1t_desc.layout)
@@ -362,11 +326,9 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
         gl.warp_specialize([
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                              a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
-                              PREFETCH)),
+                              a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                              a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
-                              PREFETCH)),
+                              a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
             (_g1d8_producer, (a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                               empty, D, F, NUM_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -380,8 +342,7 @@ if HAVE_GLUON:
     def _gemm2_fwd_fp8_ws_kernel(a_desc, w2_desc, y_desc, as_ptr, w2s_ptr, scores_ptr, out_ptr, row_pair_ptr,
                                  tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                  NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 PREFETCH: gl.constexpr = True):
+                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Blockwise-FP8 GEMM2 of every live row tile (``ws_gemm2_fwd_fp8``): the GEMM1 dgrad's producer and consumers
         with one K segment (h x w2) and a scatter epilogue. ``y_desc`` only gives the consumers' tile shape.
         Grid: (programs,)."""
@@ -395,10 +356,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 0, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True, PREFETCH)),
+                              True)),
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 1, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True, PREFETCH)),
+                              True)),
             (_g1d8_producer, (a_desc, w2_desc, w2_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                               D, F, NUM_N, GROUP_M, STAGES, 1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -488,7 +449,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
-           cfg.consumer_regs, SCALE_PREFETCH, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -509,7 +470,7 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> t
            "h_desc": _sig_desc([bm // 2, bn], fp8=False),
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, PREFETCH=SCALE_PREFETCH)
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx
 
 
@@ -597,7 +558,7 @@ def launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_
     launch(_gemm1_dgrad_fp8_ws_kernel, (programs,),
            a_desc, w1t_desc, w3t_desc, dx_desc, dgu_scale, w1t_scale, w3t_scale, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
-           SCALE_PREFETCH, num_warps=4, maxnreg=cfg.maxnreg)
+           num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 
@@ -609,7 +570,7 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
            "dx_desc": _sig_desc([bm // 2, bn // 2], fp8=False), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
            "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, PREFETCH=SCALE_PREFETCH)
+              CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx
 
 
@@ -685,7 +646,7 @@ def launch_gemm2_fwd_fp8(h_fp8, h_scale, w2_fp8, w2_scale, scores, layout, y: Te
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm2_fwd_fp8_ws_kernel, (programs,),
            a_desc, w2_desc, y_desc, h_scale, w2_scale, scores, y, layout.row_pair, layout.tile_expert, layout.offsets,
-           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs, SCALE_PREFETCH,
+           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
            num_warps=4, maxnreg=cfg.maxnreg)
     return y
 
@@ -699,5 +660,5 @@ def sm90_compile_args_gemm2_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
            "as_ptr": "*fp32", "w2s_ptr": "*fp32", "scores_ptr": "*fp32", "out_ptr": "*bf16", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, PREFETCH=SCALE_PREFETCH)
+              CONSUMER_REGS=cfg.consumer_regs)
     return sig, cx

@@ -25,6 +25,13 @@ dw2 1.415 -> 0.920 ms and dw1 | dw3 2.588 -> 1.915 (both timings with an output 
 ms fwd+bwd (session 21; session 20's "no gain" was a ``switches.override`` leak). On by default
 (``ops/fp8_backend.WS_WGRAD_FP8``).
 
+Session 24 (one H100, docs/NOTES.md): an ablation found the consumers' per-step global loads of the 128 + 128 scales
+a quarter of the kernel (the TMA operand stream alone runs dw2 30B in 0.35 of its 0.66 ms); the producer now copies
+each step's scale rows into the stage with its operands (``Fp8WgradConfig.smem_scales``): dw2 30B 0.671 -> 0.561 ms,
+dw1 | dw3 1.421 -> 1.118, 235B 2.527 -> 2.268 and 5.643 -> 4.498, bitwise the same; fp8 layer 30B 8.72 -> 8.40 ms,
+235B 26.51 -> 24.87 (same process). A consumer that takes the steps in pairs to keep an MMA in flight while the other
+half is scaled was slower with the shared-memory scales (dw1 | dw3 30B 1.35 ms) and was removed.
+
 Preconditions (``ws_wgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, MA, NC, split multiples of 128,
 routing layout block 128 (a scale group never straddles two experts).
 """
@@ -38,7 +45,6 @@ from torch import Tensor
 
 from titan_megamoe.kernels.jit import env_choice
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
 if HAVE_GLUON:
@@ -69,53 +75,38 @@ class Fp8WgradConfig:
         stages: operand buffers in the ring (two 128 x 128 e4m3 tiles each: 32 KiB).
         maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split (two consumer
             warpgroups with four 64 x 64 fp32 tiles each, 128 registers, and a one-warp TMA producer).
-        pipeline: the consumers take the steps in pairs, the next step's first half issued before this step's
-            second half is scaled, and stage the tile's two output halves in two buffers; the scale rows always
-            come through shared memory (``smem_scales`` is implied). With global scale loads it measured 0-6 %
-            faster than without on an H100 (session 24).
         smem_scales: the producer copies each step's 128 a scales and 128 b scales (one row of each scale tensor)
             into the stage with its operands by TMA, and the consumers read them from shared memory after the
             stage's barrier, instead of loading them from global memory every step (session 24, H100: dw2 30B
-            0.671 -> 0.561 ms, dw1 | dw3 1.421 -> 1.118; 235B 2.527 -> 2.268, 5.643 -> 4.498). The same bits in
-            every combination.
+            0.671 -> 0.561 ms, dw1 | dw3 1.421 -> 1.118; 235B 2.527 -> 2.268, 5.643 -> 4.498). The same bits.
     """
 
     stages: int = 5
     maxnreg: int = 168
     producer_regs: int = 40
     consumer_regs: int = 232
-    pipeline: bool = False
     smem_scales: bool = True
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
-        """Shared memory of the operand ring (with the scale rows where ``smem_scales`` applies) and the consumers'
-        64 x 64 output staging tiles (one per consumer, two with ``pipeline``)."""
-        staging = (4 if self.pipeline else 2) * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
-        scales = 2 * _G * 4 if self.smem_scales or self.pipeline else 0
+        """Shared memory of the operand ring (with the scale rows where ``smem_scales``) and the two consumers' 64 x 64
+        output staging tiles."""
+        staging = 2 * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
+        scales = 2 * _G * 4 if self.smem_scales else 0
         return self.stages * (2 * _G * _G + scales) + staging
-
-    def fitted(self, out_dtype: torch.dtype = torch.bfloat16) -> "Fp8WgradConfig":
-        """This config with as many stages as fit Hopper's shared memory (fp32 outputs with ``pipeline``: 4)."""
-        cfg = self
-        while cfg.smem_bytes(out_dtype) > HOPPER_SMEM_BYTES and cfg.stages > 2:
-            cfg = replace(cfg, stages=cfg.stages - 1)
-        return cfg
 
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
 FP8_WGRAD_CONFIG = Fp8WgradConfig()
 
-#: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``, FP8_WGRAD_CONFIG
-#: with ``smem``: the scale rows through shared memory; ``pipe``: that and ``pipeline``; ``v1``: session 20's
-#: consumer (per-step global scale loads). Read at import; a same-process switch.
-CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "pipe", "v1"))
+#: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the scale
+#: rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads). Read at
+#: import; a same-process switch.
+CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "v1"))
 
 
 def consumer_config(consumer: str) -> Fp8WgradConfig:
     """FP8_WGRAD_CONFIG with the consumer named as in :data:`CONSUMER`."""
-    return {"smem": replace(FP8_WGRAD_CONFIG, smem_scales=True, pipeline=False),
-            "pipe": replace(FP8_WGRAD_CONFIG, smem_scales=True, pipeline=True),
-            "v1": replace(FP8_WGRAD_CONFIG, smem_scales=False, pipeline=False)}[consumer]
+    return {"smem": FP8_WGRAD_CONFIG, "v1": replace(FP8_WGRAD_CONFIG, smem_scales=False)}[consumer]
 
 
 if HAVE_GLUON:
@@ -259,95 +250,14 @@ if HAVE_GLUON:
         return sa, sb_lo, sb_hi
 
     @gluon.jit
-    def _wg8_consumer_pipe(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_lo,
-                           c_hi, C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr,
-                           MT: gl.constexpr, NT: gl.constexpr, STAGES: gl.constexpr):
-        # _wg8_consumer's tiles and math (the same partials, scaled in the same order; scale rows from shared memory)
-        # with the steps in pairs: step k's hi MMA runs while its lo partial is scaled, step k + 1's lo MMA while
-        # step k's hi partial is; the tile's two output halves leave through two staging buffers
-        BMC: gl.constexpr = out0_desc.block_type.shape[0]
-        BH: gl.constexpr = out0_desc.block_type.shape[1]
-        BK: gl.constexpr = a_bufs.type.shape[2]
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BH, 32])
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, BMC, BH)
-        idx = 0
-        for j in range(_wg_count(E, MT, NT)):
-            e, m, n = _wg_tile(j, MT, NT)
-            start = gl.load(offsets_ptr + e)
-            steps = (gl.load(offsets_ptr + e + 1) - start) // BK  # segments are whole 128-row blocks
-            row0 = m * 2 * BMC + C * BMC
-            col0 = n * 2 * BH
-            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            # pairs of steps, nothing in flight at the loop's back-edge (ptxas serializes every wgmma of the kernel
-            # when a wgmma is in flight across it: C7514)
-            for k in range(0, steps - 1, 2):
-                s0 = idx % STAGES
-                s1 = (idx + 1) % STAGES
-                mbarrier.wait(ready.index(s0), (idx // STAGES) & 1)
-                a = a_bufs.index(s0).slice(C * BMC, BMC, dim=0)
-                b = b_bufs.index(s0)
-                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
-                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
-                sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s0, C, BMC, BH, row_layout, col_layout)
-                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
-                acc_lo += (p_lo * sa) * sb_lo
-                mbarrier.wait(ready.index(s1), ((idx + 1) // STAGES) & 1)
-                a = a_bufs.index(s1).slice(C * BMC, BMC, dim=0)
-                b = b_bufs.index(s1)
-                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
-                p_hi = warpgroup_mma_wait(num_outstanding=1, deps=(p_hi,))  # step k + 1's lo runs
-                mbarrier.arrive(empty.index(s0), count=1)  # the scales are in registers
-                acc_hi += (p_hi * sa) * sb_hi
-                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
-                sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s1, C, BMC, BH, row_layout, col_layout)
-                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
-                acc_lo += (p_lo * sa) * sb_lo
-                p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
-                mbarrier.arrive(empty.index(s1), count=1)
-                acc_hi += (p_hi * sa) * sb_hi
-                idx += 2
-            if steps % 2 == 1:  # the last, unpaired step as _wg8_consumer takes every step
-                s0 = idx % STAGES
-                mbarrier.wait(ready.index(s0), (idx // STAGES) & 1)
-                a = a_bufs.index(s0).slice(C * BMC, BMC, dim=0)
-                b = b_bufs.index(s0)
-                p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
-                p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
-                sa, sb_lo, sb_hi = _wg8_smem_scales(sa_rows, sb_rows, s0, C, BMC, BH, row_layout, col_layout)
-                p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
-                acc_lo += (p_lo * sa) * sb_lo
-                p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
-                mbarrier.arrive(empty.index(s0), count=1)
-                acc_hi += (p_hi * sa) * sb_hi
-                idx += 1
-            dt: gl.constexpr = out0_desc.dtype
-            for half in gl.static_range(2):
-                c_smem = c_lo if half == 0 else c_hi
-                tma.store_wait(pendings=1)  # this buffer's store of the previous tile has read it
-                c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
-                fence_async_shared()
-                if row0 < M1:
-                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
-                else:
-                    tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
-                                                    c_smem)
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
     def _wgrad_fp8_ws_kernel(a_desc, b_desc, out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, sa_desc, sb_desc,
-                             MA: gl.constexpr,
-                             NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PIPE: gl.constexpr = True, ABLATE: gl.constexpr = 0,
-                             SMEM_SCALES: gl.constexpr = False):
+                             MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0,
+                             SMEM_SCALES: gl.constexpr = True):
         """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,).
-        PIPE: the consumers of ``_wg8_consumer_pipe`` (else ``_wg8_consumer``). ABLATE (timing diagnosis, wrong
-        results; ``_wg8_consumer`` only): bits leaving parts out (``ws_wgrad_fp8``'s ``_ablate``)."""
+        SMEM_SCALES: the scale rows come with the operands into shared memory (else each consumer loads them from
+        global memory every step). ABLATE (timing diagnosis, wrong results): bits leaving parts out
+        (``ws_wgrad_fp8``'s ``_ablate``)."""
         MT: gl.constexpr = MA // a_desc.block_type.shape[0]
         NT: gl.constexpr = NC // b_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -359,20 +269,7 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        if PIPE:  # scale rows in shared memory
-            sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-            sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-            c2 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
-            c3 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
-            gl.warp_specialize([
-                (_wg8_consumer_pipe, (out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
-                                      empty, c0, c2, 0, MA, NC, M1, MT, NT, STAGES)),
-                (_wg8_consumer_pipe, (out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
-                                      empty, c1, c3, 1, MA, NC, M1, MT, NT, STAGES)),
-                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES,
-                                 sa_desc, sb_desc, sa_bufs, sb_bufs, True)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        elif SMEM_SCALES:
+        if SMEM_SCALES:
             sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
             sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
             gl.warp_specialize([
@@ -432,7 +329,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
             (E, split, NC) and (E, MA - split, NC).
         cfg: the pipeline (default: ``consumer_config(CONSUMER)``).
         programs: persistent grid size (default: the SM count).
-        _ablate: timing diagnosis only (wrong results), with ``cfg.pipeline`` False: bits leaving parts out, 1 the
+        _ablate: timing diagnosis only (wrong results): bits leaving parts out, 1 the
             per-step scale loads (the tile's first scales throughout), 2 the scaling (and its loads), 4 the output
             stores, 8 the MMAs (the operand stream alone), 16 the per-step partials (one accumulator chain).
             ``scripts/bench_wgrad_fp8.py --ablate`` times them.
@@ -453,8 +350,6 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     reason = ws_wgrad_fp8_supported(aT_q, MA, NC, split, layout)
     if reason:
         raise ValueError(f"{fn}: {reason}")
-    if _ablate and cfg.pipeline:
-        raise ValueError(f"{fn}: _ablate needs cfg.pipeline False (it leaves parts of that consumer out)")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"{fn}: out_dtype must be bf16 or fp32, got {out_dtype}")
     _check_transposed(fn, "aT_q", aT_q, (MA, n_cap), dev)
@@ -481,14 +376,12 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (_G, _G))
     o1 = _desc(out1, (E * M1, NC), (64, 64))
     o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
-    cfg = cfg.fitted(out_dtype)
     sa_desc = _desc(aT_s, (n_cap // _G, MA), (1, _G))  # one scale row per step
     sb_desc = _desc(bT_s, (n_cap // _G, NC), (1, _G))
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, sa_desc, sb_desc, MA, NC, M1, cfg.stages,
            cfg.producer_regs,
-           cfg.consumer_regs, cfg.pipeline, _ablate, cfg.smem_scales and not cfg.pipeline, num_warps=4,
-           maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, _ablate, cfg.smem_scales, num_warps=4, maxnreg=cfg.maxnreg)
     return (out1,) if split is None else (out1, out2)
 
 
@@ -499,7 +392,6 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
         layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
-    cfg = cfg.fitted(out_dtype)
     fp8 = desc([_G, _G], gl.float8e4nv, "fp8e4nv")
     out = (desc([64, 64], gl.bfloat16, "bf16") if out_dtype == torch.bfloat16
            else desc([64, 64], gl.float32, "fp32"))
@@ -507,6 +399,5 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
     sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "offsets_ptr": "*i32", "E": "i32", "sa_desc": scale, "sb_desc": scale}
     cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, PIPE=cfg.pipeline, ABLATE=0,
-              SMEM_SCALES=cfg.smem_scales and not cfg.pipeline)
+              CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, SMEM_SCALES=cfg.smem_scales)
     return sig, cx
