@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU calls of session 24 (1 H200 asked; say in the results which card ran).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s24.sh   (carry .whl; see scripts/gpu_env.sh)
+# PARTs a-d ran at the revisions named in benchmarks/results/README.md; the wgrad's pipelined consumer and
+# scripts/bench_fp8_prefetch.py were removed after PART d (both slower), so PARTs a, c and d run only at theirs.
 source scripts/gpu_env.sh
 session_start
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }

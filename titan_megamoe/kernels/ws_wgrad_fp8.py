@@ -88,8 +88,8 @@ class Fp8WgradConfig:
     smem_scales: bool = True
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
-        """Shared memory of the operand ring (with the scale rows where ``smem_scales``) and the two consumers' 64 x 64
-        output staging tiles."""
+        """Shared memory of the operand ring (with the scale rows where ``smem_scales``; unused, the compiler drops
+        them) and the two consumers' 64 x 64 output staging tiles."""
         staging = 2 * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
         scales = 2 * _G * 4 if self.smem_scales else 0
         return self.stages * (2 * _G * _G + scales) + staging
@@ -113,8 +113,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _wg8_producer(a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT: gl.constexpr,
-                      NT: gl.constexpr, STAGES: gl.constexpr, sa_desc=None, sb_desc=None, sa_bufs=None,
-                      sb_bufs=None, SMEM_SCALES: gl.constexpr = False):
+                      NT: gl.constexpr, STAGES: gl.constexpr, sa_desc, sb_desc, sa_bufs, sb_bufs,
+                      SMEM_SCALES: gl.constexpr):
         # one warp: the A and B tiles of every 128-row step of the tile's expert, by TMA (and with SMEM_SCALES the
         # step's 128 a scales and 128 b scales, one row of each scale tensor)
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -145,8 +145,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _wg8_consumer(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
                       C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, MT: gl.constexpr,
-                      NT: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0, sa_bufs=None,
-                      sb_bufs=None, SMEM_SCALES: gl.constexpr = False):
+                      NT: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr, sa_bufs, sb_bufs,
+                      SMEM_SCALES: gl.constexpr):
         # cooperative: both consumers take every tile, C its output rows [C * 64, C * 64 + 64); the tile's 128
         # columns as two 64-column halves, both MMAs of a K step in flight, the first scaled under the second
         BMC: gl.constexpr = out0_desc.block_type.shape[0]
@@ -269,25 +269,17 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        if SMEM_SCALES:
-            sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-            sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-            gl.warp_specialize([
-                (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                                 c0, 0, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, True)),
-                (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                                 c1, 1, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, True)),
-                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES,
-                                 sa_desc, sb_desc, sa_bufs, sb_bufs, True)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                                 c0, 0, MA, NC, M1, MT, NT, STAGES, ABLATE)),
-                (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                                 c1, 1, MA, NC, M1, MT, NT, STAGES, ABLATE)),
-                (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        # the scale-row ring (1 KiB a stage): filled and read only with SMEM_SCALES (else the compiler drops it)
+        sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+        sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
+        gl.warp_specialize([
+            (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
+                             0, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, SMEM_SCALES)),
+            (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
+                             1, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, SMEM_SCALES)),
+            (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES, sa_desc,
+                             sb_desc, sa_bufs, sb_bufs, SMEM_SCALES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_wgrad_fp8_supported(aT_q: Tensor, MA: int, NC: int, split: int | None, layout) -> str | None:
