@@ -83,4 +83,11 @@ if [ "$PART" = e ]; then
   layer_ab 30b_e "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
   layer_ab 235b_e "" qwen3-235b-a22b bf16,fp8 tt-compile,megamoe-triton 8
 fi
+# PART=f (for the next session; not run in session 24): the FP8 wgrad's 128 x 256 tiles (FP8_WGRAD_WIDE_CONFIG, opt-in,
+#   built for sm_90a only): (1) GPU tests (bitwise the 128 x 128 tiles, v1 and the Triton wgrad); (2) bench_wgrad_fp8.py.
+if [ "$PART" = f ]; then
+  gpu_tests f tests/test_ws_wgrad_fp8.py
+  timeout 150 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_f.json" > "$OUT/keep/bench_wgrad_fp8_f.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_f.log" | grep gluon | cut -c1-150 | tail -20
+fi
 session_pack "s24$PART"
