@@ -219,18 +219,9 @@ if HAVE_GLUON:
                         acc_hi += (p_hi * sa) * sb_hi
                 idx += 1
             if ABLATE & 4 == 0:  # (bit 4: no output stores)
-                # epilogue: the two halves through this consumer's staging tile, TMA stores into dW[e] (or the
-                # second output past row M1: dw3 of the stacked dgate_up)
-                dt: gl.constexpr = out0_desc.dtype
                 for half in gl.static_range(2):
-                    tma.store_wait(pendings=0)  # the previous store has read c_smem
-                    c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
-                    fence_async_shared()
-                    if row0 < M1:
-                        tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
-                    else:
-                        tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
-                                                        c_smem)
+                    _wg8_store(acc_lo if half == 0 else acc_hi, c_smem, out0_desc, out1_desc, e, row0,
+                               col0 + half * BH, MA, M1)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -281,16 +272,22 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(s), count=1)
                 acc3 += (p1 * sa) * sb3
                 idx += 1
-            dt: gl.constexpr = out0_desc.dtype
             for q in gl.static_range(4):
-                tma.store_wait(pendings=0)  # the previous store has read c_smem
-                c_smem.store((acc0 if q == 0 else acc1 if q == 1 else acc2 if q == 2 else acc3).to(dt))
-                fence_async_shared()
-                if row0 < M1:
-                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + q * BH], c_smem)
-                else:
-                    tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + q * BH], c_smem)
+                _wg8_store(acc0 if q == 0 else acc1 if q == 1 else acc2 if q == 2 else acc3, c_smem, out0_desc,
+                           out1_desc, e, row0, col0 + q * BH, MA, M1)
         tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _wg8_store(acc, c_smem, out0_desc, out1_desc, e, row0, col, MA: gl.constexpr, M1: gl.constexpr):
+        """One 64 x 64 piece of a consumer's tile through its staging tile, by TMA into dW[e] (or into the second
+        output past row M1: dw3 of the stacked dgate_up)."""
+        tma.store_wait(pendings=0)  # the previous store has read c_smem
+        c_smem.store(acc.to(out0_desc.dtype))
+        fence_async_shared()
+        if row0 < M1:
+            tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col], c_smem)
+        else:
+            tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col], c_smem)
 
     @gluon.jit
     def _wg8_scales(as_ptr, bs_ptr, g, rows, cols, MA: gl.constexpr, NC: gl.constexpr, BH: gl.constexpr):
