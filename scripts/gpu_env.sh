@@ -26,3 +26,19 @@ session_pack() {
   (cd "$OUT" && tar czf "/tmp/logs_$1.tgz" --exclude=keep . && find . -mindepth 1 -maxdepth 1 ! -name keep -exec rm -rf {} +
    mv keep/* . ; rmdir keep ; mv "/tmp/logs_$1.tgz" . ; ls "$OUT")
 }
+
+# Helpers of the session scripts (gpu_s24.sh on):
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
+gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line and failures
+  local tag=$1; shift
+  timeout -s KILL 240 python3 -m pytest -q -rfE -s "$@" -p no:cacheprovider > "$OUT/keep/tests_gpu_$tag.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_$tag.log")"
+  grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
+}
+layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer rows, default and with each switch set
+  local lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} \
+    --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -${6:-12}
+}

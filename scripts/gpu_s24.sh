@@ -2,23 +2,10 @@
 # GPU calls of session 24 (1 H200 asked; say in the results which card ran).
 # Call as: REV=<hash> PART=a bash scripts/gpu_s24.sh   (carry .whl; see scripts/gpu_env.sh)
 # PARTs a-d ran at the revisions named in benchmarks/results/README.md; the wgrad's pipelined consumer and
-# scripts/bench_fp8_prefetch.py were removed after PART d (both slower), so PARTs a, c and d run only at theirs.
+# scripts/bench_fp8_prefetch.py were removed after PART d (both slower), so PARTs a, c and d run only at theirs. PART f
+# (the 128 x 256 wgrad tiles) moved to gpu_s25.sh PART a.
 source scripts/gpu_env.sh
 session_start
-ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
-gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line and failures
-  local tag=$1; shift
-  timeout -s KILL 240 python3 -m pytest -q -rfE -s "$@" -p no:cacheprovider > "$OUT/keep/tests_gpu_$tag.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_$tag.log")"
-  grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
-}
-layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer rows, default and with each switch set
-  local lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
-  timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \
-    --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} \
-    --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -${6:-12}
-}
 wgrad_ncu() {  # wgrad_ncu TAG: Nsight Compute on the FP8 wgrad kernels at 30B (Triton, Gluon configs)
   timeout 200 "$(ncu_bin)" --clock-control none --launch-count 16 -k "regex:_wgrad_fp8" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
@@ -82,12 +69,5 @@ if [ "$PART" = e ]; then
   gpu_tests e tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py
   layer_ab 30b_e "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
   layer_ab 235b_e "" qwen3-235b-a22b bf16,fp8 tt-compile,megamoe-triton 8
-fi
-# PART=f (for the next session; not run in session 24): the FP8 wgrad's 128 x 256 tiles (FP8_WGRAD_WIDE_CONFIG, opt-in,
-#   built for sm_90a only): (1) GPU tests (bitwise the 128 x 128 tiles, v1 and the Triton wgrad); (2) bench_wgrad_fp8.py.
-if [ "$PART" = f ]; then
-  gpu_tests f tests/test_ws_wgrad_fp8.py
-  timeout 150 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_f.json" > "$OUT/keep/bench_wgrad_fp8_f.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_f.log" | grep gluon | cut -c1-150 | tail -20
 fi
 session_pack "s24$PART"

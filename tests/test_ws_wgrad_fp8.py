@@ -89,16 +89,20 @@ def _operands(T, E, K, D, F, routing, seed, device):
     return lay, doT, xT, hsT, dguT
 
 
-def test_fp8_wgrad_consumer_switch_names_the_two_consumers():
+def test_fp8_wgrad_consumer_switch_names_the_consumers():
     """``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER``: a same-process switch (compare.layer --switches) whose values map to the
-    two consumer configs; smem (scale rows through shared memory) is the default."""
+    consumer configs; smem (scale rows through shared memory) is the default; wide falls back to it where NC or the
+    fp32 staging rule out 128 x 256 tiles."""
     from titan_megamoe import switches
     from titan_megamoe.kernels import ws_wgrad_fp8 as W
 
     sw = switches.SWITCHES["TITAN_MEGAMOE_FP8_WGRAD_CONSUMER"]
-    assert sw.default == "smem" and set(sw.values) == {"smem", "v1"}
+    assert sw.default == "smem" and set(sw.values) == {"smem", "v1", "wide"}
     assert W.consumer_config("smem") == W.FP8_WGRAD_CONFIG and W.FP8_WGRAD_CONFIG.smem_scales
     assert not W.consumer_config("v1").smem_scales
+    assert W.consumer_config("wide", 768).block_n == 256
+    assert W.consumer_config("wide", 640) == W.FP8_WGRAD_CONFIG  # 640 = 5 x 128: no 256-column tiling
+    assert W.consumer_config("wide", 768, torch.float32) == W.FP8_WGRAD_CONFIG  # fp32 staging passes 227 KiB
     for value in sw.values:
         with switches.override({sw.env: value}):
             assert W.CONSUMER == value

@@ -109,13 +109,18 @@ FP8_WGRAD_CONFIG = Fp8WgradConfig()
 FP8_WGRAD_WIDE_CONFIG = Fp8WgradConfig(stages=4, block_n=256)
 
 #: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the
-#: scale rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads).
+#: scale rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads);
+#: ``wide``, the 128 x 256 tiles (FP8_WGRAD_WIDE_CONFIG) where NC allows them and the outputs are bf16, else ``smem``.
 #: Read at import; a same-process switch.
-CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "v1"))
+CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "v1", "wide"))
 
 
-def consumer_config(consumer: str) -> Fp8WgradConfig:
-    """FP8_WGRAD_CONFIG with the consumer named as in :data:`CONSUMER`."""
+def consumer_config(consumer: str, NC: int = 2 * _G, out_dtype: torch.dtype = torch.bfloat16) -> Fp8WgradConfig:
+    """The config named as in :data:`CONSUMER`; ``wide`` gives FP8_WGRAD_CONFIG where 256 does not divide ``NC`` or
+    the wide ring and ``out_dtype`` staging pass Hopper's shared memory (fp32 outputs)."""
+    if consumer == "wide":
+        wide = FP8_WGRAD_WIDE_CONFIG
+        return wide if NC % wide.block_n == 0 and wide.smem_bytes(out_dtype) <= HOPPER_SMEM_BYTES else FP8_WGRAD_CONFIG
     return {"smem": FP8_WGRAD_CONFIG, "v1": replace(FP8_WGRAD_CONFIG, smem_scales=False)}[consumer]
 
 
@@ -396,7 +401,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         out_dtype: bf16 or fp32.
         out: optional output buffers, contiguous ``out_dtype``: (dW,) of (E, MA, NC), or (dW_top, dW_bottom) of
             (E, split, NC) and (E, MA - split, NC).
-        cfg: the pipeline (default: ``consumer_config(CONSUMER)``).
+        cfg: the pipeline (default: ``consumer_config(CONSUMER, NC, out_dtype)``).
         programs: persistent grid size (default: the SM count).
         _ablate: timing diagnosis only (wrong results; block_n 128): bits leaving parts out, 1 the
             per-step scale loads (the tile's first scales throughout), 2 the scaling (and its loads), 4 the output
@@ -413,9 +418,9 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed
 
     fn = "ws_wgrad_fp8"
-    if cfg is None:
-        cfg = consumer_config(CONSUMER)
     MA, NC, n_cap, E, dev = aT_q.shape[0], bT_q.shape[0], layout.n_cap, layout.num_experts, aT_q.device
+    if cfg is None:
+        cfg = consumer_config(CONSUMER, NC, out_dtype)
     reason = ws_wgrad_fp8_supported(aT_q, MA, NC, split, layout)
     if reason:
         raise ValueError(f"{fn}: {reason}")

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU calls of session 25 (1 H200 asked; say in the results which card ran).
+# Call as: REV=<hash> PART=a bash scripts/gpu_s25.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+# PART=a: the FP8 wgrad's 128 x 256 tiles (FP8_WGRAD_WIDE_CONFIG; FP8_WGRAD_CONSUMER=wide in a layer), first GPU run:
+#   (1) GPU tests (bitwise the 128 x 128 tiles, v1 and the Triton wgrad); (2) bench_wgrad_fp8.py, 30B and 235B;
+#   (3) compare.layer fp8 / fp8_bwd with FP8_WGRAD_CONSUMER=wide rows, same process per shape; (4) on an H200 only:
+#   compare.layer bf16 beside stock TorchTitan compiled (issue 4).
+if [ "$PART" = a ]; then
+  gpu_tests a tests/test_ws_wgrad_fp8.py
+  timeout 150 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_a.json" > "$OUT/keep/bench_wgrad_fp8_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_a.log" | grep gluon | cut -c1-150 | tail -20
+  layer_ab 30b_fp8_a FP8_WGRAD_CONSUMER=wide qwen3-30b-a3b fp8,fp8_bwd
+  layer_ab 235b_fp8_a FP8_WGRAD_CONSUMER=wide qwen3-235b-a22b fp8
+  if grep -q H200 "$OUT/gpu.txt"; then
+    layer_ab 30b_bf16_a "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
+    layer_ab 235b_bf16_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
+  fi
+fi
+session_pack "s25$PART"
