@@ -31,12 +31,9 @@ SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
 def _configs():
     from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG as C
 
-    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_WIDE_CONFIG as W
-
     v1 = dataclasses.replace(C, smem_scales=False)
     return [("gluon v1", v1), ("gluon smem scales", dataclasses.replace(v1, smem_scales=True)),
-            ("gluon smem scales, 6 stages", dataclasses.replace(v1, smem_scales=True, stages=6)),
-            ("gluon 128 x 256 tiles", W), ("gluon 128 x 256 tiles, 3 stages", dataclasses.replace(W, stages=3))]
+            ("gluon smem scales, 6 stages", dataclasses.replace(v1, smem_scales=True, stages=6))]
 
 
 def _dense_fp8_tflops(bench) -> float:

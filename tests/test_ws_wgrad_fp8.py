@@ -14,20 +14,17 @@ from _sm90 import sm90_result  # noqa: E402
 # (label, MA, NC, split, out dtype): dw2 (D x F), dw1 | dw3 (2F x D split at F) at both Qwen3 shapes
 BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 768, torch.bfloat16),
           ("w2_235b", 4096, 1536, None, torch.bfloat16), ("w13_235b", 3072, 4096, 1536, torch.bfloat16),
-          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16),
-          ("w13_30b_wide", 1536, 2048, 768, torch.bfloat16), ("w2_235b_wide", 4096, 1536, None, torch.bfloat16)]
+          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16)]
 
 
 def _config(label: str):
-    """The default config, or by the label's suffix: ``_v1`` session 20's consumer (scales loaded from global memory
-    every step), ``_wide`` the 128 x 256 tiles."""
+    """The default config, or with the label's suffix ``_v1`` session 20's consumer (scales loaded from global memory
+    every step)."""
     import dataclasses
 
-    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_WIDE_CONFIG
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG
 
-    if label.endswith("_v1"):
-        return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False)
-    return FP8_WGRAD_WIDE_CONFIG if label.endswith("_wide") else FP8_WGRAD_CONFIG
+    return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False) if label.endswith("_v1") else FP8_WGRAD_CONFIG
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -51,20 +48,13 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     dt = dict((b[0], b[4]) for b in BUILDS)[label]
     cfg = _config(label)
     assert r["target"], "PTX not built for sm_90a"
-    if cfg.block_n == 256:
-        assert r["wgmma"] == 32, r  # two consumers x 4 quarters x 4 k32 steps of m64n64 e4m3
-        assert r["wgmma_waits"] == ["1", "1", "1", "0"] * 2, r["wgmma_waits"]  # two quarters in flight
-    else:
-        assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
-        assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
+    assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
+    assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
     if label == "w13_30b":  # the same kernel with global scale loads: two TMA copies (the scale rows) fewer
         assert r["tma"] == sm90_result(__file__, "w13_30b_v1")["tma"] + 2, r["tma"]
     assert cfg.smem_bytes(dt) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
-    assert f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap
-    # no spills; the wide tiles' dw2 build (no split) spills 128 bytes of scalars, the split one none
-    stack = int(r["usage"].split("STACK:")[1].split()[0])
-    assert stack <= (128 if label == "w2_235b_wide" else 0), r["usage"]
+    assert "STACK:0" in r["usage"] and f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap, no spills
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
@@ -89,20 +79,16 @@ def _operands(T, E, K, D, F, routing, seed, device):
     return lay, doT, xT, hsT, dguT
 
 
-def test_fp8_wgrad_consumer_switch_names_the_consumers():
-    """``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER``: a same-process switch (compare.layer --switches) whose values map to the
-    consumer configs; smem (scale rows through shared memory) is the default; wide falls back to it where NC or the
-    fp32 staging rule out 128 x 256 tiles."""
+def test_fp8_wgrad_consumer_switch_names_the_two_consumers():
+    """``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER``: a same-process switch (compare.layer --switches) whose values map to the two
+    consumer configs; smem (scale rows through shared memory) is the default."""
     from titan_megamoe import switches
     from titan_megamoe.kernels import ws_wgrad_fp8 as W
 
     sw = switches.SWITCHES["TITAN_MEGAMOE_FP8_WGRAD_CONSUMER"]
-    assert sw.default == "smem" and set(sw.values) == {"smem", "v1", "wide"}
+    assert sw.default == "smem" and set(sw.values) == {"smem", "v1"}
     assert W.consumer_config("smem") == W.FP8_WGRAD_CONFIG and W.FP8_WGRAD_CONFIG.smem_scales
     assert not W.consumer_config("v1").smem_scales
-    assert W.consumer_config("wide", 768).block_n == 256
-    assert W.consumer_config("wide", 640) == W.FP8_WGRAD_CONFIG  # 640 = 5 x 128: no 256-column tiling
-    assert W.consumer_config("wide", 768, torch.float32) == W.FP8_WGRAD_CONFIG  # fp32 staging passes 227 KiB
     for value in sw.values:
         with switches.override({sw.env: value}):
             assert W.CONSUMER == value
@@ -136,12 +122,6 @@ def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"split=256 must be in \(0, 256\)"):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, split=256)
-    with pytest.raises(ValueError, match="cfg.block_n=192 must be 128 or 256"):
-        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, cfg=W.Fp8WgradConfig(block_n=192))
-    with pytest.raises(ValueError, match="cfg.block_n=256 must be 128 or 256 .256 with smem_scales. and divide NC=128"):
-        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, cfg=W.FP8_WGRAD_WIDE_CONFIG)  # NC = 128
-    with pytest.raises(ValueError, match="more than Hopper's 232448: lower cfg.stages"):
-        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, cfg=W.Fp8WgradConfig(stages=7))
     with pytest.raises(ValueError, match="out must be 1 contiguous"):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out=(torch.empty(4, 256, 64),))
 
@@ -204,9 +184,6 @@ def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
         assert all(g is o for g, o in zip(got, out))
         v1 = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config("_v1"))  # the same partials, order
         assert all(torch.equal(g, o) for g, o in zip(got, v1)), f"{name}: the v1 consumer differs"
-        if dt == torch.bfloat16 and bT[0].shape[0] % 256 == 0:  # the 128 x 256 tiles: again the same partials
-            wide = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config("_wide"))
-            assert all(torch.equal(g, o) for g, o in zip(got, wide)), f"{name}: the 128 x 256 tiles differ"
         tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
         got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
         assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"
