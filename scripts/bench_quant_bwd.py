@@ -1,5 +1,6 @@
 """The FP8 backward's two standalone quantization passes: the Triton kernels (v1) against the Gluon ones
-(``gl_quant_bwd.py``) in several launch configurations (warps, register cap), in one process. Prints one JSON line.
+(``gl_quant_bwd.py``) in several launch configurations (warps, register cap; the persistent pipelined kernels' warps,
+stages and programs per SM), in one process. Prints one JSON line.
 
     python scripts/bench_quant_bwd.py                  # 30B and 235B shapes, T = 16384, on a GPU
     TRITON_INTERPRET=1 python scripts/bench_quant_bwd.py --smoke   # CPU: v1 once at a tiny shape (checks the script)
@@ -36,6 +37,14 @@ DUAL = [
     ("gluon8w_slab32_r80", dict(NW=8, maxnreg=80, SLAB=32)),  # 80 registers: three programs per SM
     ("gluon16w_slab32", dict(NW=16, maxnreg=None, SLAB=32)),  # 64: two programs of 16 warps
     ("gluon8w_slab32_r64", dict(NW=8, maxnreg=64, SLAB=32)),  # 64 + 56 B of spills: four
+]
+# the persistent pipelined kernels (gl_quant_bwd.PIPE_CONFIG, session 25; variant "gluon_pipe"): NW warps, STAGES
+# tiles in flight per program, PER_SM programs per SM (grid), SLAB columns of the 128x1 work
+PIPE = [
+    ("pipe8w_s3_x2", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32)),  # dual 127 / gather 80 registers, 97 KiB: two per SM
+    ("pipe8w_s2_x3", dict(NW=8, STAGES=2, PER_SM=3, SLAB=32)),  # 65 KiB: three per SM where registers allow
+    ("pipe8w_s4_x1", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32)),  # 129 KiB: one per SM, four tiles in flight
+    ("pipe4w_s2_x3", dict(NW=4, STAGES=2, PER_SM=3, SLAB=32)),
 ]
 GATHER = [
     ("gluon4w_bc32", dict(NW=4, maxnreg=None, BC=32)),  # 79 registers: six programs per SM
@@ -94,7 +103,8 @@ def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
     gath_bytes = end * D * (2 + 1) + (end // 128) * D * 4
     def run(label, pass_, fn, ref, nbytes, cfg):
         if cfg is not None:
-            (GQ.DUAL_CONFIG if pass_ == "dual" else GQ.GATHER_CONFIG).update(cfg)
+            table = GQ.PIPE_CONFIG if "STAGES" in cfg else GQ.DUAL_CONFIG if pass_ == "dual" else GQ.GATHER_CONFIG
+            table.update(cfg)
         try:
             same = _same(fn(), ref, end)
             ms = time_ms(fn)
@@ -105,23 +115,27 @@ def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
         print(f"[bench_quant_bwd] {name} {rows[-1]}", file=sys.stderr, flush=True)
 
     def variants(table):
-        return [("v1", None)] + ([] if smoke else table[: 1 if once else None])
+        return [("v1", None)] + ([] if smoke else table[: 1 if once else None] + PIPE[: 1 if once else None])
 
-    dual0, gather0 = dict(GQ.DUAL_CONFIG), dict(GQ.GATHER_CONFIG)
+    def kind_of(cfg):
+        return "v1" if cfg is None else "gluon_pipe" if "STAGES" in cfg else "gluon"
+
+    dual0, gather0, pipe0 = dict(GQ.DUAL_CONFIG), dict(GQ.GATHER_CONFIG), dict(GQ.PIPE_CONFIG)
     ref = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")
     for label, cfg in variants(DUAL):
-        kind = "v1" if cfg is None else "gluon"
+        kind = kind_of(cfg)
         run(label, "dual", lambda kind=kind: quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant=kind),
             ref, dual_bytes, cfg)
     for src_name, src in (("x", x), ("dout", dout)):
         ref = quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant="v1")
         for label, cfg in variants(GATHER):
-            kind = "v1" if cfg is None else "gluon"
+            kind = kind_of(cfg)
             run(label, f"gather_128x1_{src_name}",
                 lambda kind=kind, src=src: quantize_gather_128x1_t(src, L.row_pair, k, end_row=end_row, variant=kind),
                 ref, gath_bytes, cfg)
     GQ.DUAL_CONFIG.clear(), GQ.DUAL_CONFIG.update(dual0)
     GQ.GATHER_CONFIG.clear(), GQ.GATHER_CONFIG.update(gather0)
+    GQ.PIPE_CONFIG.clear(), GQ.PIPE_CONFIG.update(pipe0)
     return {"shape": name, "T": T, "D": D, "F": F, "E": e, "K": k, "rows_padded": N, "end_row": end,
             "live_rows": live, "rows": rows}
 

@@ -18,4 +18,15 @@ if [ "$PART" = a ]; then
     layer_ab 235b_bf16_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
   fi
 fi
+# PART=b: the FP8 backward's quantization passes as persistent, load-pipelined Gluon kernels (gl_quant_bwd PIPE_CONFIG,
+#   FP8_QUANT_PIPE=1; whole 128 x 128 tiles in flight by cp.async, the dual pass's row work from shared memory):
+#   (1) GPU tests (bitwise the Triton kernels, poisoned outputs); (2) bench_quant_bwd.py, 30B and 235B, a config
+#   sweep; (3) compare.layer fp8 / fp8_bwd with FP8_QUANT_PIPE=1 rows, same process per shape.
+if [ "$PART" = b ]; then
+  gpu_tests b tests/test_gl_quant_bwd.py
+  timeout 200 python3 scripts/bench_quant_bwd.py --out "$OUT/keep/bench_quant_bwd_b.json" > "$OUT/keep/bench_quant_bwd_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] bench rc $?"; grep "^\[bench" "$OUT/keep/bench_quant_bwd_b.log" | cut -c1-200 | tail -40
+  layer_ab 30b_fp8_b FP8_QUANT_PIPE=1 qwen3-30b-a3b fp8,fp8_bwd
+  layer_ab 235b_fp8_b FP8_QUANT_PIPE=1 qwen3-235b-a22b fp8
+fi
 session_pack "s25$PART"

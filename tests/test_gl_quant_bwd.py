@@ -15,7 +15,9 @@ from _sm90 import sm90_result  # noqa: E402
 # (label, kernel, C): the dual pass at 2F, the gathered pass at D, both Qwen3 shapes
 BUILDS = [("dual_30b", "dual", 1536, True), ("dual_235b", "dual", 3072, True), ("gather_30b", "gather", 2048, True),
           ("gather_235b", "gather", 4096, True), ("dual_30b_no_end", "dual", 1536, False),
-          ("gather_30b_no_end", "gather", 2048, False)]
+          ("gather_30b_no_end", "gather", 2048, False), ("dual_pipe_30b", "dual_pipe", 1536, True),
+          ("dual_pipe_235b_no_end", "dual_pipe", 3072, False), ("gather_pipe_30b", "gather_pipe", 2048, True),
+          ("gather_pipe_235b_no_end", "gather_pipe", 4096, False)]
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -25,18 +27,20 @@ def _compile_sm90_all() -> list[dict]:
 
     out = []
     for label, kind, C, has_end in BUILDS:
-        opts = GQ.launch_options(kind)
+        pipe = kind.endswith("_pipe")
+        opts = GQ.pipe_launch_options() if pipe else GQ.launch_options(kind)
         nw = opts.pop("num_warps")
-        if kind == "dual":
-            fn = GQ._gl_quant_dual_kernel
+        if kind.startswith("dual"):
+            fn = GQ._gl_quant_dual_pipe_kernel if pipe else GQ._gl_quant_dual_kernel
             sig = dict(x_ptr="*bf16", valid_ptr="*u8", y_ptr="*fp8e4nv", s_ptr="*fp32", yT_ptr="*fp8e4nv",
                        sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32", LD="i32")
-            cx = dict(C=C, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end, NW=opts.pop("NW"), SLAB=opts.pop("SLAB"))
+            cx = dict(C=C, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end)
         else:
-            fn = GQ._gl_quant_gather_128x1_t_kernel
+            fn = GQ._gl_quant_gather_pipe_kernel if pipe else GQ._gl_quant_gather_128x1_t_kernel
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
                        end_ptr="*i32", M="i32", LD="i32")
-            cx = dict(C=C, TOP_K=8, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end, NW=opts.pop("NW"), BC=opts.pop("BC"))
+            cx = dict(C=C, TOP_K=8, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end)
+        cx.update({k: opts.pop(k) for k in ("NW", "SLAB", "BC", "STAGES") if k in opts})
         r = compile_sm90(fn, sig, cx, num_warps=nw, num_stages=1, divisible=("LD", "M"), **opts)
         out.append(dict(label=label, **r))
     return out
@@ -44,10 +48,23 @@ def _compile_sm90_all() -> list[dict]:
 
 @pytest.mark.parametrize("label", [b[0] for b in BUILDS])
 def test_gl_quant_builds_for_sm90a_without_spills(label):
+    """No spills; the pipelined kernels: 16-byte cp.async (8 per thread and tile, issued at two prologue sites and
+    in the loop), registers and shared memory that let PIPE_CONFIG's programs share an SM."""
+    from titan_megamoe.kernels import gl_quant_bwd as GQ
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     assert "STACK:0" in r["usage"], f"{label}: register spills ({r['usage']})"
-    assert r["wgmma"] == 0 and r["tma"] == 0 and r["cp_async"] == 0, r  # plain loads and stores
+    assert r["wgmma"] == 0 and r["tma"] == 0, r
+    if "_pipe" in label:
+        cfg = GQ.PIPE_CONFIG
+        assert r["cp_async"] == 8 * cfg["STAGES"], r
+        regs = int(r["usage"].split("REG:")[1].split()[0])
+        assert regs * 32 * cfg["NW"] * cfg["PER_SM"] <= 65536, f"{label}: {regs} registers"
+        assert r["shared"] * cfg["PER_SM"] <= HOPPER_SMEM_BYTES, r["shared"]
+    else:
+        assert r["cp_async"] == 0, r  # plain loads and stores
 
 
 def test_launchers_take_the_triton_kernels_where_gluon_cannot_run():
@@ -70,9 +87,11 @@ def test_launchers_take_the_triton_kernels_where_gluon_cannot_run():
     q1, s1 = quantize_gather_128x1_t(x[:64], idx, 2, variant="v1")
     q2, s2 = quantize_gather_128x1_t(x[:64], idx, 2, variant="gluon")
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
-    with pytest.raises(ValueError, match="variant must be 'v1' or 'gluon'"):
+    b = quantize_dual_1x128_128x1_t(x, valid, variant="gluon_pipe")
+    assert all(torch.equal(_bytes(u), _bytes(v)) for u, v in zip(a, b))
+    with pytest.raises(ValueError, match="variant must be one of .'v1', 'gluon', 'gluon_pipe'."):
         quantize_dual_1x128_128x1_t(x, valid, variant="pipe")
-    with pytest.raises(ValueError, match="variant must be 'v1' or 'gluon'"):
+    with pytest.raises(ValueError, match="variant must be one of"):
         quantize_gather_128x1_t(x[:64], idx, 2, variant="fast")
 
 
@@ -90,7 +109,11 @@ GPU_CASES = [(4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 384, "uniform
 def test_gl_quant_bitwise_the_triton_kernels_on_gpu(case):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
-    from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+    from titan_megamoe.kernels.fp8_quant_bwd import (
+        empty_transposed,
+        quantize_dual_1x128_128x1_t,
+        quantize_gather_128x1_t,
+    )
     from titan_megamoe.kernels.routing import build_routing_layout
 
     T, E, K, C, D, routing = case
@@ -110,34 +133,41 @@ def test_gl_quant_bitwise_the_triton_kernels_on_gpu(case):
     dgu = torch.randn(L.n_cap, C, device="cuda", generator=g).bfloat16()
     dgu[~valid] = float("nan")  # invalid rows read as zero, whatever they hold
     end = int(L.offsets[-1])
-    for end_row in (None, L.offsets[-1:]):
+    for variant, end_row in ((v, e) for v in ("gluon", "gluon_pipe") for e in (None, L.offsets[-1:])):
         lim = end if end_row is not None else L.n_cap
         c1, c2 = (torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2))
         a = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, nonfinite_count=c1, variant="v1")
-        b = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, nonfinite_count=c2, variant="gluon")
+        b = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, nonfinite_count=c2, variant=variant)
         assert torch.equal(_bytes(a[0])[:lim], _bytes(b[0])[:lim]) and torch.equal(a[1][:lim], b[1][:lim])
         assert torch.equal(_bytes(a[2])[:, :lim], _bytes(b[2])[:, :lim])
         assert torch.equal(a[3], b[3]) and int(c1) == int(c2) == 0  # scales of dead blocks written too
         q1, s1 = quantize_gather_128x1_t(x, L.row_pair, K, end_row=end_row, nonfinite_count=c1, variant="v1")
-        q2, s2 = quantize_gather_128x1_t(x, L.row_pair, K, end_row=end_row, nonfinite_count=c2, variant="gluon")
+        # the gathered pass's outputs poisoned first (every row below lim must be written)
+        q2 = empty_transposed(D, L.n_cap, "cuda")
+        q2.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        s2 = torch.full((L.n_cap // 128, D), float("nan"), device="cuda")
+        quantize_gather_128x1_t(x, L.row_pair, K, end_row=end_row, nonfinite_count=c2, variant=variant, out=q2,
+                                scale_out=s2)
         assert torch.equal(_bytes(q1)[:, :lim], _bytes(q2)[:, :lim]) and torch.equal(s1, s2)
         assert int(c1) == int(c2) == 0
     # a row count that is not a multiple of 128 (the dual pass takes any M)
     m = 300
     a = quantize_dual_1x128_128x1_t(dgu[:m], valid[:m], variant="v1")
-    b = quantize_dual_1x128_128x1_t(dgu[:m], valid[:m], variant="gluon")
-    assert all(torch.equal(_bytes(u), _bytes(v)) for u, v in zip(a, b))
+    for variant in ("gluon", "gluon_pipe"):
+        b = quantize_dual_1x128_128x1_t(dgu[:m], valid[:m], variant=variant)
+        assert all(torch.equal(_bytes(u), _bytes(v)) for u, v in zip(a, b)), variant
     # a non-finite value: counted as the Triton kernels count it (one row group and one column group)
     dgu[int(valid.nonzero()[0]), 0] = float("inf")
     x[int(L.row_pair[int(valid.nonzero()[0])]) // K, 1] = float("nan")
-    c1, c2 = (torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2))
-    quantize_dual_1x128_128x1_t(dgu, valid, nonfinite_count=c1, variant="v1")
-    quantize_dual_1x128_128x1_t(dgu, valid, nonfinite_count=c2, variant="gluon")
-    assert int(c1) == int(c2) == 2
-    c1.zero_(), c2.zero_()
-    quantize_gather_128x1_t(x, L.row_pair, K, nonfinite_count=c1, variant="v1")
-    quantize_gather_128x1_t(x, L.row_pair, K, nonfinite_count=c2, variant="gluon")
-    assert int(c1) == int(c2) > 0
+    for variant in ("gluon", "gluon_pipe"):
+        c1, c2 = (torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2))
+        quantize_dual_1x128_128x1_t(dgu, valid, nonfinite_count=c1, variant="v1")
+        quantize_dual_1x128_128x1_t(dgu, valid, nonfinite_count=c2, variant=variant)
+        assert int(c1) == int(c2) == 2, variant
+        c1.zero_(), c2.zero_()
+        quantize_gather_128x1_t(x, L.row_pair, K, nonfinite_count=c1, variant="v1")
+        quantize_gather_128x1_t(x, L.row_pair, K, nonfinite_count=c2, variant=variant)
+        assert int(c1) == int(c2) > 0, variant
 
 
 if __name__ == "__main__":

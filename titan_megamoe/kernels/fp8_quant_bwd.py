@@ -58,6 +58,8 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_megamoe.kernels import gl_quant_bwd
+from titan_megamoe.kernels.configs import _sm_count
+from titan_megamoe.kernels.ws_gemm import _programs
 from titan_megamoe.kernels.fp8_quant import (
     _INPUT_DTYPES,
     _amax,
@@ -82,6 +84,9 @@ _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spi
 # input): H100, 30B, dual 0.733 -> 0.557 ms, gathered 0.403 -> 0.351 (bench_quant_bwd_1xh100_s23d_20261206.json);
 # TITAN_MEGAMOE_FP8_QUANT_GLUON=0: the Triton kernels everywhere
 QUANT_GLUON = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_GLUON", "1") == "1"
+# with QUANT_GLUON, the persistent load-pipelined Gluon kernels (gl_quant_bwd.PIPE_CONFIG; the same bits; the gathered
+# pass where C is a multiple of 128): TITAN_MEGAMOE_FP8_QUANT_PIPE=1 (off until measured on a GPU)
+QUANT_PIPE = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_PIPE", "0") == "1"
 # TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
 _ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
 
@@ -230,14 +235,28 @@ def _quant_dual_kernel(
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
 
-def _use_gluon(variant: str | None, fn: str, x: Tensor, interpret: bool) -> bool:
-    """Whether a pass runs its Gluon kernel: asked for (``variant`` or ``QUANT_GLUON``) and possible there (compiled
-    mode on an sm_90 GPU with Gluon, bf16 input)."""
-    if variant not in (None, "v1", "gluon"):
-        raise ValueError(f"{fn}: variant must be 'v1' or 'gluon', got {variant!r}")
-    want = QUANT_GLUON if variant is None else variant == "gluon"
-    return (want and not interpret and x.dtype == torch.bfloat16 and gl_quant_bwd.HAVE_GLUON and x.is_cuda
-            and _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+_VARIANTS = (None, "v1", "gluon", "gluon_pipe")
+
+
+def _gluon_kind(variant: str | None, fn: str, x: Tensor, interpret: bool) -> str | None:
+    """Which Gluon kernel a pass runs: "gluon", "pipe" (the persistent pipelined one) or None (the Triton kernel):
+    as asked (``variant``, else ``QUANT_GLUON`` / ``QUANT_PIPE``) where possible (compiled mode on an sm_90 GPU with
+    Gluon, bf16 input; the pipelined kernels also need C a multiple of 128, else "gluon")."""
+    if variant not in _VARIANTS:
+        raise ValueError(f"{fn}: variant must be one of {_VARIANTS[1:]}, got {variant!r}")
+    want = QUANT_GLUON if variant is None else variant != "v1"
+    if not (want and not interpret and x.dtype == torch.bfloat16 and gl_quant_bwd.HAVE_GLUON and x.is_cuda
+            and _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())):
+        return None
+    pipe = QUANT_PIPE if variant is None else variant == "gluon_pipe"
+    return "pipe" if pipe and x.shape[1] % GROUP == 0 else "gluon"
+
+
+def _pipe_programs(x: Tensor, tiles: int) -> int:
+    """Persistent grid of a pipelined kernel: PIPE_CONFIG's programs per SM, at most one per tile."""
+    dev = x.device
+    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return _programs(dev, tiles, sms * gl_quant_bwd.PIPE_CONFIG["PER_SM"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,8 +303,10 @@ def quantize_gather_128x1_t(
             BM = 128 layout; checked per 128-row block, not per row): output rows from it on are not
             needed by any consumer and are left unwritten (their scales are written finite); saves the
             pass over the spare capacity rows (half of N_cap at EP = 2).
-        variant: "v1" (the Triton kernel) or "gluon" (``gl_quant_bwd``: sm_90, bf16 x; elsewhere v1 runs);
-            None: "gluon" unless ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0``. The same bits for finite input.
+        variant: "v1" (the Triton kernel), "gluon" (``gl_quant_bwd``: sm_90, bf16 x; elsewhere v1 runs) or
+            "gluon_pipe" (its persistent pipelined kernel; "gluon" where C is not a multiple of 128); None:
+            "gluon" unless ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0``, "gluon_pipe" with ``TITAN_MEGAMOE_FP8_QUANT_PIPE=1``.
+            The same bits for finite input.
 
     Returns:
         (xT_fp8 (C, M) float8_e4m3fn with row stride ``transposed_ld(M)`` (or ``out``'s), scale
@@ -316,7 +337,13 @@ def quantize_gather_128x1_t(
     _check_end_row(fn, end_row, dev)
     args = (x, row_index, out, scale_out, count if check else scale_out, row_index if end_row is None else end_row, M,
             out.stride(0))
-    if _use_gluon(variant, fn, x, interpret):
+    kind = _gluon_kind(variant, fn, x, interpret)
+    if kind == "pipe":
+        launch(gl_quant_bwd._gl_quant_gather_pipe_kernel, (_pipe_programs(x, cdiv(M, GROUP) * (C // GROUP)),), *args,
+               C=C, TOP_K=top_k, CHECK=check, EPS=AMAX_EPS, HAS_END=end_row is not None,
+               **gl_quant_bwd.pipe_launch_options())
+        return out, scale_out
+    if kind == "gluon":
         opts = gl_quant_bwd.launch_options("gather")
         launch(gl_quant_bwd._gl_quant_gather_128x1_t_kernel, (cdiv(M, GROUP), cdiv(C, opts["BC"])), *args, C=C,
                TOP_K=top_k, CHECK=check, EPS=AMAX_EPS, HAS_END=end_row is not None, **opts)
@@ -385,7 +412,11 @@ def quantize_dual_1x128_128x1_t(
     _check_end_row(fn, end_row, dev)
     args = (x, row_valid, y, s, yT, sT, count if check else s, row_valid if end_row is None else end_row, M,
             yT.stride(0))
-    if _use_gluon(variant, fn, x, interpret):
+    kind = _gluon_kind(variant, fn, x, interpret)
+    if kind == "pipe":
+        launch(gl_quant_bwd._gl_quant_dual_pipe_kernel, (_pipe_programs(x, Mb * (C // GROUP)),), *args, C=C,
+               CHECK=check, EPS=AMAX_EPS, HAS_END=end_row is not None, **gl_quant_bwd.pipe_launch_options())
+    elif kind == "gluon":
         launch(gl_quant_bwd._gl_quant_dual_kernel, (Mb, C // GROUP), *args, C=C, CHECK=check, EPS=AMAX_EPS,
                HAS_END=end_row is not None, **gl_quant_bwd.launch_options("dual"))
     else:

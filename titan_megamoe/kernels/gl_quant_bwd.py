@@ -43,14 +43,26 @@ if HAVE_GLUON:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy as gl_async_copy
 
-__all__ = ["DUAL_CONFIG", "GATHER_CONFIG", "launch_options"]
+__all__ = ["DUAL_CONFIG", "GATHER_CONFIG", "PIPE_CONFIG", "launch_options", "pipe_launch_options"]
 
 #: launch configuration of each kernel: warps (NW), ptxas's register cap (None: none), the dual pass's column slabs
 #: (SLAB) and the gathered pass's columns per program (BC); a program is 128 rows. scripts/bench_quant_bwd.py sweeps
 #: them (docs/NOTES.md, session 23).
 DUAL_CONFIG = dict(NW=8, maxnreg=80, SLAB=32)  # 80 registers, no spills: three programs per SM
 GATHER_CONFIG = dict(NW=4, maxnreg=None, BC=32)  # 79 registers: six programs per SM
+
+
+#: the persistent, load-pipelined variants (``_gl_quant_dual_pipe_kernel``, ``_gl_quant_gather_pipe_kernel``): warps,
+#: 128 x 128 bf16 tiles in flight per program (STAGES, 32 KiB each), programs per SM, the column slab of the 128x1 work
+PIPE_CONFIG = dict(NW=8, STAGES=3, PER_SM=2, SLAB=32)
+
+
+def pipe_launch_options() -> dict:
+    """Keyword arguments of a launch of a pipelined kernel: the constexprs NW, STAGES, SLAB and num_warps."""
+    return dict(NW=PIPE_CONFIG["NW"], STAGES=PIPE_CONFIG["STAGES"], SLAB=PIPE_CONFIG["SLAB"],
+                num_warps=PIPE_CONFIG["NW"])
 
 
 def launch_options(kind: str) -> dict:
@@ -212,3 +224,135 @@ if HAVE_GLUON:
                              BC)
         else:
             _gather_tile(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, M, LD, b, j, C, TOP_K, CHECK, EPS, NW, BC)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Persistent, load-pipelined variants (session 25). Why: the kernels above move one 128-row tile per short-lived
+    # program and keep little in flight (a program loads a 32-column slab, quantizes it, stores, then loads the next;
+    # the dual pass re-reads its tile from L2 for the row work): 1.5 TB/s of useful bytes for the dual pass, 2.5 for
+    # the gathered one (session 23, H100). Here each program walks tiles t = pid, pid + programs, ... and keeps
+    # STAGES whole 128 x 128 bf16 tiles in flight by cp.async (16-byte chunks; masked rows are zero-filled, as the
+    # loads above read them), so the loads of the next tiles run under the quantization of this one, and the dual
+    # pass's row work reads shared memory. The quantization itself is the functions above: the same bits.
+    # ---------------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _pipe_rows(idx_ptr, end, M, i, n_i, pid, nprog, Mb, TOP_K: gl.constexpr, NW: gl.constexpr,
+                   GATHER: gl.constexpr, HAS_END: gl.constexpr):
+        """(source row, live) of the 128 rows of this program's i-th tile in the copy layout: tiles t = pid + i
+        nprog as (rows b, columns g), b fastest, so concurrent tiles share g and a gathered source stays in L2.
+        Nothing is live past the last tile or in a dead block (past end)."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])  # 16-byte chunks, 2 rows per warp
+        b = (pid + i * nprog) % Mb
+        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LD))
+        ok = (rows < M) & (i < n_i)
+        if HAS_END:
+            ok = ok & (b * 128 < end)
+        if GATHER:
+            idx = gl.load(idx_ptr + rows, mask=ok, other=-1)
+            ok = ok & (idx >= 0)
+            src = gl.where(ok, idx // TOP_K, 0)
+        else:
+            ok = ok & (gl.load(idx_ptr + rows, mask=ok, other=0) != 0)
+            src = rows
+        return src, ok
+
+    @gluon.jit
+    def _pipe_issue(bufs, x_ptr, src, ok, i, pid, nprog, Mb, C: gl.constexpr, STAGES: gl.constexpr,
+                    NW: gl.constexpr):
+        """cp.async of the i-th tile's rows ``src`` (zero-filled where not ``ok``) into buffer i % STAGES, one
+        commit group (an empty one past the last tile)."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+        g = (pid + i * nprog) // Mb
+        cols = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LD))
+        ptrs = x_ptr + gl.expand_dims(src.to(gl.int64) * C, 1) + gl.expand_dims(cols, 0)  # int64: src * C > 2^31
+        gl_async_copy.async_copy_global_to_shared(bufs.index(i % STAGES), ptrs, mask=gl.expand_dims(ok, 1))
+        gl_async_copy.commit_group()
+
+    @gluon.jit
+    def _pipe_tile(buf, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr, CHECK: gl.constexpr,
+                   EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr, DUAL: gl.constexpr):
+        """Quantize a live 128 x 128 tile from shared memory (rows that are not live hold zeros): its 128x1 groups
+        (transposed), with DUAL also its 1x128 groups, as ``_dual_tile`` / ``_gather_tile``."""
+        LC: gl.constexpr = gl.BlockedLayout([128 // NW, SLAB // 32], [1, 32], [NW, 1], [1, 0])
+        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+        row_ok = rows < M
+        n_bad = 0
+        for k in gl.static_range(128 // SLAB):
+            cols = g * 128 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(0, LC))
+            x = buf.slice(k * SLAB, SLAB, dim=1).load(LC)
+            n_bad += _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, SLAB)
+        if DUAL:
+            LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+            cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
+            for h in gl.static_range(2):
+                rr = b * 128 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+                rr_ok = rr < M
+                xr = buf.slice(h * 64, 64, dim=0).load(LR)
+                scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
+                q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
+                offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
+                gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
+                gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
+                if CHECK:
+                    n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+        if CHECK:
+            gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
+
+    @gluon.jit
+    def _pipe_loop(x_ptr, idx_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD, C: gl.constexpr,
+                   TOP_K: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
+                   NW: gl.constexpr, STAGES: gl.constexpr, SLAB: gl.constexpr, GATHER: gl.constexpr):
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        Mb = gl.cdiv(M, 128)
+        n_i = gl.cdiv(Mb * (C // 128) - pid, nprog)
+        if HAS_END:
+            end = gl.load(end_ptr)
+        else:
+            end = M
+        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], layout)
+        for i in gl.static_range(STAGES - 1):
+            src, ok = _pipe_rows(idx_ptr, end, M, i, n_i, pid, nprog, Mb, TOP_K, NW, GATHER, HAS_END)
+            _pipe_issue(bufs, x_ptr, src, ok, i, pid, nprog, Mb, C, STAGES, NW)
+        # the row indices of the next issue, loaded one tile ahead: their latency runs under a tile's quantization
+        src, ok = _pipe_rows(idx_ptr, end, M, STAGES - 1, n_i, pid, nprog, Mb, TOP_K, NW, GATHER, HAS_END)
+        for i in range(n_i):
+            gl.thread_barrier()  # every warp is done with tile i - 1's buffer, which this issue refills
+            _pipe_issue(bufs, x_ptr, src, ok, i + STAGES - 1, pid, nprog, Mb, C, STAGES, NW)
+            src, ok = _pipe_rows(idx_ptr, end, M, i + STAGES, n_i, pid, nprog, Mb, TOP_K, NW, GATHER, HAS_END)
+            gl_async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
+            gl.thread_barrier()  # and every other thread's
+            t = pid + i * nprog
+            b = t % Mb
+            g = t // Mb
+            if HAS_END:
+                if b * 128 >= end:
+                    _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW, 128)
+                else:
+                    _pipe_tile(bufs.index(i % STAGES), y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C,
+                               CHECK, EPS, NW, SLAB, not GATHER)
+            else:
+                _pipe_tile(bufs.index(i % STAGES), y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK,
+                           EPS, NW, SLAB, not GATHER)
+        gl_async_copy.wait_group(0)
+
+    @gluon.jit
+    def _gl_quant_dual_pipe_kernel(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD,
+                                   C: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
+                                   NW: gl.constexpr, STAGES: gl.constexpr, SLAB: gl.constexpr):
+        """``_gl_quant_dual_kernel``'s arguments and outputs (bitwise), persistent: grid (programs,), each program
+        the tiles pid, pid + programs, ... of the (cdiv(M, 128), C // 128) tile grid, STAGES tiles in flight."""
+        _pipe_loop(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD, C, 1, CHECK, EPS,
+                   HAS_END, NW, STAGES, SLAB, False)
+
+    @gluon.jit
+    def _gl_quant_gather_pipe_kernel(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, end_ptr, M, LD,
+                                     C: gl.constexpr, TOP_K: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
+                                     HAS_END: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr,
+                                     SLAB: gl.constexpr):
+        """``_gl_quant_gather_128x1_t_kernel``'s arguments and outputs (bitwise) for C a multiple of 128, persistent
+        as ``_gl_quant_dual_pipe_kernel``: row r of a tile is x[row_index[r] // TOP_K], zero where row_index[r] <
+        0."""
+        _pipe_loop(x_ptr, row_index_ptr, scale_ptr, scale_ptr, yT_ptr, scale_ptr, count_ptr, end_ptr, M, LD, C,
+                   TOP_K, CHECK, EPS, HAS_END, NW, STAGES, SLAB, True)
