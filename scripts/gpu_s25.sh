@@ -24,7 +24,7 @@ fi
 #   sweep; (3) compare.layer fp8 / fp8_bwd with FP8_QUANT_PIPE=1 rows, same process per shape.
 if [ "$PART" = b ]; then
   gpu_tests b tests/test_gl_quant_bwd.py
-  timeout 200 python3 scripts/bench_quant_bwd.py --out "$OUT/keep/bench_quant_bwd_b.json" > "$OUT/keep/bench_quant_bwd_b.log" 2>&1
+  timeout 200 python3 scripts/bench_quant_bwd.py > "$OUT/keep/bench_quant_bwd_b.json" 2> "$OUT/keep/bench_quant_bwd_b.log"
   echo "[t=$((SECONDS - t0))s] bench rc $?"; grep "^\[bench" "$OUT/keep/bench_quant_bwd_b.log" | cut -c1-200 | tail -40
   layer_ab 30b_fp8_b FP8_QUANT_PIPE=1 qwen3-30b-a3b fp8,fp8_bwd
   layer_ab 235b_fp8_b FP8_QUANT_PIPE=1 qwen3-235b-a22b fp8
