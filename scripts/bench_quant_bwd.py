@@ -45,6 +45,10 @@ PIPE = [
     ("pipe8w_s2_x3", dict(NW=8, STAGES=2, PER_SM=3, SLAB=32)),  # 65 KiB: three per SM where registers allow
     ("pipe8w_s4_x1", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32)),  # 129 KiB: one per SM, four tiles in flight
     ("pipe4w_s2_x3", dict(NW=4, STAGES=2, PER_SM=3, SLAB=32)),
+    ("pipe8w_s3_x2_slab64", dict(NW=8, STAGES=3, PER_SM=2, SLAB=64)),  # 128 / 122 registers: half the column slabs
+    ("pipe16w_s4_x1", dict(NW=16, STAGES=4, PER_SM=1, SLAB=32)),  # 64 / 57 registers, 130 KiB
+    ("pipe16w_s2_x2", dict(NW=16, STAGES=2, PER_SM=2, SLAB=32)),
+    ("pipe16w_s4_x1_slab64", dict(NW=16, STAGES=4, PER_SM=1, SLAB=64)),  # 95 / 64 registers
 ]
 GATHER = [
     ("gluon4w_bc32", dict(NW=4, maxnreg=None, BC=32)),  # 79 registers: six programs per SM

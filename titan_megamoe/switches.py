@@ -78,7 +78,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_DGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM2_FP8", "1", attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_FP8"),)),
     Switch("TITAN_MEGAMOE_FP8_QUANT_GLUON", "1", attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "QUANT_GLUON"),)),
-    Switch("TITAN_MEGAMOE_FP8_QUANT_PIPE", "0", attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "QUANT_PIPE"),)),
+    Switch("TITAN_MEGAMOE_FP8_QUANT_PIPE", "1", attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "QUANT_PIPE"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),

@@ -85,8 +85,9 @@ _DUAL_WARPS = 8  # two 64-column halves (a whole 128 x 128 fp32 tile at once spi
 # TITAN_MEGAMOE_FP8_QUANT_GLUON=0: the Triton kernels everywhere
 QUANT_GLUON = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_GLUON", "1") == "1"
 # with QUANT_GLUON, the persistent load-pipelined Gluon kernels (gl_quant_bwd.PIPE_CONFIG; the same bits; the gathered
-# pass where C is a multiple of 128): TITAN_MEGAMOE_FP8_QUANT_PIPE=1 (off until measured on a GPU)
-QUANT_PIPE = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_PIPE", "0") == "1"
+# pass where C is a multiple of 128): H100, 30B, dual 0.557 -> 0.511 ms, gathered 0.351 -> 0.344; 235B 1.261 -> 1.148,
+# 0.694 -> 0.676 (bench_quant_bwd_1xh100_s25b_20261206.json); TITAN_MEGAMOE_FP8_QUANT_PIPE=0: the kernels above
+QUANT_PIPE = os.environ.get("TITAN_MEGAMOE_FP8_QUANT_PIPE", "1") == "1"
 # TITAN_MEGAMOE_FP8_T_LD=exact: row stride M (the layout before the padding; benchmarks compare both)
 _ODD_LD = os.environ.get("TITAN_MEGAMOE_FP8_T_LD", "odd") != "exact"
 
@@ -305,7 +306,8 @@ def quantize_gather_128x1_t(
             pass over the spare capacity rows (half of N_cap at EP = 2).
         variant: "v1" (the Triton kernel), "gluon" (``gl_quant_bwd``: sm_90, bf16 x; elsewhere v1 runs) or
             "gluon_pipe" (its persistent pipelined kernel; "gluon" where C is not a multiple of 128); None:
-            "gluon" unless ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0``, "gluon_pipe" with ``TITAN_MEGAMOE_FP8_QUANT_PIPE=1``.
+            "gluon_pipe" unless ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0`` ("v1") or ``TITAN_MEGAMOE_FP8_QUANT_PIPE=0``
+            ("gluon").
             The same bits for finite input.
 
     Returns:
