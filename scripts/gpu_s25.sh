@@ -44,5 +44,9 @@ if [ "$PART" = c ]; then
   timeout 120 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
     --top 22 --out "$OUT/keep/profile_30b_fp8_c.json" > "$OUT/keep/profile_30b_fp8_c.log" 2>&1
   echo "[t=$((SECONDS - t0))s] profile rc $?"; tail -26 "$OUT/keep/profile_30b_fp8_c.log" | cut -c1-140
+  if grep -q H200 "$OUT/gpu.txt"; then  # issue 4: bf16 beside stock compiled
+    layer_ab 30b_bf16_c "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
+    layer_ab 235b_bf16_c "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
+  fi
 fi
 session_pack "s25$PART"
