@@ -39,8 +39,9 @@ of a 128-row group at the same offset modulo M; at EP = 2 M is the receive capac
 ``ld = transposed_ld(M)``, an odd multiple of 128 >= M, and returned as the ``(C, M)`` view; every
 consumer takes the row stride from the tensor (``wgrad_fp8``).
 
-Kernels. On sm_90 with bf16 input both launchers run the Gluon kernels of ``gl_quant_bwd.py`` (explicit layouts,
-several programs per SM; the same bits for finite input, ``TITAN_MEGAMOE_FP8_QUANT_GLUON=0`` turns them off); the
+Kernels. On sm_90 with bf16 input both launchers run the Gluon kernels of ``gl_quant_bwd.py`` (explicit layouts;
+by default the persistent load-pipelined ones, ``TITAN_MEGAMOE_FP8_QUANT_PIPE``; the same bits for finite input,
+``TITAN_MEGAMOE_FP8_QUANT_GLUON=0`` turns them off); the
 Triton kernels below run everywhere else (the CPU interpreter included) and define the results.
 
 Non-finite groups are counted into an optional (1,) int32 device counter (``nonfinite_count``, as
