@@ -136,6 +136,22 @@ if HAVE_GLUON:
         return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
 
     @gluon.jit
+    def _row_quant_store(xr, rr, rr_ok, cr, g, y_ptr, s_ptr, C: gl.constexpr, CHECK: gl.constexpr,
+                         EPS: gl.constexpr):
+        """1x128 groups of a (rows rr, columns cr) bf16 half tile in the row layout (column block g): e4m3 values to
+        y[rr, cr], scales to s[rr, g]; returns the count of non-finite scales among the rows < M (0 without
+        CHECK)."""
+        scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
+        q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
+        offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
+        gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
+        gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
+        n_bad = 0
+        if CHECK:
+            n_bad = gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+        return n_bad
+
+    @gluon.jit
     def _dead_block_scales(sT_ptr, b, col0, C: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, BC: gl.constexpr):
         """A 128-row block past end_row: its finite column scales only (as the Triton kernels)."""
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
@@ -167,12 +183,7 @@ if HAVE_GLUON:
             live_r = rr_ok & (gl.load(valid_ptr + rr, mask=rr_ok, other=0) != 0)
             offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
             xr = gl.load(x_ptr + offs, mask=gl.expand_dims(live_r, 1), other=0.0)
-            scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
-            q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
-            gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
-            gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
-            if CHECK:
-                n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+            n_bad += _row_quant_store(xr, rr, rr_ok, cr, g, y_ptr, s_ptr, C, CHECK, EPS)
         if CHECK:
             gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
@@ -292,13 +303,7 @@ if HAVE_GLUON:
                 rr = b * 128 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
                 rr_ok = rr < M
                 xr = buf.slice(h * 64, 64, dim=0).load(LR)
-                scale, rcp = _scale_rcp(_amax_bits(xr, 1), EPS)
-                q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
-                offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
-                gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
-                gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
-                if CHECK:
-                    n_bad += gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+                n_bad += _row_quant_store(xr, rr, rr_ok, cr, g, y_ptr, s_ptr, C, CHECK, EPS)
         if CHECK:
             gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
