@@ -349,8 +349,8 @@ def bench_fwd_fp8(out_path: str | None, shapes: list[str]) -> int:
         ms_q = bench(lambda: quantize_act_1x128(th, live, 1))
         rows.append(dict(shape=sh, kernel="quantize_act_1x128 of h (live rows)", ms=ms_q))
         print(json.dumps(rows[-1]), flush=True)
-        for cfg in (FP8_FWD_CONFIG, dataclasses.replace(FP8_FWD_CONFIG, stages=4),
-                    dataclasses.replace(FP8_FWD_CONFIG, stages=6), dataclasses.replace(FP8_FWD_CONFIG, group_m=8)):
+        for cfg in (FP8_FWD_CONFIG, dataclasses.replace(FP8_FWD_CONFIG, ordered=True),
+                    dataclasses.replace(FP8_FWD_CONFIG, stages=4, ordered=True)):
             gu, h = ws_gemm1_fwd_fp8(*ops, cfg=cfg)
             same = bool(torch.equal(gu[:n], tgu[:n]) and torch.equal(h[:n], th[:n]))
             diff = float((gu[:n].float() - tgu[:n].float()).abs().max())
@@ -390,8 +390,8 @@ def bench_dgrad_fp8(out_path: str | None, shapes: list[str]) -> int:
         ms = bench(lambda: gemm1_dgrad_fp8(*ops))
         rows.append(dict(shape=sh, kernel="triton gemm1_dgrad_fp8 (default config)", ms=ms, tflops=flops / ms / 1e9))
         print(json.dumps(rows[-1]), flush=True)
-        for cfg in (DGRAD_FP8_CONFIG, dataclasses.replace(DGRAD_FP8_CONFIG, stages=4),
-                    dataclasses.replace(DGRAD_FP8_CONFIG, stages=6), dataclasses.replace(DGRAD_FP8_CONFIG, group_m=1)):
+        for cfg in (DGRAD_FP8_CONFIG, dataclasses.replace(DGRAD_FP8_CONFIG, ordered=True),
+                    dataclasses.replace(DGRAD_FP8_CONFIG, stages=4, ordered=True)):
             dx = ws_gemm1_dgrad_fp8(*ops, cfg=cfg)
             same = bool(torch.equal(dx[:n], tdx[:n]))
             diff = float((dx[:n].float() - tdx[:n].float()).abs().max())
@@ -432,8 +432,8 @@ def bench_g2_fp8(out_path: str | None, shapes: list[str]) -> int:
         rows.append(dict(shape=sh, kernel="triton gemm2_scatter_fwd_fp8 (default config)", ms=ms,
                          tflops=flops / ms / 1e9))
         print(json.dumps(rows[-1]), flush=True)
-        for cfg in (GEMM2_FP8_CONFIG, dataclasses.replace(GEMM2_FP8_CONFIG, stages=4),
-                    dataclasses.replace(GEMM2_FP8_CONFIG, group_m=1), dataclasses.replace(GEMM2_FP8_CONFIG, group_m=16)):
+        for cfg in (GEMM2_FP8_CONFIG, dataclasses.replace(GEMM2_FP8_CONFIG, ordered=True),
+                    dataclasses.replace(GEMM2_FP8_CONFIG, stages=5, ordered=True)):
             y = ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, cfg=cfg)
             same = bool(torch.equal(y, ty))
             diff = float((y.float() - ty.float()).abs().max())

@@ -3,6 +3,7 @@ shared memory, wgmma count and waits, no wgmma serialization by ptxas), its host
 wiring in the FP8 forward, and on a GPU its results against the Triton FP8 kernel and an fp32 reference of the
 dequantized operands."""
 
+import dataclasses
 import json
 import sys
 
@@ -32,7 +33,50 @@ def _compile_sm90_all() -> list[dict]:
         sig, cx = W.sm90_compile_args_gemm2_fp8(cfg, D, F)
         r = compile_sm90(W._gemm2_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"gemm2_fp8_{shape}", **r))
+    # the ordered consumers (Fp8WsConfig.ordered), 30B only
+    D, F = SHAPES["30b"]
+    for name, base, args, kernel in _KERNELS(W):
+        cfg = dataclasses.replace(base, ordered=True)
+        sig, cx = args(cfg, D, F)
+        r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"{name}_ordered_30b", **r))
     return out
+
+
+def _KERNELS(W):
+    """(label prefix, default config, compile-args function, kernel) of the three kernels."""
+    return [("fwd_fp8", W.FP8_FWD_CONFIG, W.sm90_compile_args_fp8, W._gemm1_fwd_fp8_ws_kernel),
+            ("dgrad_fp8", W.DGRAD_FP8_CONFIG, W.sm90_compile_args_dgrad_fp8, W._gemm1_dgrad_fp8_ws_kernel),
+            ("gemm2_fp8", W.GEMM2_FP8_CONFIG, W.sm90_compile_args_gemm2_fp8, W._gemm2_fwd_fp8_ws_kernel)]
+
+
+@pytest.mark.parametrize("name,k_loops", [("fwd_fp8", 1), ("dgrad_fp8", 2), ("gemm2_fp8", 1)])
+def test_ordered_consumers_build_with_one_turn_handoff_per_k_loop(name, k_loops):
+    """``ordered=True``: the same MMAs and waits, no spills, no wgmma serialization, and per consumer one more
+    mbarrier arrive per K loop (the turn handed to the other consumer); the default build has none of them."""
+    plain = sm90_result(__file__, f"{name}_30b")
+    r = sm90_result(__file__, f"{name}_ordered_30b")
+    assert r["wgmma"] == plain["wgmma"] and r["wgmma_waits"] == plain["wgmma_waits"], r
+    assert r["mbarrier_arrive"] == plain["mbarrier_arrive"] + 2 * k_loops, (r["mbarrier_arrive"],
+                                                                            plain["mbarrier_arrive"])
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+def test_ordered_switch_reaches_launches_without_an_explicit_choice():
+    """``TITAN_MEGAMOE_FP8_ORDERED_MMA`` decides for configs whose ``ordered`` is None (the defaults); an explicit
+    True / False wins."""
+    from titan_megamoe import switches
+    from titan_megamoe.kernels import ws_gemm_fp8 as W
+
+    assert W.FP8_FWD_CONFIG.ordered is None and W.DGRAD_FP8_CONFIG.ordered is None
+    assert W.GEMM2_FP8_CONFIG.ordered is None
+    on, off = dataclasses.replace(W.FP8_FWD_CONFIG, ordered=True), dataclasses.replace(W.FP8_FWD_CONFIG, ordered=False)
+    for value in ("0", "1"):
+        with switches.override({"TITAN_MEGAMOE_FP8_ORDERED_MMA": value}):
+            assert W._ordered(W.FP8_FWD_CONFIG) is (value == "1")
+            assert W._ordered(on) is True and W._ordered(off) is False
+    assert W._ordered(W.DGRAD_FP8_CONFIG) is False  # default off
 
 
 @pytest.mark.parametrize("label", ["fwd_fp8_30b", "fwd_fp8_235b"])
@@ -178,7 +222,7 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     from titan_megamoe.kernels.grouped_gemm_fp8 import gemm1_swiglu_fwd_fp8
-    from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm1_fwd_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG, ws_gemm1_fwd_fp8
     from titan_megamoe.ops import fp8_reference as R
     from titan_megamoe.testing import rel_err
 
@@ -189,6 +233,10 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, gate_up_out=gu, h_out=h)
     tgu, th = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay)
     n = int(lay.offsets[-1])
+    for ordered in (False, True):  # the same partials in the same order, whichever consumer issues first
+        ogu, oh = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay,
+                                   cfg=dataclasses.replace(FP8_FWD_CONFIG, ordered=ordered))
+        assert torch.equal(ogu[:n], gu[:n]) and torch.equal(oh[:n], h[:n]), f"ordered={ordered} differs"
     pair = lay.row_pair[:n].long()
     valid = pair >= 0
     assert not torch.isnan(gu[:n]).any() and not torch.isnan(h[:n]).any(), "live rows left unwritten"
@@ -281,6 +329,11 @@ def test_ws_gemm1_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
     ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay, out=dx)
     tdx = gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay)
     n = int(lay.offsets[-1])
+    from titan_megamoe.kernels.ws_gemm_fp8 import DGRAD_FP8_CONFIG
+    for ordered in (False, True):  # the same partials in the same order, whichever consumer issues first
+        odx = ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay,
+                                 cfg=dataclasses.replace(DGRAD_FP8_CONFIG, ordered=ordered))
+        assert torch.equal(odx[:n], dx[:n]), f"ordered={ordered} differs"
     valid = lay.row_pair[:n] >= 0
     assert not torch.isnan(dx[:n]).any(), "live rows left unwritten"
     assert (dx[:n][~valid] == 0).all(), "padding rows must be zero"
@@ -384,6 +437,10 @@ def test_ws_gemm2_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     y = torch.full((T * K, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=y)
     ty = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, lay)
+    from titan_megamoe.kernels.ws_gemm_fp8 import GEMM2_FP8_CONFIG
+    for ordered in (False, True):  # the same partials in the same order, whichever consumer issues first
+        oy = ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, cfg=dataclasses.replace(GEMM2_FP8_CONFIG, ordered=ordered))
+        assert torch.equal(oy, y), f"ordered={ordered} differs"
     assert not torch.isnan(y).any(), "a pair row left unwritten"
     n = int(lay.offsets[-1])
     rows = (lay.row_pair[:n] >= 0).nonzero().squeeze(1)

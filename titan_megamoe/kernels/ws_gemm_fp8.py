@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
@@ -85,6 +86,8 @@ class Fp8WsConfig:
         stages: operand buffers in the ring: BM x 128 e4m3 rows + two BN x 128 weight tiles each (32 KiB at BN 64).
         group_m: row tiles per L2 group of the tile order.
         maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split.
+        ordered: the two consumers issue each K step's MMAs in turn (consumer 0, then 1; :func:`_turn_wait`), so one
+            scales its partials while the other's MMAs run; None: :data:`ORDERED_MMA` decides at launch.
     """
 
     block_m: int = 128
@@ -95,6 +98,7 @@ class Fp8WsConfig:
     producer_regs: int = 72
     consumer_regs: int = 216
     block_k: int = 128  # = the scale block; not a tunable
+    ordered: bool | None = None
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two bf16 epilogue tiles."""
@@ -105,14 +109,52 @@ class Fp8WsConfig:
 #: Default config (sm_90a build, both Qwen3 shapes: see tests/test_ws_gemm_fp8.py for registers and shared memory).
 FP8_FWD_CONFIG = Fp8WsConfig()
 
+#: ``TITAN_MEGAMOE_FP8_ORDERED_MMA`` (default off): the ordered consumers (``Fp8WsConfig.ordered``) in the FP8 GEMM1,
+#: GEMM1 dgrad and GEMM2 launched with a config whose ``ordered`` is None. Read at import; a same-process switch.
+ORDERED_MMA = env_flag("TITAN_MEGAMOE_FP8_ORDERED_MMA", False)
+
+
+def _ordered(cfg) -> bool:
+    """The ``ordered`` constexpr of a launch with ``cfg`` (an ``Fp8WsConfig`` or ``ws_wgrad_fp8.Fp8WgradConfig``)."""
+    return ORDERED_MMA if cfg.ordered is None else bool(cfg.ordered)
+
 
 if HAVE_GLUON:
+
+    # ---------------------------------------------------------------------------------------------
+    # Ordered consumers. Why: both cooperative consumers wait for the same stage and issue their MMAs together, so
+    # both scale their partials (DeepSeek-V3's per-128 promotion) at the same time and the tensor cores idle
+    # meanwhile. With the issue order fixed to consumer 0, consumer 1, consumer 0, ... the MMAs of one run while the
+    # other scales. Two mbarriers (count 1): consumer C waits on turns[C] before it issues step idx and arrives on
+    # turns[1 - C] right after; consumer 0 goes first (the parity of a fresh barrier's previous phase passes at
+    # once). A consumer is at most one phase ahead of the other's waits, so parities never alias. The results do not
+    # change: the same partials, added in the same order.
+    # ---------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _turns_init(turns):
+        """Initialise the two turn barriers ([2, 1] int64 in shared memory) of the ordered consumers."""
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+
+    @gluon.jit
+    def _turn_wait(turns, C: gl.constexpr, idx, ORDERED: gl.constexpr):
+        """Consumer C waits for its turn to issue the MMAs of its idx-th K step (nothing unless ORDERED)."""
+        if ORDERED:
+            mbarrier.wait(turns.index(C), (idx & 1) ^ (1 - C))
+
+    @gluon.jit
+    def _turn_pass(turns, C: gl.constexpr, ORDERED: gl.constexpr):
+        """Consumer C has issued its MMAs: the other consumer's turn (nothing unless ORDERED)."""
+        if ORDERED:
+            mbarrier.arrive(turns.index(1 - C), count=1)
+
 
     @gluon.jit
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
@@ -150,8 +192,10 @@ if HAVE_GLUON:
                 mbarrier.wait(ready_b.index(s), ph)
                 fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
                 a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                _turn_wait(turns, C, idx, ORDERED)
                 p_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), p_g, use_acc=False, is_async=True)
                 p_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), p_u, use_acc=False, is_async=True)
+                _turn_pass(turns, C, ORDERED)
                 p_g = warpgroup_mma_wait(num_outstanding=1, deps=(p_g,))
                 acc_g += p_g * gl.expand_dims(a_s * s1, 1)  # scaled under the up MMA
                 p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_u,))
@@ -168,8 +212,10 @@ if HAVE_GLUON:
                                  tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                  TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                                  STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,)."""
+                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 ORDERED: gl.constexpr = False):
+        """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,). ORDERED: the
+        consumers issue their MMAs in turn (``_turn_wait``)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
         b1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
@@ -183,13 +229,15 @@ if HAVE_GLUON:
             mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(ready_b.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        _turns_init(turns)
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES)),
+                              STAGES, turns, ORDERED)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES)),
+                              STAGES, turns, ORDERED)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -234,7 +282,8 @@ if HAVE_GLUON:
     def _g1d8_consumer(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                        b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr = 2,
-                       scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False):
+                       scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False, turns=None,
+                       ORDERED: gl.constexpr = False):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); the tile's BN
         # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second.
         # SCATTER (GEMM2, HALVES = 1): rows scaled by their routing score and stored at their pair's row of out
@@ -272,8 +321,10 @@ if HAVE_GLUON:
                     mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
                     a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
                     b = b_bufs.index(s)
+                    _turn_wait(turns, C, idx, ORDERED)
                     p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
                     p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
+                    _turn_pass(turns, C, ORDERED)
                     p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
                     acc_lo += p_lo * gl.expand_dims(sc, 1)  # scaled under the other half's MMA
                     p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
@@ -313,8 +364,10 @@ if HAVE_GLUON:
     def _gemm1_dgrad_fp8_ws_kernel(a_desc, w1t_desc, w3t_desc, dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr,
                                    tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Blockwise-FP8 dx_rows of every live row tile (``ws_gemm1_dgrad_fp8``). Grid: (programs,)."""
+                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   ORDERED: gl.constexpr = False):
+        """Blockwise-FP8 dx_rows of every live row tile (``ws_gemm1_dgrad_fp8``). Grid: (programs,). ORDERED: the
+        consumers issue their MMAs in turn (``_turn_wait``)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(w1t_desc.dtype, [STAGES] + w1t_desc.block_type.shape, w1t_desc.layout)
         c0 = gl.allocate_shared_memory(dx_desc.dtype, dx_desc.block_type.shape, dx_desc.layout)
@@ -324,11 +377,15 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        _turns_init(turns)
         gl.warp_specialize([
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                              a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
+                              a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
+                              turns, ORDERED)),
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                              a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
+                              a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
+                              turns, ORDERED)),
             (_g1d8_producer, (a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                               empty, D, F, NUM_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -342,10 +399,11 @@ if HAVE_GLUON:
     def _gemm2_fwd_fp8_ws_kernel(a_desc, w2_desc, y_desc, as_ptr, w2s_ptr, scores_ptr, out_ptr, row_pair_ptr,
                                  tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                  NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 ORDERED: gl.constexpr = False):
         """Blockwise-FP8 GEMM2 of every live row tile (``ws_gemm2_fwd_fp8``): the GEMM1 dgrad's producer and consumers
         with one K segment (h x w2) and a scatter epilogue. ``y_desc`` only gives the consumers' tile shape.
-        Grid: (programs,)."""
+        Grid: (programs,). ORDERED: the consumers issue their MMAs in turn (``_turn_wait``)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -353,13 +411,15 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        _turns_init(turns)
         gl.warp_specialize([
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 0, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True)),
+                              True, turns, ORDERED)),
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 1, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True)),
+                              True, turns, ORDERED)),
             (_g1d8_producer, (a_desc, w2_desc, w2_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                               D, F, NUM_N, GROUP_M, STAGES, 1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -449,7 +509,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
-           cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, _ordered(cfg), num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -470,7 +530,7 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> t
            "h_desc": _sig_desc([bm // 2, bn], fp8=False),
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg))
     return sig, cx
 
 
@@ -558,7 +618,7 @@ def launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_
     launch(_gemm1_dgrad_fp8_ws_kernel, (programs,),
            a_desc, w1t_desc, w3t_desc, dx_desc, dgu_scale, w1t_scale, w3t_scale, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
-           num_warps=4, maxnreg=cfg.maxnreg)
+           _ordered(cfg), num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 
@@ -570,7 +630,7 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
            "dx_desc": _sig_desc([bm // 2, bn // 2], fp8=False), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
            "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs)
+              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg))
     return sig, cx
 
 
@@ -646,7 +706,7 @@ def launch_gemm2_fwd_fp8(h_fp8, h_scale, w2_fp8, w2_scale, scores, layout, y: Te
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm2_fwd_fp8_ws_kernel, (programs,),
            a_desc, w2_desc, y_desc, h_scale, w2_scale, scores, y, layout.row_pair, layout.tile_expert, layout.offsets,
-           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
+           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs, _ordered(cfg),
            num_warps=4, maxnreg=cfg.maxnreg)
     return y
 
@@ -660,5 +720,5 @@ def sm90_compile_args_gemm2_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
            "as_ptr": "*fp32", "w2s_ptr": "*fp32", "scores_ptr": "*fp32", "out_ptr": "*bf16", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs)
+              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg))
     return sig, cx

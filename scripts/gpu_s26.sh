@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU calls of session 26 (say in the results which card ran).
+# Call as: REV=<hash> PART=a bash scripts/gpu_s26.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+# PART=a: ordered consumers (the two cooperative consumer warpgroups issue each K step's MMAs in turn, so one scales
+#   its partials while the other's MMAs run): FP8 wgrad (FP8_WGRAD_CONSUMER=ordered) and the FP8 GEMM1, GEMM1 dgrad,
+#   GEMM2 (FP8_ORDERED_MMA=1). (1) GPU tests (bitwise the default consumers); (2) kernel benches, 30B and 235B;
+#   (3) compare.layer fp8 / fp8_bwd with the switches, same process per shape; (4) on an H200 only: bf16 beside stock.
+if [ "$PART" = a ]; then
+  gpu_tests a tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py -k "gpu"
+  timeout 120 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_a.json" > "$OUT/keep/bench_wgrad_fp8_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] wgrad bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_a.log" | cut -c1-170 | tail -14
+  for mode in bench-fwd-fp8 bench-dgrad-fp8 bench-g2-fp8; do
+    timeout 90 python3 scripts/bench_ws_gemm.py $mode --out "$OUT/keep/bench_$mode.json" > "$OUT/keep/bench_$mode.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] $mode rc $?"
+    grep '^{' "$OUT/keep/bench_$mode.log" | python3 -c "
+import json, sys, re
+for l in sys.stdin:
+    r = json.loads(l); c = r.get('cfg', '')
+    c = ' '.join(re.findall(r'(stages=\d+|ordered=\w+)', c))
+    print(r['shape'], r['kernel'][:40], c, round(r['ms'], 4), round(r.get('tflops') or 0), r.get('bitwise_triton', ''))"
+  done
+  layer_ab 30b_a "FP8_WGRAD_CONSUMER=ordered FP8_ORDERED_MMA=1 FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1" \
+    qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 8
+  layer_ab 235b_a "FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1" qwen3-235b-a22b fp8
+  if grep -q H200 "$OUT/gpu.txt"; then
+    layer_ab 30b_bf16_a "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
+    layer_ab 235b_bf16_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
+  fi
+fi
+session_pack "s26$PART"
