@@ -41,14 +41,13 @@ DUAL = [
 # the persistent pipelined kernels (gl_quant_bwd.PIPE_CONFIG, session 25; variant "gluon_pipe"): NW warps, STAGES
 # tiles in flight per program, PER_SM programs per SM (grid), SLAB columns of the 128x1 work
 PIPE = [
-    ("pipe8w_s3_x2", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32)),  # dual 127 / gather 80 registers, 97 KiB: two per SM
-    ("pipe8w_s2_x3", dict(NW=8, STAGES=2, PER_SM=3, SLAB=32)),  # 65 KiB: three per SM where registers allow
-    ("pipe8w_s4_x1", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32)),  # 129 KiB: one per SM, four tiles in flight
-    ("pipe4w_s2_x3", dict(NW=4, STAGES=2, PER_SM=3, SLAB=32)),
-    ("pipe8w_s3_x2_slab64", dict(NW=8, STAGES=3, PER_SM=2, SLAB=64)),  # 128 / 122 registers: half the column slabs
-    ("pipe16w_s4_x1", dict(NW=16, STAGES=4, PER_SM=1, SLAB=32)),  # 64 / 57 registers, 130 KiB
-    ("pipe16w_s2_x2", dict(NW=16, STAGES=2, PER_SM=2, SLAB=32)),
-    ("pipe16w_s4_x1_slab64", dict(NW=16, STAGES=4, PER_SM=1, SLAB=64)),  # 95 / 64 registers
+    ("pipe8w_s3_x2", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS="cta")),  # dual 127 / gather 80 registers, 97 KiB
+    ("pipe8w_s4_x1", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32, COLS="cta")),  # 129 KiB: one per SM, four tiles in flight
+    # COLS="warp" (session 26): warp-owned columns, swizzled buffers; dual 180 / gather 128 registers
+    ("pipe8w_s3_x2_warp", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS="warp")),  # gather: two per SM; dual: one
+    ("pipe8w_s4_x1_warp", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32, COLS="warp")),
+    ("pipe8w_s2_x2_warp", dict(NW=8, STAGES=2, PER_SM=2, SLAB=32, COLS="warp")),
+    ("pipe4w_s3_x3_warp", dict(NW=4, STAGES=3, PER_SM=3, SLAB=32, COLS="warp")),  # 32-column slabs, 4 warps
 ]
 GATHER = [
     ("gluon4w_bc32", dict(NW=4, maxnreg=None, BC=32)),  # 79 registers: six programs per SM
@@ -105,8 +104,11 @@ def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
     # pass reads D bf16 per live row (L2 hits not subtracted) and writes D e4m3 + scales
     dual_bytes = end * 2 * F * (2 + 2) + end * (2 * F // 128) * 4 + (end // 128) * 2 * F * 4
     gath_bytes = end * D * (2 + 1) + (end // 128) * D * 4
+    dual0, gather0, pipe0 = dict(GQ.DUAL_CONFIG), dict(GQ.GATHER_CONFIG), dict(GQ.PIPE_CONFIG)
     def run(label, pass_, fn, ref, nbytes, cfg):
-        if cfg is not None:
+        if cfg is not None:  # the defaults first: a variant names only what it changes
+            for t, t0 in ((GQ.PIPE_CONFIG, pipe0), (GQ.DUAL_CONFIG, dual0), (GQ.GATHER_CONFIG, gather0)):
+                t.clear(), t.update(t0)
             table = GQ.PIPE_CONFIG if "STAGES" in cfg else GQ.DUAL_CONFIG if pass_ == "dual" else GQ.GATHER_CONFIG
             table.update(cfg)
         try:
@@ -124,7 +126,6 @@ def _bench_shape(name: str, T: int, smoke: bool, once: bool = False) -> dict:
     def kind_of(cfg):
         return "v1" if cfg is None else "gluon_pipe" if "STAGES" in cfg else "gluon"
 
-    dual0, gather0, pipe0 = dict(GQ.DUAL_CONFIG), dict(GQ.GATHER_CONFIG), dict(GQ.PIPE_CONFIG)
     ref = quantize_dual_1x128_128x1_t(dgu, valid, end_row=end_row, variant="v1")
     for label, cfg in variants(DUAL):
         kind = kind_of(cfg)

@@ -7,8 +7,10 @@ session_start
 #   its partials while the other's MMAs run): FP8 wgrad (FP8_WGRAD_CONSUMER=ordered) and the FP8 GEMM1, GEMM1 dgrad,
 #   GEMM2 (FP8_ORDERED_MMA=1). (1) GPU tests (bitwise the default consumers); (2) kernel benches, 30B and 235B;
 #   (3) compare.layer fp8 / fp8_bwd with the switches, same process per shape; (4) on an H200 only: bf16 beside stock.
+#   Also the quantization passes' warp-owned columns (FP8_QUANT_COLS=warp: a warp owns 8 whole columns, so the 128-row
+#   amax takes shuffles, no CTA barrier; swizzled tile buffers): GPU tests (bitwise the Triton kernels) and a bench.
 if [ "$PART" = a ]; then
-  gpu_tests a tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py -k "gpu"
+  gpu_tests a tests/test_ws_wgrad_fp8.py tests/test_ws_gemm_fp8.py tests/test_gl_quant_bwd.py -k "gpu"
   timeout 120 python3 scripts/bench_wgrad_fp8.py --out "$OUT/keep/bench_wgrad_fp8_a.json" > "$OUT/keep/bench_wgrad_fp8_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] wgrad bench rc $?"; grep -v "^{" "$OUT/keep/bench_wgrad_fp8_a.log" | cut -c1-170 | tail -14
   for mode in bench-fwd-fp8 bench-dgrad-fp8 bench-g2-fp8; do
@@ -21,12 +23,19 @@ for l in sys.stdin:
     c = ' '.join(re.findall(r'(stages=\d+|ordered=\w+)', c))
     print(r['shape'], r['kernel'][:40], c, round(r['ms'], 4), round(r.get('tflops') or 0), r.get('bitwise_triton', ''))"
   done
-  layer_ab 30b_a "FP8_WGRAD_CONSUMER=ordered FP8_ORDERED_MMA=1 FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1" \
-    qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 8
-  layer_ab 235b_a "FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1" qwen3-235b-a22b fp8
+  timeout 100 python3 scripts/bench_quant_bwd.py --shapes 30b,235b > "$OUT/keep/bench_quant_bwd_a.json" 2> "$OUT/keep/bench_quant_bwd_a.log"
+  echo "[t=$((SECONDS - t0))s] quant bench rc $?"; grep "pipe" "$OUT/keep/bench_quant_bwd_a.log" | cut -c17-175 | tail -24
+fi
+# PART=b: compare.layer fp8 / fp8_bwd with the switches of PART a, same process per shape; on an H200 only: bf16 beside
+#   stock TorchTitan compiled (issue 4).
+if [ "$PART" = b ]; then
+  layer_ab 30b_b "FP8_WGRAD_CONSUMER=ordered FP8_ORDERED_MMA=1 FP8_QUANT_COLS=warp FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1,FP8_QUANT_COLS=warp" \
+    qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 10
+  layer_ab 235b_b "FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1 FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1,FP8_QUANT_COLS=warp" \
+    qwen3-235b-a22b fp8
   if grep -q H200 "$OUT/gpu.txt"; then
-    layer_ab 30b_bf16_a "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
-    layer_ab 235b_bf16_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
+    layer_ab 30b_bf16_b "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
+    layer_ab 235b_bf16_b "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
   fi
 fi
 session_pack "s26$PART"

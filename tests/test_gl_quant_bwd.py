@@ -17,7 +17,8 @@ BUILDS = [("dual_30b", "dual", 1536, True), ("dual_235b", "dual", 3072, True), (
           ("gather_235b", "gather", 4096, True), ("dual_30b_no_end", "dual", 1536, False),
           ("gather_30b_no_end", "gather", 2048, False), ("dual_pipe_30b", "dual_pipe", 1536, True),
           ("dual_pipe_235b_no_end", "dual_pipe", 3072, False), ("gather_pipe_30b", "gather_pipe", 2048, True),
-          ("gather_pipe_235b_no_end", "gather_pipe", 4096, False)]
+          ("gather_pipe_235b_no_end", "gather_pipe", 4096, False), ("dual_pipe_warp_30b", "dual_pipe", 1536, True),
+          ("gather_pipe_warp_235b_no_end", "gather_pipe", 4096, False)]
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -26,8 +27,10 @@ def _compile_sm90_all() -> list[dict]:
     from titan_megamoe.ops.fp8_reference import AMAX_EPS
 
     out = []
+    default_cols = GQ.PIPE_CONFIG["COLS"] or GQ.QUANT_COLS
     for label, kind, C, has_end in BUILDS:
         pipe = kind.endswith("_pipe")
+        GQ.PIPE_CONFIG["COLS"] = "warp" if "_warp" in label else default_cols
         opts = GQ.pipe_launch_options() if pipe else GQ.launch_options(kind)
         nw = opts.pop("num_warps")
         if kind.startswith("dual"):
@@ -40,7 +43,7 @@ def _compile_sm90_all() -> list[dict]:
             sig = dict(x_ptr="*bf16", row_index_ptr="*i32", yT_ptr="*fp8e4nv", scale_ptr="*fp32", count_ptr="*i32",
                        end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=C, TOP_K=8, CHECK=True, EPS=AMAX_EPS, HAS_END=has_end)
-        cx.update({k: opts.pop(k) for k in ("NW", "SLAB", "BC", "STAGES") if k in opts})
+        cx.update({k: opts.pop(k) for k in ("NW", "SLAB", "BC", "STAGES", "WARP_COLS") if k in opts})
         r = compile_sm90(fn, sig, cx, num_warps=nw, num_stages=1, divisible=("LD", "M"), **opts)
         out.append(dict(label=label, **r))
     return out
@@ -57,7 +60,12 @@ def test_gl_quant_builds_for_sm90a_without_spills(label):
     assert r["target"], "PTX not built for sm_90a"
     assert "STACK:0" in r["usage"], f"{label}: register spills ({r['usage']})"
     assert r["wgmma"] == 0 and r["tma"] == 0, r
-    if "_pipe" in label:
+    if "_pipe_warp" in label:  # COLS="warp": a swizzled buffer, the same copies, at least one program per SM
+        cfg = GQ.PIPE_CONFIG
+        assert r["cp_async"] == 8 * cfg["STAGES"], r
+        regs = int(r["usage"].split("REG:")[1].split()[0])
+        assert regs * 32 * cfg["NW"] <= 65536, f"{label}: {regs} registers"
+    elif "_pipe" in label:
         cfg = GQ.PIPE_CONFIG
         assert r["cp_async"] == 8 * cfg["STAGES"], r
         regs = int(r["usage"].split("REG:")[1].split()[0])
@@ -105,10 +113,15 @@ GPU_CASES = [(4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 384, "uniform
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cols", ["cta", "warp"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=["uniform", "top1", "zero-expert-odd-D", "one-expert", "30b"])
-def test_gl_quant_bitwise_the_triton_kernels_on_gpu(case):
+def test_gl_quant_bitwise_the_triton_kernels_on_gpu(case, cols, monkeypatch):
+    """cols: the pipelined kernels' column work (gl_quant_bwd.PIPE_CONFIG["COLS"])."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels import gl_quant_bwd as GQ
+
+    monkeypatch.setitem(GQ.PIPE_CONFIG, "COLS", cols)
     from titan_megamoe.kernels.fp8_quant_bwd import (
         empty_transposed,
         quantize_dual_1x128_128x1_t,

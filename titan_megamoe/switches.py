@@ -80,6 +80,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_FP8_ORDERED_MMA", "0", attrs=(("titan_megamoe.kernels.ws_gemm_fp8", "ORDERED_MMA"),)),
     Switch("TITAN_MEGAMOE_FP8_QUANT_GLUON", "1", attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "QUANT_GLUON"),)),
     Switch("TITAN_MEGAMOE_FP8_QUANT_PIPE", "1", attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "QUANT_PIPE"),)),
+    Switch("TITAN_MEGAMOE_FP8_QUANT_COLS", "cta", values=("cta", "warp"),
+           attrs=(("titan_megamoe.kernels.gl_quant_bwd", "QUANT_COLS"),)),
     Switch("TITAN_MEGAMOE_PERSISTENT_GEMM2_FP8", "1",
            attrs=(("titan_megamoe.kernels.configs", "PERSISTENT_GEMM2_FP8"),
                   ("titan_megamoe.kernels.grouped_gemm_fp8", "PERSISTENT_GEMM2_FP8")),

@@ -39,6 +39,7 @@ Triton kernels bitwise (``tests/test_gl_quant_bwd.py``).
 
 from __future__ import annotations
 
+from titan_megamoe.kernels.jit import env_choice
 from titan_megamoe.kernels.ws_gemm import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -60,13 +61,30 @@ GATHER_CONFIG = dict(NW=4, maxnreg=None, BC=32)  # 79 registers: six programs pe
 #: 128 x 128 bf16 tiles in flight per program (STAGES, 32 KiB each), programs per SM, the column slab of the 128x1 work.
 #: H100, 30B (session 25): dual 0.557 -> 0.511 ms, gathered 0.351 -> 0.344; 64-column slabs and 16 warps slower
 #: (bench_quant_bwd_1xh100_s25{b,c}_20261206.json); Nsight Compute: bound by shared-load latency in the column work.
-PIPE_CONFIG = dict(NW=8, STAGES=3, PER_SM=2, SLAB=32)
+#: COLS: the column work's layout: "cta", a warp reads 32 columns of one row and the 128-row amax crosses the warps
+#: (through shared memory, a CTA barrier per slab); "warp", a warp owns 8 whole columns (16 rows x 2 columns a thread,
+#: 8 threads down the rows), so the amax takes three shuffles, each shared load reads 4 bytes a thread and the
+#: transposed stores fill 128-byte lines; the tile buffers are then swizzled (16-byte chunks XOR (row // 16) % 8) so
+#: the 8 rows one load touches fall in different banks. SLAB is ignored there (8 NW columns per slab). None:
+#: :data:`QUANT_COLS` decides.
+PIPE_CONFIG = dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS=None)
+
+#: ``TITAN_MEGAMOE_FP8_QUANT_COLS`` (default ``cta``): PIPE_CONFIG's COLS where it is None. Read at import; a
+#: same-process switch.
+QUANT_COLS = env_choice("TITAN_MEGAMOE_FP8_QUANT_COLS", "cta", ("cta", "warp"))
 
 
 def pipe_launch_options() -> dict:
-    """Keyword arguments of a launch of a pipelined kernel: the constexprs NW, STAGES, SLAB and num_warps."""
+    """Keyword arguments of a launch of a pipelined kernel: the constexprs NW, STAGES, SLAB, WARP_COLS and
+    num_warps.
+
+    Raises:
+        ValueError: PIPE_CONFIG["COLS"] not "cta" or "warp"."""
+    cols = PIPE_CONFIG.get("COLS") or QUANT_COLS
+    if cols not in ("cta", "warp"):
+        raise ValueError(f"gl_quant_bwd.PIPE_CONFIG['COLS']={cols!r}: choose 'cta' or 'warp'")
     return dict(NW=PIPE_CONFIG["NW"], STAGES=PIPE_CONFIG["STAGES"], SLAB=PIPE_CONFIG["SLAB"],
-                num_warps=PIPE_CONFIG["NW"])
+                WARP_COLS=cols == "warp", num_warps=PIPE_CONFIG["NW"])
 
 
 def launch_options(kind: str) -> dict:
@@ -132,6 +150,19 @@ if HAVE_GLUON:
         # int64: col * LD passes 2^31 at full shapes
         gl.store(yT_ptr + gl.expand_dims(cT.to(gl.int64), 0) * LD + gl.expand_dims(rT, 1), qT,
                  mask=gl.expand_dims(okT, 1) & gl.expand_dims(cokT, 0))
+        gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=col_ok)
+        return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
+
+    @gluon.jit
+    def _col_quant_store_warp(x, rows, cols, row_ok, col_ok, b, yT_ptr, sT_ptr, LD, C: gl.constexpr,
+                              EPS: gl.constexpr):
+        """``_col_quant_store`` for a (128, BC) tile in a layout whose warps own whole columns with rows fastest in
+        each thread (``_pipe_tile``'s WARP_COLS layout): the amax stays inside a warp, and the thread's contiguous rows
+        of a column are stored as they are (16-byte pieces of yT's rows)."""
+        scale, rcp = _scale_rcp(_amax_bits(x, 0), EPS)
+        q = _e4m3(x.to(gl.float32), gl.expand_dims(-scale, 0), gl.expand_dims(rcp, 0))
+        gl.store(yT_ptr + gl.expand_dims(cols.to(gl.int64), 0) * LD + gl.expand_dims(rows, 1), q,
+                 mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(col_ok, 0))
         gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=col_ok)
         return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
 
@@ -285,32 +316,48 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pipe_tile(buf, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C: gl.constexpr, CHECK: gl.constexpr,
-                   EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr, DUAL: gl.constexpr):
+                   EPS: gl.constexpr, NW: gl.constexpr, SLAB: gl.constexpr, DUAL: gl.constexpr,
+                   WARP_COLS: gl.constexpr):
         """Quantize a live 128 x 128 tile from shared memory (rows that are not live hold zeros): its 128x1 groups
-        (transposed), with DUAL also its 1x128 groups, as ``_dual_tile`` / ``_gather_tile``."""
-        LC: gl.constexpr = gl.BlockedLayout([128 // NW, SLAB // 32], [1, 32], [NW, 1], [1, 0])
-        rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
-        row_ok = rows < M
+        (transposed), with DUAL also its 1x128 groups, as ``_dual_tile`` / ``_gather_tile``. WARP_COLS: the column
+        work in warp-owned columns (``PIPE_CONFIG["COLS"]``)."""
         n_bad = 0
-        for k in gl.static_range(128 // SLAB):
-            cols = g * 128 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(0, LC))
-            x = buf.slice(k * SLAB, SLAB, dim=1).load(LC)
-            n_bad += _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, SLAB)
+        if WARP_COLS:
+            LW: gl.constexpr = gl.BlockedLayout([16, 2], [8, 4], [1, NW], [0, 1])
+            WS: gl.constexpr = 8 * NW  # columns per slab
+            rows_w = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LW))
+            for k in gl.static_range(128 // WS):
+                cols = g * 128 + k * WS + gl.arange(0, WS, layout=gl.SliceLayout(0, LW))
+                x = buf.slice(k * WS, WS, dim=1).load(LW)
+                n_bad += _col_quant_store_warp(x, rows_w, cols, rows_w < M, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS)
+        else:
+            LC: gl.constexpr = gl.BlockedLayout([128 // NW, SLAB // 32], [1, 32], [NW, 1], [1, 0])
+            rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))
+            row_ok = rows < M
+            for k in gl.static_range(128 // SLAB):
+                cols = g * 128 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(0, LC))
+                x = buf.slice(k * SLAB, SLAB, dim=1).load(LC)
+                n_bad += _col_quant_store(x, rows, cols, row_ok, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, SLAB)
         if DUAL:
             LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
             cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
-            for h in gl.static_range(2):
-                rr = b * 128 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
-                rr_ok = rr < M
-                xr = buf.slice(h * 64, 64, dim=0).load(LR)
-                n_bad += _row_quant_store(xr, rr, rr_ok, cr, g, y_ptr, s_ptr, C, CHECK, EPS)
+            if WARP_COLS:  # a row slice would split the swizzle pattern (128 rows): the whole tile at once
+                rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LR))
+                n_bad += _row_quant_store(buf.load(LR), rr, rr < M, cr, g, y_ptr, s_ptr, C, CHECK, EPS)
+            else:
+                for h in gl.static_range(2):
+                    rr = b * 128 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
+                    rr_ok = rr < M
+                    xr = buf.slice(h * 64, 64, dim=0).load(LR)
+                    n_bad += _row_quant_store(xr, rr, rr_ok, cr, g, y_ptr, s_ptr, C, CHECK, EPS)
         if CHECK:
             gl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
 
     @gluon.jit
     def _pipe_loop(x_ptr, idx_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD, C: gl.constexpr,
                    TOP_K: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
-                   NW: gl.constexpr, STAGES: gl.constexpr, SLAB: gl.constexpr, GATHER: gl.constexpr):
+                   NW: gl.constexpr, STAGES: gl.constexpr, SLAB: gl.constexpr, GATHER: gl.constexpr,
+                   WARP_COLS: gl.constexpr):
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         Mb = gl.cdiv(M, 128)
@@ -319,7 +366,9 @@ if HAVE_GLUON:
             end = gl.load(end_ptr)
         else:
             end = M
-        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        # WARP_COLS: 16-byte chunks XOR (row // 16) % 8, so a column load's 8 rows (16 apart) hit 8 bank groups
+        layout: gl.constexpr = gl.SwizzledSharedLayout(8 if WARP_COLS else 1, 16 if WARP_COLS else 1,
+                                                       8 if WARP_COLS else 1, order=[1, 0])
         bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], layout)
         for i in gl.static_range(STAGES - 1):
             src, ok = _pipe_rows(idx_ptr, end, M, i, n_i, pid, nprog, Mb, TOP_K, NW, GATHER, HAS_END)
@@ -340,28 +389,29 @@ if HAVE_GLUON:
                     _dead_block_scales(sT_ptr, b, g * 128, C, EPS, NW, 128)
                 else:
                     _pipe_tile(bufs.index(i % STAGES), y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C,
-                               CHECK, EPS, NW, SLAB, not GATHER)
+                               CHECK, EPS, NW, SLAB, not GATHER, WARP_COLS)
             else:
                 _pipe_tile(bufs.index(i % STAGES), y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, M, LD, b, g, C, CHECK,
-                           EPS, NW, SLAB, not GATHER)
+                           EPS, NW, SLAB, not GATHER, WARP_COLS)
         gl_async_copy.wait_group(0)
 
     @gluon.jit
     def _gl_quant_dual_pipe_kernel(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD,
                                    C: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr, HAS_END: gl.constexpr,
-                                   NW: gl.constexpr, STAGES: gl.constexpr, SLAB: gl.constexpr):
+                                   NW: gl.constexpr, STAGES: gl.constexpr, SLAB: gl.constexpr,
+                                   WARP_COLS: gl.constexpr = False):
         """``_gl_quant_dual_kernel``'s arguments and outputs (bitwise), persistent: grid (programs,), each program
         the tiles pid, pid + programs, ... of the (cdiv(M, 128), C // 128) tile grid, STAGES tiles in flight."""
         _pipe_loop(x_ptr, valid_ptr, y_ptr, s_ptr, yT_ptr, sT_ptr, count_ptr, end_ptr, M, LD, C, 1, CHECK, EPS,
-                   HAS_END, NW, STAGES, SLAB, False)
+                   HAS_END, NW, STAGES, SLAB, False, WARP_COLS)
 
     @gluon.jit
     def _gl_quant_gather_pipe_kernel(x_ptr, row_index_ptr, yT_ptr, scale_ptr, count_ptr, end_ptr, M, LD,
                                      C: gl.constexpr, TOP_K: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
                                      HAS_END: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr,
-                                     SLAB: gl.constexpr):
+                                     SLAB: gl.constexpr, WARP_COLS: gl.constexpr = False):
         """``_gl_quant_gather_128x1_t_kernel``'s arguments and outputs (bitwise) for C a multiple of 128, persistent
         as ``_gl_quant_dual_pipe_kernel``: row r of a tile is x[row_index[r] // TOP_K], zero where row_index[r] <
         0."""
         _pipe_loop(x_ptr, row_index_ptr, scale_ptr, scale_ptr, yT_ptr, scale_ptr, count_ptr, end_ptr, M, LD, C,
-                   TOP_K, CHECK, EPS, HAS_END, NW, STAGES, SLAB, True)
+                   TOP_K, CHECK, EPS, HAS_END, NW, STAGES, SLAB, True, WARP_COLS)
