@@ -43,8 +43,8 @@ DUAL = [
 PIPE = [
     ("pipe8w_s3_x2", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS="cta")),  # dual 127 / gather 80 registers, 97 KiB
     ("pipe8w_s4_x1", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32, COLS="cta")),  # 129 KiB: one per SM, four tiles in flight
-    # COLS="warp" (session 26): warp-owned columns, swizzled buffers; dual 180 / gather 128 registers
-    ("pipe8w_s3_x2_warp", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS="warp")),  # gather: two per SM; dual: one
+    # COLS="warp" (session 26): warp-owned columns, swizzled buffers; dual and gather 128 registers
+    ("pipe8w_s3_x2_warp", dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS="warp")),  # two per SM
     ("pipe8w_s4_x1_warp", dict(NW=8, STAGES=4, PER_SM=1, SLAB=32, COLS="warp")),
     ("pipe8w_s2_x2_warp", dict(NW=8, STAGES=2, PER_SM=2, SLAB=32, COLS="warp")),
     ("pipe4w_s3_x3_warp", dict(NW=4, STAGES=3, PER_SM=3, SLAB=32, COLS="warp")),  # 32-column slabs, 4 warps

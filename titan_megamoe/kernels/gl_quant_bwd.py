@@ -183,6 +183,30 @@ if HAVE_GLUON:
         return n_bad
 
     @gluon.jit
+    def _row_quant_halves(buf, b, g, M, y_ptr, s_ptr, C: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
+                          NW: gl.constexpr):
+        """``_row_quant_store`` of a whole 128 x 128 tile in shared memory, read as two 64-column halves (a row
+        slice of the swizzled buffer would split its swizzle pattern; a whole-tile load holds 64 values a thread):
+        the rows' amax from both halves, then each half quantized and stored. The same bits."""
+        LH: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LH))
+        rr_ok = rr < M
+        bits = gl.maximum(_amax_bits(buf.slice(0, 64, dim=1).load(LH), 1),
+                          _amax_bits(buf.slice(64, 64, dim=1).load(LH), 1))
+        scale, rcp = _scale_rcp(bits, EPS)
+        for c in gl.static_range(2):
+            cr = g * 128 + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, LH))
+            q = _e4m3(buf.slice(c * 64, 64, dim=1).load(LH).to(gl.float32), gl.expand_dims(-scale, 1),
+                      gl.expand_dims(rcp, 1))
+            gl.store(y_ptr + gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0), q,
+                     mask=gl.expand_dims(rr_ok, 1))
+        gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
+        n_bad = 0
+        if CHECK:
+            n_bad = gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
+        return n_bad
+
+    @gluon.jit
     def _dead_block_scales(sT_ptr, b, col0, C: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, BC: gl.constexpr):
         """A 128-row block past end_row: its finite column scales only (as the Triton kernels)."""
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
@@ -341,9 +365,8 @@ if HAVE_GLUON:
         if DUAL:
             LR: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
             cr = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LR))
-            if WARP_COLS:  # a row slice would split the swizzle pattern (128 rows): the whole tile at once
-                rr = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LR))
-                n_bad += _row_quant_store(buf.load(LR), rr, rr < M, cr, g, y_ptr, s_ptr, C, CHECK, EPS)
+            if WARP_COLS:  # a row slice would split the swizzle pattern (128 rows): column halves, two passes
+                n_bad += _row_quant_halves(buf, b, g, M, y_ptr, s_ptr, C, CHECK, EPS, NW)
             else:
                 for h in gl.static_range(2):
                     rr = b * 128 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LR))
