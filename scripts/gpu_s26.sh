@@ -33,6 +33,10 @@ if [ "$PART" = b ]; then
     qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 10
   layer_ab 235b_b "FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1 FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1,FP8_QUANT_COLS=warp" \
     qwen3-235b-a22b fp8
+  TITAN_MEGAMOE_FP8_WGRAD_CONSUMER=ordered TITAN_MEGAMOE_FP8_ORDERED_MMA=1 TITAN_MEGAMOE_FP8_QUANT_COLS=warp \
+    timeout 90 python3 -m compare.profile --shape qwen3-30b-a3b --impl megamoe-triton --precision fp8 --iters 5 \
+    --top 18 --out "$OUT/keep/profile_30b_fp8_b.json" > "$OUT/keep/profile_30b_fp8_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile (all three switches on) rc $?"; tail -22 "$OUT/keep/profile_30b_fp8_b.log" | cut -c1-140
   if grep -q H200 "$OUT/gpu.txt"; then
     layer_ab 30b_bf16_b "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton
     layer_ab 235b_bf16_b "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton
