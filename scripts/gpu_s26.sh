@@ -29,6 +29,9 @@ fi
 # PART=b: compare.layer fp8 / fp8_bwd with the switches of PART a, same process per shape; on an H200 only: bf16 beside
 #   stock TorchTitan compiled (issue 4).
 if [ "$PART" = b ]; then
+  timeout 110 python3 scripts/sweep_kernel_configs.py 30b --kinds gemm2_dgrad_fp8 --out "$OUT/keep/sweep_g2d_fp8_b.json" \
+    > "$OUT/keep/sweep_g2d_fp8_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] sweep gemm2_dgrad_fp8 rc $?"; grep '^{' "$OUT/keep/sweep_g2d_fp8_b.log" | cut -c1-230 | head -12
   layer_ab 30b_b "FP8_WGRAD_CONSUMER=ordered FP8_ORDERED_MMA=1 FP8_QUANT_COLS=warp FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1,FP8_QUANT_COLS=warp" \
     qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 10
   layer_ab 235b_b "FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1 FP8_WGRAD_CONSUMER=ordered,FP8_ORDERED_MMA=1,FP8_QUANT_COLS=warp" \
