@@ -31,11 +31,9 @@ SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
 def _configs():
     from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG as C
 
-    v1 = dataclasses.replace(C, smem_scales=False, ordered=False)
-    smem = dataclasses.replace(v1, smem_scales=True)
-    return [("gluon v1", v1), ("gluon smem scales", smem),
-            ("gluon smem scales, ordered consumers", dataclasses.replace(smem, ordered=True)),
-            ("gluon smem scales, ordered, 4 stages", dataclasses.replace(smem, ordered=True, stages=4))]
+    v1 = dataclasses.replace(C, smem_scales=False)
+    return [("gluon v1", v1), ("gluon smem scales", dataclasses.replace(v1, smem_scales=True)),
+            ("gluon smem scales, 6 stages", dataclasses.replace(v1, smem_scales=True, stages=6))]
 
 
 def _dense_fp8_tflops(bench) -> float:

@@ -526,6 +526,7 @@ def test_preconditions_raise():
 COMPILE_CASES = [
     ("gemm2_dgrad_fp8_30b", "gemm2_dgrad", 2048, 768),
     ("gemm2_dgrad_fp8_hs_rows_30b", "gemm2_dgrad_hs_rows", 2048, 768),  # bf16 s*h rows (FP8_WGRAD=bf16)
+    ("gemm2_dgrad_fp8_2cta_30b", "gemm2_dgrad_2cta", 2048, 768),  # HOPPER_GEMM2_DGRAD_FP8_2CTA: two per SM
     ("gemm1_dgrad_fp8_30b", "gemm1_dgrad", 2048, 768),
     ("wgrad_w2_fp8_30b", "wgrad_w2", 2048, 768),
     ("wgrad_w13_fp8_30b", "wgrad_w13", 2048, 768),
@@ -545,8 +546,11 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
 
     fixed = kind == "gemm1_qh" or kind.startswith("quant")  # configs not from fp8_bwd_config_for
     hs_rows = kind == "gemm2_dgrad_hs_rows"
-    kind = "gemm2_dgrad" if hs_rows else kind
+    two_cta = kind == "gemm2_dgrad_2cta"
+    kind = "gemm2_dgrad" if hs_rows or two_cta else kind
     cfg = HOPPER_GEMM1_FP8_QH if fixed else B.fp8_bwd_config_for(kind, D, F, False)
+    if two_cta:
+        cfg = B.HOPPER_GEMM2_DGRAD_FP8_2CTA
     t = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
     if kind == "gemm2_dgrad":
         fn = _kernel_variant(B._gemm2_dgrad_swiglu_bwd_fp8_kernel, False)
@@ -592,7 +596,7 @@ def _compile_one(kind: str, D: int, F: int) -> dict:
                        sT_ptr="*fp32", count_ptr="*i32", end_ptr="*i32", M="i32", LD="i32")
             cx = dict(C=2 * F, CHECK=True, EXACT_ROUND=False, EPS=R.AMAX_EPS, HAS_END=True)
         cfg = dataclasses.replace(cfg, num_warps=QB._WARPS if kind == "quant_t" else QB._DUAL_WARPS, num_stages=1)
-    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    opts = cfg.compile_options()
     # row strides of the transposed operands: multiples of 128 (transposed_ld); M: N_cap, a multiple of 128
     div = tuple(n for n in ("LD_HS", "LD_DGU", "LDA", "LDB", "LD", "M") if n in sig)
     res = compile_sm90(fn, sig, cx, **opts, divisible=div)
@@ -625,6 +629,8 @@ def test_compiles_for_sm90a(label):
     assert r["cp_async"] > 0, f"{label}: operand loads not pipelined through cp.async"
     assert r["shared"] <= HOPPER_SMEM_BYTES, f"{label}: {r['shared']} bytes of shared memory"
     assert "STACK:0" in r["usage"] or not r["usage"], f"{label}: register spills ({r['usage']})"
+    if "2cta" in label:  # two programs per SM: 128 registers at 8 warps, half an SM's shared memory
+        assert "REG:128" in r["usage"] and r["shared"] <= HOPPER_SMEM_BYTES // 2, (r["usage"], r["shared"])
 
 
 if __name__ == "__main__":

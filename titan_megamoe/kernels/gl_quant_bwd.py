@@ -69,9 +69,11 @@ GATHER_CONFIG = dict(NW=4, maxnreg=None, BC=32)  # 79 registers: six programs pe
 #: :data:`QUANT_COLS` decides.
 PIPE_CONFIG = dict(NW=8, STAGES=3, PER_SM=2, SLAB=32, COLS=None)
 
-#: ``TITAN_MEGAMOE_FP8_QUANT_COLS`` (default ``cta``): PIPE_CONFIG's COLS where it is None. Read at import; a
-#: same-process switch.
-QUANT_COLS = env_choice("TITAN_MEGAMOE_FP8_QUANT_COLS", "cta", ("cta", "warp"))
+#: ``TITAN_MEGAMOE_FP8_QUANT_COLS`` (default ``warp``): PIPE_CONFIG's COLS where it is None. Read at import; a
+#: same-process switch. H100 (session 26, bitwise the same): 30B dual 0.511 -> 0.377 ms, gathered 0.343 ->
+#: 0.229, 235B dual 1.148 -> 0.807, gathered 0.675 -> 0.451 (bench_quant_bwd_1xh100_s26a_20261206.json); layer, same
+#: process, 30B fp8 fwd+bwd 7.958 -> 7.662 ms (layer_1xh100_ep1_30b_s26b_20261206.json).
+QUANT_COLS = env_choice("TITAN_MEGAMOE_FP8_QUANT_COLS", "warp", ("warp", "cta"))
 
 
 def pipe_launch_options() -> dict:

@@ -75,19 +75,28 @@ from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3_rcp
 from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed, empty_transposed
 from titan_megamoe.kernels.grouped_gemm import interpret_mode
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.jit import cdiv, grouped_tile
+from titan_megamoe.kernels.jit import cdiv, env_flag, grouped_tile
 from titan_megamoe.kernels.jit import interp_int as _interp_int
 from titan_megamoe.kernels.routing import RoutingLayout
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP
 
 __all__ = [
-    "HOPPER_GEMM2_DGRAD_FP8", "HOPPER_GEMM1_DGRAD_FP8", "HOPPER_WGRAD_FP8", "fp8_bwd_config_for",
+    "HOPPER_GEMM2_DGRAD_FP8", "HOPPER_GEMM2_DGRAD_FP8_2CTA", "HOPPER_GEMM1_DGRAD_FP8", "HOPPER_WGRAD_FP8",
+    "fp8_bwd_config_for",
     "gemm2_dgrad_swiglu_bwd_fp8", "gemm1_dgrad_fp8", "wgrad_fp8",
 ]
 
 HOPPER_GEMM2_DGRAD_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=1)
 HOPPER_GEMM1_DGRAD_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)
 HOPPER_WGRAD_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=1)
+#: The GEMM2 dgrad at two programs per SM (BN 64, 128 registers, 3 stages: ~72 KiB), so one program's per-K-block
+#: promotion and epilogue run under the other's MMAs (as the bf16 ``configs.HOPPER_GEMM2_DGRAD_2CTA``). One H100, 30B:
+#: 1.129 ms against 1.197 for the one-per-SM default (``sweep_g2d_fp8_1xh100_s26b_20261206.json``).
+HOPPER_GEMM2_DGRAD_FP8_2CTA = GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3, group_m=1,
+                                         maxnreg=128)
+#: ``TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA``: the GEMM2 dgrad's GPU config is HOPPER_GEMM2_DGRAD_FP8_2CTA (read at import; a
+#: same-process switch, ``fp8_bwd_config_for`` is cleared with it).
+GEMM2_DGRAD_FP8_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA", False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,6 +330,8 @@ def fp8_bwd_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig
             return GemmConfig(block_m=GROUP, block_n=GROUP, block_k=GROUP, num_warps=1, num_stages=1, group_m=2)
         return GemmConfig(block_m=GROUP, block_n=64, block_k=GROUP, num_warps=1, num_stages=1, group_m=2)
     if kind == "gemm2_dgrad":
+        if GEMM2_DGRAD_FP8_2CTA and F % 64 == 0:
+            return HOPPER_GEMM2_DGRAD_FP8_2CTA
         return dataclasses.replace(HOPPER_GEMM2_DGRAD_FP8, block_n=_pow2_at_most(F, 128))
     if kind == "gemm1_dgrad":
         return dataclasses.replace(HOPPER_GEMM1_DGRAD_FP8, block_n=_pow2_at_most(D, 128))

@@ -58,7 +58,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from titan_megamoe.kernels.ws_gemm_fp8 import _turn_pass, _turn_wait, _turns_init
     from titan_megamoe.kernels.ws_wgrad import _wg_count, _wg_tile
 
 __all__ = ["FP8_WGRAD_CONFIG", "Fp8WgradConfig", "sm90_compile_args_wgrad_fp8", "ws_wgrad_fp8",
@@ -80,8 +79,6 @@ class Fp8WgradConfig:
             into the stage with its operands by TMA, and the consumers read them from shared memory after the
             stage's barrier, instead of loading them from global memory every step (session 24, H100: dw2 30B
             0.671 -> 0.561 ms, dw1 | dw3 1.421 -> 1.118; 235B 2.527 -> 2.268, 5.643 -> 4.498). The same bits.
-        ordered: the two consumers issue each K step's MMAs in turn (consumer 0, then 1:
-            ``ws_gemm_fp8._turn_wait``), so one scales its partials while the other's MMAs run. The same bits.
     """
 
     stages: int = 5
@@ -89,7 +86,6 @@ class Fp8WgradConfig:
     producer_regs: int = 40
     consumer_regs: int = 232
     smem_scales: bool = True
-    ordered: bool = False
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
         """Shared memory of the operand ring (with the scale rows where ``smem_scales``; unused, the compiler drops
@@ -103,16 +99,14 @@ class Fp8WgradConfig:
 FP8_WGRAD_CONFIG = Fp8WgradConfig()
 
 #: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the scale
-#: rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads);
-#: ``ordered``, ``smem`` with the consumers' MMAs issued in turn (``Fp8WgradConfig.ordered``). Read at import; a
-#: same-process switch.
-CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "v1", "ordered"))
+#: rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads). Read at
+#: import; a same-process switch.
+CONSUMER = env_choice("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", ("smem", "v1"))
 
 
 def consumer_config(consumer: str) -> Fp8WgradConfig:
     """FP8_WGRAD_CONFIG with the consumer named as in :data:`CONSUMER`."""
-    return {"smem": FP8_WGRAD_CONFIG, "v1": replace(FP8_WGRAD_CONFIG, smem_scales=False),
-            "ordered": replace(FP8_WGRAD_CONFIG, ordered=True)}[consumer]
+    return {"smem": FP8_WGRAD_CONFIG, "v1": replace(FP8_WGRAD_CONFIG, smem_scales=False)}[consumer]
 
 
 if HAVE_GLUON:
@@ -152,7 +146,7 @@ if HAVE_GLUON:
     def _wg8_consumer(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
                       C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, MT: gl.constexpr,
                       NT: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr, sa_bufs, sb_bufs,
-                      SMEM_SCALES: gl.constexpr, turns, ORDERED: gl.constexpr):
+                      SMEM_SCALES: gl.constexpr):
         # cooperative: both consumers take every tile, C its output rows [C * 64, C * 64 + 64); the tile's 128
         # columns as two 64-column halves, both MMAs of a K step in flight, the first scaled under the second
         BMC: gl.constexpr = out0_desc.block_type.shape[0]
@@ -198,12 +192,10 @@ if HAVE_GLUON:
                     acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_hi,))
                     mbarrier.arrive(empty.index(s), count=1)
                 else:
-                    _turn_wait(turns, C, idx, ORDERED)
                     p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False,
                                          is_async=True)
                     p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False,
                                          is_async=True)
-                    _turn_pass(turns, C, ORDERED)
                     p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
                     if ABLATE & 2:
                         acc_lo += p_lo
@@ -261,11 +253,11 @@ if HAVE_GLUON:
     def _wgrad_fp8_ws_kernel(a_desc, b_desc, out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, sa_desc, sb_desc,
                              MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr,
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0,
-                             SMEM_SCALES: gl.constexpr = True, ORDERED: gl.constexpr = False):
+                             SMEM_SCALES: gl.constexpr = True):
         """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,).
         SMEM_SCALES: the scale rows come with the operands into shared memory (else each consumer loads them from
-        global memory every step). ORDERED: the consumers issue their MMAs in turn. ABLATE (timing diagnosis, wrong
-        results): bits leaving parts out (``ws_wgrad_fp8``'s ``_ablate``)."""
+        global memory every step). ABLATE (timing diagnosis, wrong results): bits leaving parts out
+        (``ws_wgrad_fp8``'s ``_ablate``)."""
         MT: gl.constexpr = MA // a_desc.block_type.shape[0]
         NT: gl.constexpr = NC // b_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -280,13 +272,11 @@ if HAVE_GLUON:
         # the scale-row ring (1 KiB a stage): filled and read only with SMEM_SCALES (else the compiler drops it)
         sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
         sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        _turns_init(turns)
         gl.warp_specialize([
             (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
-                             0, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, SMEM_SCALES, turns, ORDERED)),
+                             0, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, SMEM_SCALES)),
             (_wg8_consumer, (out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
-                             1, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, SMEM_SCALES, turns, ORDERED)),
+                             1, MA, NC, M1, MT, NT, STAGES, ABLATE, sa_bufs, sb_bufs, SMEM_SCALES)),
             (_wg8_producer, (a_desc, b_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, MT, NT, STAGES, sa_desc,
                              sb_desc, sa_bufs, sb_bufs, SMEM_SCALES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -383,7 +373,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, sa_desc, sb_desc, MA, NC, M1, cfg.stages,
            cfg.producer_regs,
-           cfg.consumer_regs, _ablate, cfg.smem_scales, cfg.ordered, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, _ablate, cfg.smem_scales, num_warps=4, maxnreg=cfg.maxnreg)
     return (out1,) if split is None else (out1, out2)
 
 
@@ -401,5 +391,5 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
     sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "offsets_ptr": "*i32", "E": "i32", "sa_desc": scale, "sb_desc": scale}
     cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, SMEM_SCALES=cfg.smem_scales, ORDERED=cfg.ordered)
+              CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, SMEM_SCALES=cfg.smem_scales)
     return sig, cx
