@@ -137,34 +137,27 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _col_quant_store(x, rows, cols, row_ok, col_ok, b, yT_ptr, sT_ptr, LD, C: gl.constexpr, EPS: gl.constexpr,
-                         NW: gl.constexpr, BC: gl.constexpr):
-        """128x1 groups of one (128, BC) bf16 tile in the column layout: e4m3 values to yT[col, row] (16-byte stores
-        along rows), scales to sT[b, col]; returns the count of non-finite scales among the valid columns."""
+                         NW: gl.constexpr, BC: gl.constexpr, ROWS_IN_THREAD: gl.constexpr = False):
+        """128x1 groups of one (128, BC) bf16 tile: e4m3 values to yT[col, row] (16-byte stores along rows), scales
+        to sT[b, col]; returns the count of non-finite scales among the valid columns. The tile comes in the column
+        layout (a thread holds 128 / NW rows of BC / 32 columns, a warp one row), or with ROWS_IN_THREAD in a layout
+        whose threads already hold contiguous rows of their columns (``_pipe_tile``'s warp-owned columns), stored
+        as it is."""
         scale, rcp = _scale_rcp(_amax_bits(x, 0), EPS)
         q = _e4m3(x.to(gl.float32), gl.expand_dims(-scale, 0), gl.expand_dims(rcp, 0))
-        # the same registers with rows fastest: each thread's 128 / NW rows of a column are one contiguous vector
-        LT: gl.constexpr = gl.BlockedLayout([128 // NW, BC // 32], [1, 32], [NW, 1], [0, 1])
-        qT = gl.convert_layout(q, LT, assert_trivial=True)
-        rT = gl.convert_layout(rows, gl.SliceLayout(1, LT), assert_trivial=True)
-        cT = gl.convert_layout(cols, gl.SliceLayout(0, LT), assert_trivial=True)
-        okT = gl.convert_layout(row_ok, gl.SliceLayout(1, LT), assert_trivial=True)
-        cokT = gl.convert_layout(col_ok, gl.SliceLayout(0, LT), assert_trivial=True)
+        if ROWS_IN_THREAD:
+            qT, rT, cT, okT, cokT = q, rows, cols, row_ok, col_ok
+        else:
+            # the same registers with rows fastest: each thread's 128 / NW rows of a column are one contiguous vector
+            LT: gl.constexpr = gl.BlockedLayout([128 // NW, BC // 32], [1, 32], [NW, 1], [0, 1])
+            qT = gl.convert_layout(q, LT, assert_trivial=True)
+            rT = gl.convert_layout(rows, gl.SliceLayout(1, LT), assert_trivial=True)
+            cT = gl.convert_layout(cols, gl.SliceLayout(0, LT), assert_trivial=True)
+            okT = gl.convert_layout(row_ok, gl.SliceLayout(1, LT), assert_trivial=True)
+            cokT = gl.convert_layout(col_ok, gl.SliceLayout(0, LT), assert_trivial=True)
         # int64: col * LD passes 2^31 at full shapes
         gl.store(yT_ptr + gl.expand_dims(cT.to(gl.int64), 0) * LD + gl.expand_dims(rT, 1), qT,
                  mask=gl.expand_dims(okT, 1) & gl.expand_dims(cokT, 0))
-        gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=col_ok)
-        return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
-
-    @gluon.jit
-    def _col_quant_store_warp(x, rows, cols, row_ok, col_ok, b, yT_ptr, sT_ptr, LD, C: gl.constexpr,
-                              EPS: gl.constexpr):
-        """``_col_quant_store`` for a (128, BC) tile in a layout whose warps own whole columns with rows fastest in
-        each thread (``_pipe_tile``'s WARP_COLS layout): the amax stays inside a warp, and the thread's contiguous rows
-        of a column are stored as they are (16-byte pieces of yT's rows)."""
-        scale, rcp = _scale_rcp(_amax_bits(x, 0), EPS)
-        q = _e4m3(x.to(gl.float32), gl.expand_dims(-scale, 0), gl.expand_dims(rcp, 0))
-        gl.store(yT_ptr + gl.expand_dims(cols.to(gl.int64), 0) * LD + gl.expand_dims(rows, 1), q,
-                 mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(col_ok, 0))
         gl.store(sT_ptr + b.to(gl.int64) * C + cols, scale, mask=col_ok)
         return gl.sum((col_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
 
@@ -355,7 +348,8 @@ if HAVE_GLUON:
             for k in gl.static_range(128 // WS):
                 cols = g * 128 + k * WS + gl.arange(0, WS, layout=gl.SliceLayout(0, LW))
                 x = buf.slice(k * WS, WS, dim=1).load(LW)
-                n_bad += _col_quant_store_warp(x, rows_w, cols, rows_w < M, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS)
+                n_bad += _col_quant_store(x, rows_w, cols, rows_w < M, cols < C, b, yT_ptr, sT_ptr, LD, C, EPS, NW, WS,
+                                          True)
         else:
             LC: gl.constexpr = gl.BlockedLayout([128 // NW, SLAB // 32], [1, 32], [NW, 1], [1, 0])
             rows = b * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LC))

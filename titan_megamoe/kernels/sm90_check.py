@@ -59,8 +59,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
 
     Returns:
         dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
-        cp_async, mbarrier_arrive (mbarrier.arrive instructions), shared (bytes), usage (cuobjdump register line or ""), loops (``scf.for`` ops in the
-        TTGIR: a flattened persistent kernel has one), wgmma_waits (the pending counts of the PTX's
+        cp_async, mbarrier_arrive (mbarrier.arrive instructions), shared (bytes), usage (cuobjdump register line
+        or ""), loops (``scf.for`` ops in the TTGIR: a flattened persistent kernel has one), wgmma_waits (the pending counts of the PTX's
         ``wgmma.wait_group`` instructions, in order, as strings), wgmma_serialized (ptxas's C7514 / C7515 notes,
         "" if none: ptxas then waits for every wgmma before the next, whatever the kernel asked)).
 
