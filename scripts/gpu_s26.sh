@@ -46,14 +46,14 @@ if [ "$PART" = b ]; then
   fi
 fi
 # PART=c: FP8_QUANT_COLS=warp on by default (PART a/b: bitwise, 30B fp8 7.958 -> 7.662 ms); the wgrad's ordered consumer
-#   removed (slower). Lean (little device time left): (1) the FP8 op / fused-node GPU tests with the new default; (2)
-#   compare.layer beside stock TorchTitan compiled (bf16 and fp8), with rows for the old default (FP8_QUANT_COLS=cta)
-#   and GEMM2_DGRAD_FP8_2CTA=1 (the Triton FP8 GEMM2 dgrad at BN 64, two programs per SM), same process per shape.
+#   removed (slower). Lean (little device time left): (1) compare.layer beside stock TorchTitan compiled (bf16 and fp8), with rows for the old default (FP8_QUANT_COLS=cta)
+#   and GEMM2_DGRAD_FP8_2CTA=1 (the Triton FP8 GEMM2 dgrad at BN 64, two programs per SM), same process per shape;
+#   (2) the FP8 op / fused-node GPU tests with the new default, if time is left.
 if [ "$PART" = c ]; then
-  timeout -s KILL 100 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_eager_layer.py -k "fp8" -p no:cacheprovider \
-    > "$OUT/keep/tests_gpu_c.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head
   layer_ab 30b_c "FP8_QUANT_COLS=cta GEMM2_DGRAD_FP8_2CTA=1" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton 12
   layer_ab 235b_c "GEMM2_DGRAD_FP8_2CTA=1" qwen3-235b-a22b bf16,fp8 tt-compile,megamoe-triton 10
+  timeout -s KILL 90 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_eager_layer.py -k "fp8" -p no:cacheprovider \
+    > "$OUT/keep/tests_gpu_c.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_c.log")"; grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_c.log" | head
 fi
 session_pack "s26$PART"
