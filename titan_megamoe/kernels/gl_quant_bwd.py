@@ -171,6 +171,12 @@ if HAVE_GLUON:
         q = _e4m3(xr.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
         offs = gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0)
         gl.store(y_ptr + offs, q, mask=gl.expand_dims(rr_ok, 1))
+        return _row_scales_store(scale, rr, rr_ok, g, s_ptr, C, CHECK)
+
+    @gluon.jit
+    def _row_scales_store(scale, rr, rr_ok, g, s_ptr, C: gl.constexpr, CHECK: gl.constexpr):
+        """The 1x128 scales of rows rr (column block g) to s[rr, g]; returns the count of non-finite ones among
+        the rows < M (0 without CHECK)."""
         gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
         n_bad = 0
         if CHECK:
@@ -195,11 +201,7 @@ if HAVE_GLUON:
                       gl.expand_dims(rcp, 1))
             gl.store(y_ptr + gl.expand_dims(rr.to(gl.int64), 1) * C + gl.expand_dims(cr, 0), q,
                      mask=gl.expand_dims(rr_ok, 1))
-        gl.store(s_ptr + rr.to(gl.int64) * (C // 128) + g, scale, mask=rr_ok)
-        n_bad = 0
-        if CHECK:
-            n_bad = gl.sum((rr_ok & ~(scale < float("inf"))).to(gl.int32), axis=0)
-        return n_bad
+        return _row_scales_store(scale, rr, rr_ok, g, s_ptr, C, CHECK)
 
     @gluon.jit
     def _dead_block_scales(sT_ptr, b, col0, C: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr, BC: gl.constexpr):
