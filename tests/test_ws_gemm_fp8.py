@@ -35,7 +35,7 @@ def _compile_sm90_all() -> list[dict]:
         out.append(dict(label=f"gemm2_fp8_{shape}", **r))
     # the ordered consumers (Fp8WsConfig.ordered), 30B only
     D, F = SHAPES["30b"]
-    for name, base, args, kernel in _KERNELS(W):
+    for name, base, args, kernel in _kernels(W):
         cfg = dataclasses.replace(base, ordered=True)
         sig, cx = args(cfg, D, F)
         r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
@@ -43,7 +43,7 @@ def _compile_sm90_all() -> list[dict]:
     return out
 
 
-def _KERNELS(W):
+def _kernels(W):
     """(label prefix, default config, compile-args function, kernel) of the three kernels."""
     return [("fwd_fp8", W.FP8_FWD_CONFIG, W.sm90_compile_args_fp8, W._gemm1_fwd_fp8_ws_kernel),
             ("dgrad_fp8", W.DGRAD_FP8_CONFIG, W.sm90_compile_args_dgrad_fp8, W._gemm1_dgrad_fp8_ws_kernel),

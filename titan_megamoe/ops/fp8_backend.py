@@ -494,10 +494,11 @@ def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: l
     mark("quant_dout")
     if _WGRAD not in _WGRAD_CHOICES:
         raise ValueError(f"TITAN_MEGAMOE_FP8_WGRAD / fp8_backend._WGRAD={_WGRAD!r}: choose one of {_WGRAD_CHOICES}")
-    # the GPU's BN also in the interpreter (its default, 64, is for the kernel tests): the d score partials
-    # then come in the GPU's column groups
-    c2 = dataclasses.replace(fp8_bwd_config_for("gemm2_dgrad", dout.shape[1], F, _interp()),
-                             block_n=fp8_bwd_config_for("gemm2_dgrad", dout.shape[1], F, False).block_n)
+    # the GPU's config; in the interpreter with the GPU's BN (its default, 64, is for the kernel tests): the d
+    # score partials then come in the GPU's column groups
+    c2 = fp8_bwd_config_for("gemm2_dgrad", dout.shape[1], F, False)
+    if _interp():
+        c2 = dataclasses.replace(fp8_bwd_config_for("gemm2_dgrad", dout.shape[1], F, True), block_n=c2.block_n)
     end = layout.offsets[-1:]  # rows past the last expert's segment: read by no FP8 GEMM
     # bf16 wgrads: the dgrad stores s * h as bf16 rows for the bf16 dw2 instead of quantizing it transposed
     hs = torch.empty((gate_up.shape[0], F), dtype=torch.bfloat16, device=gate_up.device) if _WGRAD == "bf16" else None
