@@ -141,9 +141,12 @@ def bench(out_path: str | None, shapes: list[str]) -> int:
     del a, b
     rows = [dict(kernel="dense torch.matmul 8192^3", ms=dense_ms, tflops=dense_tf)]
     print(json.dumps(rows[-1]), flush=True)
-    configs = [WsConfig(), WsConfig(stages=5), WsConfig(group_m=1),
-               WsConfig(block_n=256, stages=3, coop=True), WsConfig(block_n=256, stages=3, coop=True, group_m=1),
-               WsConfig(block_n=256, stages=3, coop=True, group_m=16), WsConfig(block_n=128, stages=5, coop=True)]
+    # session 10 swept ping-pong 128 x 128 (4 / 5 stages, group_m 1 / 8) and cooperative 128 x 256 (group_m 1 / 8 / 16):
+    # the default is the last; session 27 adds its split accumulators (``split_n``: 4 stages at BK 64, 8 at BK 32)
+    configs = [WsConfig(block_n=256, stages=3, coop=True, group_m=1),
+               WsConfig(block_n=256, stages=4, coop=True, group_m=1, split_n=True),
+               WsConfig(block_n=256, block_k=32, stages=8, coop=True, group_m=1, split_n=True),
+               WsConfig(block_n=256, block_k=32, stages=6, coop=True, group_m=1)]
     for sh in shapes:
         D, F = SHAPES[sh]
         lay, dgu, w1, w3 = _inputs(16384, 128, 8, D, F, "uniform", seed=0)

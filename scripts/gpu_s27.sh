@@ -26,4 +26,29 @@ if [ "$PART" = a ]; then
   TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA=1 gpu_tests 2cta_a tests/test_kernels_fp8_bwd.py tests/test_gpu.py \
     tests/test_eager_layer.py -k "fp8"
 fi
+# PART=b: PART a's Nsight found the bf16 Gluon GEMM1 dgrad's tensor pipe busy only 66-71 % (3-stage ring) against 88-90 %
+#   for the 4-stage GEMM1 forward and 93 % for cuBLAS, L2 at 70 % and shared memory at 55 %: a pipeline too shallow, not
+#   a bandwidth bound. split_n (each consumer's accumulator as two column halves, half the epilogue's staging) frees a
+#   4th stage for the GEMM1 dgrad (WS_GEMM1_DGRAD=split) and the wgrads (WS_WGRAD_SPLIT=1). (1) kernel benches, 30B /
+#   235B, bitwise the default; (2) compare.layer bf16 with the switches, same process; (3) GPU tests of both kernels
+#   (split cases included); (4) the FP8 op tests with GEMM2_DGRAD_FP8_2CTA=1 (PART a's run was cut at 240 s).
+if [ "$PART" = b ]; then
+  timeout 100 python3 scripts/bench_ws_gemm.py bench --out "$OUT/keep/bench_ws_gemm1_dgrad_b.json" > "$OUT/keep/bench_g1d_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] GEMM1 dgrad bench rc $?"
+  grep '^{' "$OUT/keep/bench_g1d_b.log" | python3 -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l); print(r.get('shape', ''), r['kernel'][:34], r.get('cfg', '')[9:80], round(r['ms'], 3), round(r['tflops']), r.get('bitwise_triton', ''))"
+  timeout 120 python3 scripts/bench_ws_wgrad.py --out "$OUT/keep/bench_ws_wgrad_b.json" > "$OUT/keep/bench_wgrad_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] wgrad bench rc $?"; grep -E "^(30b|235b|dense)" "$OUT/keep/bench_wgrad_b.log"
+  grep -o '"bitwise_first_config": [a-z]*' "$OUT/keep/bench_ws_wgrad_b.json" | sort | uniq -c
+  layer_ab 30b_b "WS_GEMM1_DGRAD=split WS_WGRAD_SPLIT=1 WS_GEMM1_DGRAD=split,WS_WGRAD_SPLIT=1" qwen3-30b-a3b bf16
+  layer_ab 235b_b "WS_GEMM1_DGRAD=split WS_WGRAD_SPLIT=1 WS_GEMM1_DGRAD=split,WS_WGRAD_SPLIT=1" qwen3-235b-a22b bf16
+  gpu_tests ws_b tests/test_ws_gemm.py tests/test_ws_wgrad.py -k "gpu"
+  TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA=1 timeout -s KILL 100 python3 -m pytest -q -rfE tests/test_gpu.py \
+    tests/test_eager_layer.py -k "fp8" -p no:cacheprovider > "$OUT/keep/tests_gpu_2cta_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] fp8 tests (2CTA): $(tail -1 "$OUT/keep/tests_gpu_2cta_b.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_2cta_b.log" | head
+  mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null; mv "$OUT"/tests_gpu_*.log "$OUT/keep/"  # at most 8 files come back
+fi
 session_pack "s27$PART"

@@ -19,24 +19,29 @@ def _compile_sm90_all() -> list[dict]:
     from titan_megamoe.kernels.sm90_check import compile_sm90
 
     out = []
-    for kind in ("w13", "w2"):
-        for shape, (D, F) in SHAPES.items():
-            sig, cx = W.wgrad_compile_args(D, F, kind)
-            r = compile_sm90(W._wgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=W.WGRAD_CONFIG.maxnreg)
-            out.append(dict(label=f"{kind}_{shape}", **r))
+    for suffix, cfg in (("", W.WGRAD_CONFIG), ("_split", W.SPLIT_CONFIG)):
+        for kind in ("w13", "w2"):
+            for shape, (D, F) in SHAPES.items():
+                sig, cx = W.wgrad_compile_args(D, F, kind, cfg)
+                r = compile_sm90(W._wgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+                out.append(dict(label=f"{kind}_{shape}{suffix}", **r))
     return out
 
 
-@pytest.mark.parametrize("label", ["w13_30b", "w13_235b", "w2_30b", "w2_235b"])
+@pytest.mark.parametrize("label", ["w13_30b", "w13_235b", "w2_30b", "w2_235b", "w13_30b_split", "w13_235b_split",
+                                   "w2_30b_split", "w2_235b_split"])
 def test_ws_wgrad_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
-    from titan_megamoe.kernels.ws_wgrad import WGRAD_CONFIG
+    from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG
 
+    split = label.endswith("_split")
+    cfg = SPLIT_CONFIG if split else WGRAD_CONFIG
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
-    assert r["wgmma"] == 8, r  # two consumers x 4 k16 steps of m64n256 per 64-row step
+    # two consumers x 4 k16 steps of m64n256 per 64-row step; split: m64n128 halves, twice as many
+    assert r["wgmma"] == (16 if split else 8), r
     assert r["cp_async"] > 0 and r["tma"] > 0, "token rows gathered by cp.async, the other operand by TMA"
-    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES and r["shared"] >= WGRAD_CONFIG.smem_bytes(), r["shared"]
+    assert 0 < r["shared"] <= HOPPER_SMEM_BYTES and r["shared"] >= cfg.smem_bytes(), r["shared"]
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # 216 / 72 registers: no spills
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
@@ -102,14 +107,16 @@ def _reference(a_rows, b_rows, lay):
     (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 256, "uniform"), (3000, 32, 4, 512, 512, "zero_expert"),
     (2048, 16, 2, 256, 256, "one_expert"), (2000, 8, 2, 768, 256, "skewed"), (16384, 128, 8, 2048, 768, "uniform"),
 ], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "skewed", "30b"])
-def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case):
+@pytest.mark.parametrize("split", [False, True], ids=["default", "split"])
+def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     from titan_megamoe.kernels.grouped_gemm_wgrad import gather_rows, wgrad_w2, wgrad_w13
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_wgrad import ws_wgrad_w2, ws_wgrad_w13
+    from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
     from titan_megamoe.testing import make_routing, rel_err
 
+    cfg = SPLIT_CONFIG if split else WGRAD_CONFIG
     T, E, K, D, F, routing = case
     g = torch.Generator(device="cuda").manual_seed(11)
     lay = build_routing_layout(make_routing(routing, T, E, K, seed=11).cuda(), E, 128)
@@ -123,8 +130,8 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case):
         t[:n][pad] = 0
         t[n:] = float("nan")
     nan = lambda *s: torch.full(s, float("nan"), device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    dw1, dw3 = ws_wgrad_w13(dgu, x, lay, out=(nan(E, F, D), nan(E, F, D)))
-    dw2 = ws_wgrad_w2(dout, hs, lay, out=nan(E, D, F))
+    dw1, dw3 = ws_wgrad_w13(dgu, x, lay, out=(nan(E, F, D), nan(E, F, D)), cfg=cfg)
+    dw2 = ws_wgrad_w2(dout, hs, lay, out=nan(E, D, F), cfg=cfg)
     for t in (dw1, dw3, dw2):
         assert not torch.isnan(t).any(), "output left unwritten"
     x_rows, dout_rows = gather_rows(x, lay)[:n], gather_rows(dout, lay)[:n]
@@ -137,9 +144,9 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case):
     g1, g3 = wgrad_w13(dgu, x, lay, impl="grouped_mm")
     g2 = wgrad_w2(dout, dgu, torch.rand(T, K, device="cuda"), lay, hs_NF=hs, impl="grouped_mm")
     assert rel_err(dw1, g1) < 1e-2 and rel_err(dw3, g3) < 1e-2 and rel_err(dw2, g2) < 1e-2
-    again = ws_wgrad_w13(dgu, x, lay)
+    again = ws_wgrad_w13(dgu, x, lay, cfg=cfg)
     assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "not deterministic"
-    # the dispatch of wgrad_w13 / wgrad_w2 with impl="gluon" is this kernel
+    # the dispatch of wgrad_w13 / wgrad_w2 with impl="gluon" is this kernel; split_n changes no sum's order
     assert torch.equal(wgrad_w13(dgu, x, lay, impl="gluon")[0], dw1)
     assert torch.equal(wgrad_w2(dout, dgu, torch.rand(T, K, device="cuda"), lay, hs_NF=hs, impl="gluon"), dw2)
 

@@ -80,8 +80,10 @@ __all__ = [
 #: applies (sm_90, BM 128, F a multiple of 64; else the Triton kernel): "coop" (the default), "pingpong" (its
 #: two schedules) or "0" (off). Bitwise the Triton kernel's output in every case checked on an H200; in the layer
 #: (same process, layer_1xh200_ep1_s10b_20261202.json) fwd+bwd device time 7.388 -> 7.192 ms at the 30B shape,
-#: 25.46 -> 24.99 ms at 235B. Read at import (``TITAN_MEGAMOE_WS_GEMM1_DGRAD``); a same-process switch.
-WS_GEMM1_DGRAD = env_choice("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", ("0", "pingpong", "coop"))
+#: 25.46 -> 24.99 ms at 235B. Read at import (``TITAN_MEGAMOE_WS_GEMM1_DGRAD``); a same-process switch. "split":
+#: the cooperative kernel with each consumer's accumulator as two column halves (``WsConfig.split_n``), which frees
+#: the shared memory of a 4th ring stage (Nsight, one H100: the 3-stage kernel's tensor pipe is busy only 66-71 %).
+WS_GEMM1_DGRAD = env_choice("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", ("0", "pingpong", "coop", "split"))
 #: GEMM2 dgrad (dout row gather, SwiGLU backward, d score partials, s h for the w2 wgrad) by the warp-specialized
 #: Gluon kernel (``ws_gemm.ws_gemm2_dgrad``) where it applies (sm_90, BM 128, D >= ``WS_GEMM1_DGRAD_MIN_DIM``,
 #: F % 128 == 0, no config, ``hs_out`` given); else the Triton kernel. Off by default until the GPU suite has run

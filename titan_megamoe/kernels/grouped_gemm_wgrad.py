@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import cdiv, grouped_tile, next_pow2
+from titan_megamoe.kernels.jit import cdiv, env_flag, grouped_tile, next_pow2
 from titan_megamoe.kernels.jit import interp_int as _interp_int
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (
@@ -44,13 +44,19 @@ from titan_megamoe.kernels._bwd_common import (
 )
 from titan_megamoe.kernels.configs import GemmConfig
 from titan_megamoe.kernels.routing import RoutingLayout
-from titan_megamoe.kernels.ws_wgrad import ws_wgrad_supported, ws_wgrad_w2, ws_wgrad_w13
+from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_supported, ws_wgrad_w2, ws_wgrad_w13
 
 __all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "WGRAD_IMPLS"]
 
 #: Implementations of the wgrads (module docstring). ``TITAN_MEGAMOE_WGRAD`` = one of them forces it
 #: (A/B benchmarks, tests); "auto" (default) picks "gluon" on sm_90 CUDA devices, else "triton".
 WGRAD_IMPLS = ("auto", "triton", "grouped_mm", "gluon")
+#: ``TITAN_MEGAMOE_WS_WGRAD_SPLIT`` (read at import; a same-process switch): the Gluon wgrads at
+#: ``ws_wgrad.SPLIT_CONFIG`` (each consumer's accumulator as two column halves, half the epilogue's shared memory,
+#: a 4-stage ring) instead of ``WGRAD_CONFIG`` (3 stages). Why: Nsight on one H100 found the 3-stage Gluon GEMM1
+#: dgrad's tensor pipe busy 66-71 % against 88-90 % for the 4-stage GEMM1 forward and 93 % for cuBLAS, with neither
+#: L2 (70 %) nor shared memory (55 %) saturated (``ncu_gemm_l2_1xh100_s27a_20261206.txt``).
+WS_WGRAD_SPLIT = env_flag("TITAN_MEGAMOE_WS_WGRAD_SPLIT", False)
 
 
 def wgrad_impl(device: torch.device, out_dtype: torch.dtype | None = None, *, custom: bool = False,
@@ -309,8 +315,9 @@ def wgrad_w2(
         _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
     custom = config is not None or out is not None or hs_NF is None
     chosen = wgrad_impl(dev, out_dtype, custom=custom, impl=impl)
-    if chosen == "gluon" and ws_wgrad_supported(D, F, layout, dout_TD) is None:
-        return ws_wgrad_w2(dout_TD.contiguous(), hs_NF, layout)
+    ws_cfg = SPLIT_CONFIG if WS_WGRAD_SPLIT else WGRAD_CONFIG
+    if chosen == "gluon" and ws_wgrad_supported(D, F, layout, dout_TD, ws_cfg) is None:
+        return ws_wgrad_w2(dout_TD.contiguous(), hs_NF, layout, cfg=ws_cfg)
     if chosen in ("grouped_mm", "gluon"):
         # dw2[e] = dout_rows[e]^T @ (s h)[e]; padding rows of the gathered dout are zeros
         return _grouped_mm_wgrad(gather_rows(dout_TD, layout).t(), hs_NF, layout)
@@ -370,8 +377,9 @@ def wgrad_w13(
         raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
     custom = config is not None or out is not None
     chosen = wgrad_impl(dev, out_dtype, custom=custom, impl=impl)
-    if chosen == "gluon" and ws_wgrad_supported(D, F, layout, x_TD) is None:
-        return ws_wgrad_w13(dgate_up_N2F, x_TD, layout)
+    ws_cfg = SPLIT_CONFIG if WS_WGRAD_SPLIT else WGRAD_CONFIG
+    if chosen == "gluon" and ws_wgrad_supported(D, F, layout, x_TD, ws_cfg) is None:
+        return ws_wgrad_w13(dgate_up_N2F, x_TD, layout, cfg=ws_cfg)
     if chosen in ("grouped_mm", "gluon"):
         # dw1[e] = dgate[e]^T @ x_rows[e], dw3 likewise: the gate / up halves as strided views, no copy
         x_rows = gather_rows(x_TD, layout)

@@ -92,6 +92,9 @@ class WsConfig:
             the consumers the rest (232 each).
         producer_regs, consumer_regs: registers per thread of the producer partition and of each consumer
             warpgroup (``setmaxnreg``), within ``maxnreg``'s budget.
+        split_n: cooperative GEMM1 dgrad only: each consumer's BM / 2 x BN accumulator as two BN / 2-column
+            halves (two MMAs per K step, on B tiles loaded as two halves) stored through one BM / 2 x BN / 2
+            staging tile, so the epilogue takes half the shared memory and the ring a fourth stage.
     """
 
     block_m: int = 128
@@ -103,15 +106,17 @@ class WsConfig:
     maxnreg: int = 168
     producer_regs: int = 40
     consumer_regs: int = 232
+    split_n: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
-        epilogue = self.block_m * self.block_n * (1 if self.coop else 2)
+        epilogue = self.block_m * self.block_n * (1 if self.coop else 2) // (2 if self.split_n else 1)
         return 2 * (self.stages * (self.block_m + self.block_n) * self.block_k + epilogue)
 
     def __repr__(self) -> str:
         return (f"WsConfig(BM={self.block_m}, BN={self.block_n}, BK={self.block_k}, stages={self.stages}, "
-                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}, maxnreg={self.maxnreg})")
+                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}{', split_n' if self.split_n else ''}, "
+                f"maxnreg={self.maxnreg})")
 
 
 DEFAULT = WsConfig()
@@ -122,7 +127,8 @@ DEFAULT = WsConfig()
 #: cooperative 128 x 256, 3 stages, group_m 1 1.256 / 5.324 (group_m 8: 1.327 / 5.324; 128 x 128, 5 stages:
 #: 1.388 / 5.437). The 128 x 128 tiles of ping-pong read twice the operand bytes per FLOP of 128 x 256.
 CONFIGS = {"pingpong": WsConfig(block_n=128, stages=4, group_m=8),
-           "coop": WsConfig(block_n=256, stages=3, group_m=1, coop=True)}
+           "coop": WsConfig(block_n=256, stages=3, group_m=1, coop=True),
+           "split": WsConfig(block_n=256, stages=4, group_m=1, coop=True, split_n=True)}
 
 
 if HAVE_GLUON:
@@ -162,12 +168,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _g1d_producer(a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      SPLIT: gl.constexpr):
+        # SPLIT: B tiles as two column halves, b_bufs[2 s] and b_bufs[2 s + 1] (WsConfig.split_n)
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = w1_desc.block_type.shape[1]
+        BH: gl.constexpr = w1_desc.block_type.shape[1]
+        NB: gl.constexpr = 2 if SPLIT else 1
+        BN: gl.constexpr = NB * BH
         KH: gl.constexpr = F // BK  # steps per half (dgate x w1, then dup x w3)
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + w1_desc.block_type.nbytes
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + NB * w1_desc.block_type.nbytes
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
@@ -182,11 +192,61 @@ if HAVE_GLUON:
                     bar = ready.index(s)
                     mbarrier.expect(bar, nbytes)
                     tma.async_copy_global_to_shared(a_desc, [row0, half * F + k * BK], bar, a_bufs.index(s))
-                    if half == 0:
-                        tma.async_copy_global_to_shared(w1_desc, [e * F + k * BK, col0], bar, b_bufs.index(s))
-                    else:
-                        tma.async_copy_global_to_shared(w3_desc, [e * F + k * BK, col0], bar, b_bufs.index(s))
+                    for q in gl.static_range(NB):
+                        if half == 0:
+                            tma.async_copy_global_to_shared(w1_desc, [e * F + k * BK, col0 + q * BH], bar,
+                                                            b_bufs.index(NB * s + q))
+                        else:
+                            tma.async_copy_global_to_shared(w3_desc, [e * F + k * BK, col0 + q * BH], bar,
+                                                            b_bufs.index(NB * s + q))
                     idx += 1
+
+    @gluon.jit
+    def _g1d_split_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
+                            C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                            STAGES: gl.constexpr):
+        # cooperative, the tile's BN columns as two BH halves (WsConfig.split_n): both MMAs of a K step in flight,
+        # one BMC x BH staging tile for the two stores
+        BMC: gl.constexpr = dx_desc.block_type.shape[0]
+        BH: gl.constexpr = dx_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KT: gl.constexpr = 2 * F // BK
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * KT
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
+                acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
+                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
+                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            # epilogue: zeros on padding rows (a multiply: see _g1d_consumer), bf16, one TMA store per half
+            row0 = pid_m * BM + C * BMC
+            col0 = pid_n * 2 * BH
+            vf = gl.expand_dims((gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0)
+                                .to(gl.float32), 1)
+            tma.store_wait(pendings=0)
+            c_smem.store((acc_lo * vf).to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dx_desc, [row0, col0], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store((acc_hi * vf).to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dx_desc, [row0, col0 + BH], c_smem)
+        tma.store_wait(pendings=0)
 
     @gluon.jit
     def _g1d_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c_smem,
@@ -243,11 +303,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                                F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                               COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,)."""
+                               COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               SPLIT: gl.constexpr = False):
+        """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,). SPLIT
+        (cooperative only, ``WsConfig.split_n``): w1_desc / w3_desc / dx_desc have half the tile's columns."""
         dtype: gl.constexpr = a_desc.dtype
+        NB: gl.constexpr = 2 if SPLIT else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [NB * STAGES] + w1_desc.block_type.shape, w1_desc.layout)
         c0 = gl.allocate_shared_memory(dtype, dx_desc.block_type.shape, dx_desc.layout)
         c1 = gl.allocate_shared_memory(dtype, dx_desc.block_type.shape, dx_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -258,14 +321,24 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2 if COOP else 1)  # COOP: both consumers read every buffer
         for i in gl.static_range(2):
             mbarrier.init(order.index(i), count=1)
-        gl.warp_specialize([
-            (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c0,
-                             0, F, NUM_N, GROUP_M, STAGES, COOP)),
-            (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c1,
-                             1, F, NUM_N, GROUP_M, STAGES, COOP)),
-            (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                             empty, F, NUM_N, GROUP_M, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if SPLIT:
+            gl.warp_specialize([
+                (_g1d_split_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
+                                       0, F, NUM_N, GROUP_M, STAGES)),
+                (_g1d_split_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
+                                       1, F, NUM_N, GROUP_M, STAGES)),
+                (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                 empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c0,
+                                 0, F, NUM_N, GROUP_M, STAGES, COOP)),
+                (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c1,
+                                 1, F, NUM_N, GROUP_M, STAGES, COOP)),
+                (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                 empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
     # ---------------------------------------------------------------------------------------------
@@ -605,6 +678,8 @@ def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig
     E, F, D = w1_EFD.shape
     if F % cfg.block_k or D % 8:
         return f"needs F % {cfg.block_k} == 0 and D % 8 == 0 (F={F}, D={D})"
+    if cfg.split_n and not cfg.coop:
+        return "split_n needs the cooperative schedule (coop=True)"
     return None
 
 
@@ -632,11 +707,12 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", 
         cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
                   PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
         return sig, cx
-    sig = {"a_desc": desc([bm, bk]), "w1_desc": desc([bk, bn]), "w3_desc": desc([bk, bn]),
-           "dx_desc": desc([bm // 2 if cfg.coop else bm, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
+    bh = bn // 2 if cfg.split_n else bn
+    sig = {"a_desc": desc([bm, bk]), "w1_desc": desc([bk, bh]), "w3_desc": desc([bk, bh]),
+           "dx_desc": desc([bm // 2 if cfg.coop else bm, bh]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
            "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(F=F, NUM_N=-(-D // bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, COOP=cfg.coop,
-              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SPLIT=cfg.split_n)
     return sig, cx
 
 
@@ -784,15 +860,16 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     E, F, D = w1_EFD.shape
     n_cap = layout.n_cap
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bh = bn // 2 if cfg.split_n else bn  # the B tiles and stores of split_n are column halves
     a_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bm, bk))
-    w1_desc = _desc(w1_EFD, (E * F, D), (bk, bn))
-    w3_desc = _desc(w3_EFD, (E * F, D), (bk, bn))
-    dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bn))
+    w1_desc = _desc(w1_EFD, (E * F, D), (bk, bh))
+    w3_desc = _desc(w3_EFD, (E * F, D), (bk, bh))
+    dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bh))
     num_n = -(-D // bn)
     programs = _programs(dx.device, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_dgrad_ws_kernel, (programs,),
            a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
-           F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs,
+           F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs, cfg.split_n,
            num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 

@@ -50,7 +50,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-__all__ = ["WGRAD_CONFIG", "WgradConfig", "ws_wgrad_supported", "ws_wgrad_w13", "ws_wgrad_w2", "wgrad_compile_args"]
+__all__ = ["SPLIT_CONFIG", "WGRAD_CONFIG", "WgradConfig", "ws_wgrad_supported", "ws_wgrad_w13", "ws_wgrad_w2",
+           "wgrad_compile_args"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class WgradConfig:
         stages: operand buffers in the ring (each (128 + BN) x BK bf16).
         maxnreg, producer_regs, consumer_regs: register cap and ``setmaxnreg`` split (12 warps: two consumer
             warpgroups and a 4-warp gather producer; 4 x 32 x 72 + 8 x 32 x 216 = 64512 of 65536).
+        split_n: each consumer's 64 x BN accumulator as two BN / 2-column halves (two MMAs per step, on B tiles
+            loaded as two halves), stored through one staging tile of half the size, so the epilogue takes half
+            the shared memory and the ring a fourth stage (as ``ws_gemm.WsConfig.split_n``).
     """
 
     block_n: int = 256
@@ -73,13 +77,17 @@ class WgradConfig:
     maxnreg: int = 168
     producer_regs: int = 72
     consumer_regs: int = 216
+    split_n: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two consumers' epilogue tiles (bf16)."""
-        return 2 * (self.stages * (128 + self.block_n) * self.block_k + 128 * self.block_n)
+        return 2 * (self.stages * (128 + self.block_n) * self.block_k
+                    + 128 * self.block_n // (2 if self.split_n else 1))
 
 
 WGRAD_CONFIG = WgradConfig()
+#: The split-accumulator config (``split_n``, 4 stages) that ``TITAN_MEGAMOE_WS_WGRAD_SPLIT=1`` selects.
+SPLIT_CONFIG = WgradConfig(stages=4, split_n=True)
 _BM = 128  # tile rows (two consumers x 64)
 
 
@@ -117,9 +125,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _wg_producer(a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t, ready_c, empty,
                      N_SRC: gl.constexpr, TOPK: gl.constexpr, MT: gl.constexpr, NT: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        # SPLIT: B tiles as two column halves, b_bufs[2 s] and b_bufs[2 s + 1] (WgradConfig.split_n)
         BK: gl.constexpr = b_desc.block_type.shape[0]
-        BN: gl.constexpr = b_desc.block_type.shape[1]
+        BH: gl.constexpr = b_desc.block_type.shape[1]
+        NB: gl.constexpr = 2 if SPLIT else 1
+        BN: gl.constexpr = NB * BH
         BMC: gl.constexpr = a0_bufs.type.shape[2]
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
@@ -132,14 +143,72 @@ if HAVE_GLUON:
                 s = idx % STAGES
                 mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
                 bar = ready_t.index(s)
-                mbarrier.expect(bar, b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(b_desc, [r0, n0], bar, b_bufs.index(s))
+                mbarrier.expect(bar, NB * b_desc.block_type.nbytes)
+                for q in gl.static_range(NB):
+                    tma.async_copy_global_to_shared(b_desc, [r0, n0 + q * BH], bar, b_bufs.index(NB * s + q))
                 # token rows: two 64-column halves, one per consumer; padding rows zero-filled
                 ptrs, mask = _gather_ptrs(a_ptr, row_pair_ptr, r0, m0, N_SRC, TOPK, BK, BMC)
                 async_copy.async_copy_global_to_shared(a0_bufs.index(s), ptrs, mask=mask)
                 async_copy.async_copy_global_to_shared(a1_bufs.index(s), ptrs + BMC, mask=mask)
                 async_copy.mbarrier_arrive(ready_c.index(s), increment_count=False)  # one arrival per thread
                 idx += 1
+
+    @gluon.jit
+    def _wg_store(acc, c_smem, out0_desc, out1_desc, e, row, col, TRANS_OUT: gl.constexpr, SPLIT: gl.constexpr):
+        """One consumer's bf16 tile (64 x W) through its staging tile by TMA: dw2[e] rows, or (TRANS_OUT) transposed
+        into dw1 / dw3 with the D x 2F product's columns split at SPLIT = F."""
+        tma.store_wait(pendings=0)  # the previous store has read c_smem
+        if TRANS_OUT:
+            c_smem.permute((1, 0)).store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            if col < SPLIT:
+                tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + col, row], c_smem)
+            else:
+                tma.async_copy_shared_to_global(out1_desc, [e * SPLIT + col - SPLIT, row], c_smem)
+        else:
+            c_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + row, col], c_smem)
+
+    @gluon.jit
+    def _wg_split_consumer(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready_t, ready_c, empty, c_smem,
+                           C: gl.constexpr, TRANS_OUT: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
+                           NT: gl.constexpr, STAGES: gl.constexpr):
+        # cooperative (C: rows [C * 64, C * 64 + 64) of the tile), the tile's BN columns as two BH halves
+        # (WgradConfig.split_n): both MMAs of a step in flight, one staging tile for the two stores
+        BK: gl.constexpr = b_bufs.type.shape[1]
+        BH: gl.constexpr = b_bufs.type.shape[2]
+        BMC: gl.constexpr = a_bufs.type.shape[2]
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 16])
+        idx = 0
+        for j in range(_wg_count(E, MT, NT)):
+            e, m, n = _wg_tile(j, MT, NT)
+            start = gl.load(offsets_ptr + e)
+            end = gl.load(offsets_ptr + e + 1)
+            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            for r0 in range(start, end, BK):
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                mbarrier.wait(ready_t.index(s), ph)
+                mbarrier.wait(ready_c.index(s), ph)
+                fence_async_shared()  # cp.async rows: generic proxy; wgmma reads through the async one
+                a = a_bufs.index(s).permute((1, 0))
+                acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
+                acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
+                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
+                if r0 > start:  # the previous step's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                idx += 1
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            if end > start:
+                mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            row = m * 2 * BMC + C * BMC
+            col = n * 2 * BH
+            _wg_store(acc_lo, c_smem, out0_desc, out1_desc, e, row, col, TRANS_OUT, SPLIT)
+            _wg_store(acc_hi, c_smem, out0_desc, out1_desc, e, row, col + BH, TRANS_OUT, SPLIT)
+        tma.store_wait(pendings=0)
 
     @gluon.jit
     def _wg_consumer(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready_t, ready_c, empty, c_smem,
@@ -171,39 +240,29 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if end > start:
                 mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            # epilogue: bf16 through this consumer's staging tile, TMA store
-            row = m * 2 * BMC + C * BMC
-            col = n * BN
-            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-            if TRANS_OUT:  # dw1 / dw3 (E, F, D) from the D x 2F product: transposed, columns split at F
-                c_smem.permute((1, 0)).store(acc.to(gl.bfloat16))
-                fence_async_shared()
-                if col < SPLIT:
-                    tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + col, row], c_smem)
-                else:
-                    tma.async_copy_shared_to_global(out1_desc, [e * SPLIT + col - SPLIT, row], c_smem)
-            else:  # dw2 (E, D, F)
-                c_smem.store(acc.to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + row, col], c_smem)
+            # epilogue: bf16 through this consumer's staging tile, TMA store (dw1 / dw3 (E, F, D) from the D x 2F
+            # product: transposed, columns split at F; dw2 (E, D, F) as it is)
+            _wg_store(acc, c_smem, out0_desc, out1_desc, e, m * 2 * BMC + C * BMC, n * BN, TRANS_OUT, SPLIT)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _wgrad_ws_kernel(a_ptr, b_desc, out0_desc, out1_desc, row_pair_ptr, offsets_ptr, E, TRANS_OUT: gl.constexpr,
                          N_SRC: gl.constexpr, TOPK: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
                          NT: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, SPLIT_N: gl.constexpr = False):
         """P[e] = A[rows of e]^T @ B[rows of e] with A = token rows of ``a_ptr`` (T, N_SRC) gathered, B by TMA
         (module docstring); stored as dw2[e] = P[e] (TRANS_OUT False) or as dw1[e] / dw3[e] = P[e]^T split at
-        column SPLIT = F (TRANS_OUT True). Grid: (programs,)."""
+        column SPLIT = F (TRANS_OUT True). Grid: (programs,). SPLIT_N (``WgradConfig.split_n``): b_desc and the
+        output descriptors have half the tile's columns."""
         dtype: gl.constexpr = b_desc.dtype
         BK: gl.constexpr = b_desc.block_type.shape[0]
-        BN: gl.constexpr = b_desc.block_type.shape[1]
+        BW: gl.constexpr = b_desc.block_type.shape[1]
+        NB: gl.constexpr = 2 if SPLIT_N else 1
         BMC: gl.constexpr = 64
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BMC], gl.bfloat16)
         a0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BMC], a_layout)
         a1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BMC], a_layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [NB * STAGES, BK, BW], b_desc.layout)
         c0 = gl.allocate_shared_memory(dtype, out0_desc.block_type.shape, out0_desc.layout)
         c1 = gl.allocate_shared_memory(dtype, out0_desc.block_type.shape, out0_desc.layout)
         ready_t = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -213,14 +272,24 @@ if HAVE_GLUON:
             mbarrier.init(ready_t.index(i), count=1)
             mbarrier.init(ready_c.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        gl.warp_specialize([
-            (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty, c0,
-                            0, TRANS_OUT, SPLIT, MT, NT, STAGES)),
-            (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty, c1,
-                            1, TRANS_OUT, SPLIT, MT, NT, STAGES)),
-            (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t, ready_c,
-                            empty, N_SRC, TOPK, MT, NT, STAGES)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        if SPLIT_N:
+            gl.warp_specialize([
+                (_wg_split_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty,
+                                      c0, 0, TRANS_OUT, SPLIT, MT, NT, STAGES)),
+                (_wg_split_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty,
+                                      c1, 1, TRANS_OUT, SPLIT, MT, NT, STAGES)),
+                (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t,
+                                ready_c, empty, N_SRC, TOPK, MT, NT, STAGES, SPLIT_N)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty, c0,
+                                0, TRANS_OUT, SPLIT, MT, NT, STAGES)),
+                (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty, c1,
+                                1, TRANS_OUT, SPLIT, MT, NT, STAGES)),
+                (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t,
+                                ready_c, empty, N_SRC, TOPK, MT, NT, STAGES, SPLIT_N)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_wgrad_supported(D: int, F: int, layout, ref: Tensor, cfg: WgradConfig = WGRAD_CONFIG) -> str | None:
@@ -281,13 +350,14 @@ def ws_wgrad_w13(dgate_up_N2F: Tensor, x_TD: Tensor, layout, *, out: tuple[Tenso
     dw1 = _out(None if out is None else out[0], (E, F, D), dev, "out[0] (dw1)", fn)
     dw3 = _out(None if out is None else out[1], (E, F, D), dev, "out[1] (dw3)", fn)
     bn, bk = cfg.block_n, cfg.block_k
-    b_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bk, bn))
-    o1 = _desc(dw1, (E * F, D), (bn, _BM // 2))  # transposed stores: [BN rows of F, 64 columns of D]
-    o3 = _desc(dw3, (E * F, D), (bn, _BM // 2))
+    bw = bn // 2 if cfg.split_n else bn  # split_n: B tiles and stores as column halves
+    b_desc = _desc(dgate_up_N2F, (n_cap, 2 * F), (bk, bw))
+    o1 = _desc(dw1, (E * F, D), (bw, _BM // 2))  # transposed stores: [BW rows of F, 64 columns of D]
+    o3 = _desc(dw3, (E * F, D), (bw, _BM // 2))
     mt, nt = D // _BM, 2 * F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
            x_TD, b_desc, o1, o3, layout.row_pair, layout.offsets, E, True, D, K, F, mt, nt, cfg.stages,
-           cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.producer_regs, cfg.consumer_regs, cfg.split_n, num_warps=4, maxnreg=cfg.maxnreg)
     return dw1, dw3
 
 
@@ -324,12 +394,13 @@ def ws_wgrad_w2(dout_TD: Tensor, hs_NF: Tensor, layout, *, out: Tensor | None = 
         raise ValueError(f"{fn}: {reason}")
     dw2 = _out(out, (E, D, F), dev, "out (dw2)", fn)
     bn, bk = cfg.block_n, cfg.block_k
-    b_desc = _desc(hs_NF, (n_cap, F), (bk, bn))
-    o2 = _desc(dw2, (E * D, F), (_BM // 2, bn))
+    bw = bn // 2 if cfg.split_n else bn
+    b_desc = _desc(hs_NF, (n_cap, F), (bk, bw))
+    o2 = _desc(dw2, (E * D, F), (_BM // 2, bw))
     mt, nt = D // _BM, F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
            dout_TD, b_desc, o2, o2, layout.row_pair, layout.offsets, E, False, D, K, D, mt, nt, cfg.stages,
-           cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.producer_regs, cfg.consumer_regs, cfg.split_n, num_warps=4, maxnreg=cfg.maxnreg)
     return dw2
 
 
@@ -337,18 +408,20 @@ def wgrad_compile_args(D: int, F: int, kind: str, cfg: WgradConfig = WGRAD_CONFI
     """(signature, constexprs) of ``_wgrad_ws_kernel`` for ``sm90_check.compile_sm90``: ``kind`` "w13" (x gathered,
     dgate_up by TMA, transposed stores) or "w2" (dout gathered, s h by TMA)."""
     bn, bk = cfg.block_n, cfg.block_k
+    bw = bn // 2 if cfg.split_n else bn
 
     def desc(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
 
     if kind == "w13":
-        out = desc([bn, _BM // 2])
+        out = desc([bw, _BM // 2])
         cx = dict(TRANS_OUT=True, N_SRC=D, TOPK=top_k, SPLIT=F, MT=D // _BM, NT=2 * F // bn)
     else:
-        out = desc([_BM // 2, bn])
+        out = desc([_BM // 2, bw])
         cx = dict(TRANS_OUT=False, N_SRC=D, TOPK=top_k, SPLIT=D, MT=D // _BM, NT=F // bn)
-    sig = {"a_ptr": "*bf16", "b_desc": desc([bk, bn]), "out0_desc": out, "out1_desc": out, "row_pair_ptr": "*i32",
+    sig = {"a_ptr": "*bf16", "b_desc": desc([bk, bw]), "out0_desc": out, "out1_desc": out, "row_pair_ptr": "*i32",
            "offsets_ptr": "*i32", "E": "i32"}
-    cx.update(STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+    cx.update(STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+              SPLIT_N=cfg.split_n)
     return sig, cx
