@@ -1,0 +1,131 @@
+"""Interleaved A/B of kernel variants (GPU only): the bf16 GEMM1 dgrad (Triton, Gluon cooperative, Gluon split_n)
+and the bf16 wgrads (Gluon default, split_n) at the 30B and 235B shapes.
+
+Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
+GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
+Here every round times each variant once, in a rotated order, and the report is the median over rounds.
+
+    python scripts/ab_kernels.py [--shapes 30b,235b] [--rounds 8] [--reps 10] [--out f.json]
+
+Per variant and round: 2 untimed launches, then ``--reps`` back-to-back launches between two CUDA events (ms per
+launch). Outputs are compared bit for bit with the first variant of their group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _groups(shape: str):
+    """{group: [(variant, fn returning its outputs)]} at one shape, inputs as scripts/bench_ws_gemm.py's."""
+    from titan_megamoe.kernels._bwd_common import default_bwd_config
+    from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad
+    from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
+    from titan_megamoe.testing import make_routing
+
+    D, F = SHAPES[shape]
+    T, E, K = 16384, 128, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lay = build_routing_layout(make_routing("uniform", T, E, K, seed=0).cuda(), E, 128)
+    n = int(lay.offsets[-1])
+    pad = lay.row_pair[:n] < 0
+    dgu = (torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g) * 0.1).bfloat16()
+    dgu[:n][pad] = 0
+    w1 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    hs = torch.randn(lay.n_cap, F, device="cuda", generator=g).bfloat16()
+    hs[:n][pad] = 0
+    dx = torch.empty(lay.n_cap, D, device="cuda", dtype=torch.bfloat16)
+
+    tri_cfg = default_bwd_config("gemm1_dgrad", lay, D, F)  # an explicit config: the Triton kernel, never Gluon
+
+    def triton_dgrad():
+        return gemm1_dgrad(dgu, w1, w3, lay, tri_cfg, out=dx)[:n]
+
+    o13 = tuple(torch.empty(E, F, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    o2 = torch.empty(E, D, F, device="cuda", dtype=torch.bfloat16)
+    flops = {"gemm1_dgrad": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F, "wgrad_w2": 2 * T * K * D * F}
+    groups = {
+        "gemm1_dgrad": [("triton", triton_dgrad),
+                        ("gluon coop", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["coop"])[:n]),
+                        ("gluon split", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["split"])[:n])],
+        "wgrad_w13": [("gluon default", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=WGRAD_CONFIG)),
+                      ("gluon split", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=SPLIT_CONFIG))],
+        "wgrad_w2": [("gluon default", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=WGRAD_CONFIG)),
+                     ("gluon split", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=SPLIT_CONFIG))],
+    }
+    return groups, flops
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="30b,235b")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ab_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = []
+    for shape in a.shapes.split(","):
+        groups, flops = _groups(shape)
+        for group, variants in groups.items():
+            first = [t.clone() for t in _as_tuple(variants[0][1]())]
+            same = {name: all(torch.equal(u, v) for u, v in zip(_as_tuple(fn()), first)) for name, fn in variants}
+            times = {name: [] for name, _ in variants}
+            for r in range(a.rounds):
+                k = r % len(variants)
+                for name, fn in variants[k:] + variants[:k]:  # rotated order
+                    times[name].append(_time(fn, a.reps))
+            base = statistics.median(times[variants[0][0]])
+            for name, _ in variants:
+                ms = statistics.median(times[name])
+                rows.append(dict(shape=shape, group=group, variant=name, ms=ms, tflops=flops[group] / ms / 1e9,
+                                 vs_first=ms / base, rounds_ms=times[name], bitwise_first=same[name]))
+                print(f"{shape:5s} {group:12s} {name:14s} {ms:7.3f} ms {rows[-1]['tflops']:5.0f} TF/s "
+                      f"x{ms / base:.3f} of {variants[0][0]}  bitwise {same[name]}", flush=True)
+    if a.out:
+        import triton
+
+        with open(a.out, "w") as f:
+            json.dump({"script": "scripts/ab_kernels.py", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+                       "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"), "rounds": a.rounds, "reps": a.reps,
+                       "tokens": 16384, "top_k": 8, "experts": 128, "routing": "uniform", "rows": rows}, f, indent=1)
+    return 0
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
