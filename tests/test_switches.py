@@ -85,18 +85,24 @@ def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
 
 
 def test_fp8_gemm2_dgrad_2cta_switch_reaches_the_fp8_backward_config():
-    """``GEMM2_DGRAD_FP8_2CTA`` swaps the GPU config of the Triton FP8 GEMM2 dgrad (BN 64 at 128 registers: two programs
-    per SM) and leaves the interpreter's alone; restored after."""
+    """``GEMM2_DGRAD_FP8_2CTA`` picks the GPU config of the Triton FP8 GEMM2 dgrad: "auto" (default) takes BN 64 at 128
+    registers (two programs per SM) at D = 2048, where it measured faster, and BN 128 at D = 4096, where it measured
+    slower; "1" / "0" force one; the interpreter's config never changes; restored after."""
     from titan_megamoe.kernels import grouped_gemm_fp8_bwd as B8
 
-    one = B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, False)
-    assert (one.block_n, one.maxnreg) == (128, None)  # the default: one program per SM
+    assert B8.GEMM2_DGRAD_FP8_2CTA == "auto"
+    two = B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, False)
+    assert two == B8.HOPPER_GEMM2_DGRAD_FP8_2CTA and (two.block_n, two.maxnreg) == (64, 128)
+    one = B8.fp8_bwd_config_for("gemm2_dgrad", 4096, 1536, False)
+    assert (one.block_n, one.maxnreg) == (128, None)  # one program per SM
     interp = B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, True)
     with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA": "1"}):
-        two = B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, False)
-        assert two == B8.HOPPER_GEMM2_DGRAD_FP8_2CTA and (two.block_n, two.maxnreg) == (64, 128)
+        assert B8.fp8_bwd_config_for("gemm2_dgrad", 4096, 1536, False) == two
         assert B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, True) == interp
-    assert B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, False) == one
+    with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA": "0"}):
+        assert B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, False).block_n == 128
+    assert B8.fp8_bwd_config_for("gemm2_dgrad", 2048, 768, False) == two
+    assert B8.fp8_bwd_config_for("gemm2_dgrad", 4096, 1536, False) == one
 
 
 def test_override_sets_a_multi_valued_switch_as_its_string():

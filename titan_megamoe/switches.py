@@ -80,7 +80,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_DGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM2_FP8", "1", attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_FP8"),)),
     Switch("TITAN_MEGAMOE_FP8_ORDERED_MMA", "0", attrs=(("titan_megamoe.kernels.ws_gemm_fp8", "ORDERED_MMA"),)),
-    Switch("TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA", "0",
+    Switch("TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA", "auto", values=("auto", "1", "0"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_fp8_bwd", "GEMM2_DGRAD_FP8_2CTA"),),
            caches=(("titan_megamoe.kernels.grouped_gemm_fp8_bwd", "fp8_bwd_config_for"),)),
     Switch("TITAN_MEGAMOE_FP8_QUANT_GLUON", "1", attrs=(("titan_megamoe.kernels.fp8_quant_bwd", "QUANT_GLUON"),)),

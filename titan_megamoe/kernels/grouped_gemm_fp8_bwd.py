@@ -75,7 +75,7 @@ from titan_megamoe.kernels.fp8_quant import _amax, _scale_of, _to_e4m3_rcp
 from titan_megamoe.kernels.fp8_quant_bwd import _check_transposed, empty_transposed
 from titan_megamoe.kernels.grouped_gemm import interpret_mode
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.kernels.jit import cdiv, env_flag, grouped_tile
+from titan_megamoe.kernels.jit import cdiv, env_choice, env_flag, grouped_tile
 from titan_megamoe.kernels.jit import interp_int as _interp_int
 from titan_megamoe.kernels.routing import RoutingLayout
 from titan_megamoe.ops.fp8_reference import AMAX_EPS, FP8_DTYPE, GROUP
@@ -94,9 +94,14 @@ HOPPER_WGRAD_FP8 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8
 #: 1.129 ms against 1.197 for the one-per-SM default (``sweep_g2d_fp8_1xh100_s26b_20261206.json``).
 HOPPER_GEMM2_DGRAD_FP8_2CTA = GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3, group_m=1,
                                          maxnreg=128)
-#: ``TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA``: the GEMM2 dgrad's GPU config is HOPPER_GEMM2_DGRAD_FP8_2CTA (read at import; a
-#: same-process switch, ``fp8_bwd_config_for`` is cleared with it).
-GEMM2_DGRAD_FP8_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA", False)
+#: ``TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA`` (read at import; a same-process switch, ``fp8_bwd_config_for`` is cleared
+#: with it): "auto" (default) takes HOPPER_GEMM2_DGRAD_FP8_2CTA for model dims in [GEMM2_DGRAD_FP8_2CTA_DIMS), "1"
+#: for every dim, "0" never. Layer on one H100, same process (``layer_1xh100_ep1_{30b,235b}_s26c_20261206.json``,
+#: ``..._fp8_s26d_...``): 30B (D = 2048) fp8 7.138 -> 7.017 and 7.186 -> 7.118 ms, 235B (D = 4096) 22.84 -> 23.14 and
+#: 22.59 -> 23.31: at D = 4096 the K loop is twice as long, so the epilogue weighs less, and BN 64 reads the gathered
+#: dout rows twice as often. Other dims were not measured, so "auto" keeps the one-per-SM config there.
+GEMM2_DGRAD_FP8_2CTA = env_choice("TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA", "auto", ("auto", "1", "0"))
+GEMM2_DGRAD_FP8_2CTA_DIMS = (2048, 4096)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -330,7 +335,8 @@ def fp8_bwd_config_for(kind: str, D: int, F: int, interpret: bool) -> GemmConfig
             return GemmConfig(block_m=GROUP, block_n=GROUP, block_k=GROUP, num_warps=1, num_stages=1, group_m=2)
         return GemmConfig(block_m=GROUP, block_n=64, block_k=GROUP, num_warps=1, num_stages=1, group_m=2)
     if kind == "gemm2_dgrad":
-        if GEMM2_DGRAD_FP8_2CTA and F % 64 == 0:
+        lo, hi = GEMM2_DGRAD_FP8_2CTA_DIMS
+        if F % 64 == 0 and (GEMM2_DGRAD_FP8_2CTA == "1" or (GEMM2_DGRAD_FP8_2CTA == "auto" and lo <= D < hi)):
             return HOPPER_GEMM2_DGRAD_FP8_2CTA
         return dataclasses.replace(HOPPER_GEMM2_DGRAD_FP8, block_n=_pow2_at_most(F, 128))
     if kind == "gemm1_dgrad":
