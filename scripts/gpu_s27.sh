@@ -51,4 +51,21 @@ for l in sys.stdin:
   grep -E "^(FAILED|ERROR)" "$OUT/keep/tests_gpu_2cta_b.log" | head
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null; mv "$OUT"/tests_gpu_*.log "$OUT/keep/"  # at most 8 files come back
 fi
+# PART=c: PART b timed the variants one after the other with do_bench, which favours the first (the same Gluon GEMM1
+#   dgrad: 1.212 ms first, 1.343 second), and its layer rows spread +-1 ms at 235B. (1) scripts/ab_kernels.py: Triton /
+#   Gluon coop / Gluon split GEMM1 dgrad and default / split wgrads, interleaved in rotated rounds; (2) Nsight on the
+#   split GEMM1 dgrad beside the default (tensor pipe busy %); (3) compare.layer: 30B fp8 with GEMM2_DGRAD_FP8_2CTA's
+#   new default ("auto": on at D = 2048) against =0, and bf16 235B with the split switches again.
+if [ "$PART" = c ]; then
+  timeout 150 python3 scripts/ab_kernels.py --out "$OUT/keep/ab_kernels_c.json" 2>&1 | tee "$OUT/ab_kernels_c.log"
+  echo "[t=$((SECONDS - t0))s] ab_kernels done"
+  timeout 120 "$(ncu_bin)" --clock-control none -k "regex:_gemm1_dgrad_ws_kernel" --launch-count 6 --launch-skip 1 \
+    --metrics "gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
+    python3 scripts/ncu_gemm_l2.py > "$OUT/keep/ncu_split_c.txt" 2> "$OUT/ncu_split_c.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  grep -E "^  [a-zA-Z_]|duration|per_second|pct_of_peak" "$OUT/keep/ncu_split_c.txt" | cut -c1-120 | head -50
+  layer_ab 30b_fp8_c "GEMM2_DGRAD_FP8_2CTA=0" qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 4
+  layer_ab 235b_c "WS_WGRAD_SPLIT=1,WS_GEMM1_DGRAD=split WS_WGRAD_SPLIT=1" qwen3-235b-a22b bf16 megamoe-triton 3
+  mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
+fi
 session_pack "s27$PART"

@@ -1,5 +1,6 @@
 """Launch the bf16 GEMMs whose limits Nsight Compute should compare (GPU only): a dense cuBLAS GEMM with the
-235B GEMM1 dgrad's sizes, then the Gluon GEMM1 dgrad and GEMM1 forward at the 235B shape, each ``--reps`` times.
+235B GEMM1 dgrad's sizes, then the Gluon GEMM1 dgrad (default and split_n) and GEMM1 forward at the 235B shape,
+each ``--reps`` + 1 times.
 
     ncu --clock-control none --launch-skip 1 -k regex:"gemm|nvjet|_ws_kernel" --metrics ... \
         python scripts/ncu_gemm_l2.py
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     from bench_ws_gemm import _inputs  # noqa: E402  (scripts/ on sys.path as the script's directory)
 
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_gemm import ws_gemm1_dgrad, ws_gemm1_fwd
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad, ws_gemm1_fwd
     from titan_megamoe.testing import make_routing
 
     D, F, E, K, T = 4096, 1536, 128, 8, 16384
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     out = torch.empty(P, D, device="cuda", dtype=torch.bfloat16)
     runs = {"dense cuBLAS (P x 2F) @ (2F x D)": lambda: torch.mm(a_dense, b_dense, out=out),
             "gluon ws_gemm1_dgrad 235B": lambda: ws_gemm1_dgrad(dgu, w1, w3, lay),
+            "gluon ws_gemm1_dgrad split_n 235B": lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=CONFIGS["split"]),
             "gluon ws_gemm1_fwd 235B": lambda: ws_gemm1_fwd(x, w1, w3, lay_f)}
     flops = 2 * P * 2 * F * D
     for name, fn in runs.items():
