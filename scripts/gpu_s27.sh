@@ -68,4 +68,12 @@ if [ "$PART" = c ]; then
   layer_ab 235b_c "WS_WGRAD_SPLIT=1,WS_GEMM1_DGRAD=split WS_WGRAD_SPLIT=1" qwen3-235b-a22b bf16 megamoe-triton 3
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
+# PART=d: PART c's interleaved A/B put the Triton GEMM1 dgrad ahead of the Gluon one at 235B on this H100 (5.46 vs 5.90
+#   ms, noisy; Gluon 17 % ahead at 30B). compare.layer beside stock TorchTitan compiled: 235B bf16 with WS_GEMM1_DGRAD=0
+#   (the Triton kernel), and 30B bf16 / fp8 with the new FP8 default (GEMM2_DGRAD_FP8_2CTA "auto").
+if [ "$PART" = d ]; then
+  layer_ab 235b_d "WS_GEMM1_DGRAD=0" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 4
+  layer_ab 30b_d "" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton 6
+  mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
+fi
 session_pack "s27$PART"
