@@ -202,6 +202,20 @@ if HAVE_GLUON:
                     idx += 1
 
     @gluon.jit
+    def _store_halves(lo, hi, desc, c_smem, row0, col0):
+        """Two fp32 (rows, W) halves of a tile as bf16 at columns col0 and col0 + W of ``desc``'s tensor, through one
+        (rows, W) staging tile: TMA store, wait until it has read the tile, second half (bf16 and FP8 GEMM1 dgrads)."""
+        W: gl.constexpr = c_smem.type.shape[1]
+        tma.store_wait(pendings=0)  # the previous store has read c_smem
+        c_smem.store(lo.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [row0, col0], c_smem)
+        tma.store_wait(pendings=0)
+        c_smem.store(hi.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [row0, col0 + W], c_smem)
+
+    @gluon.jit
     def _g1d_split_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
                             C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr):
@@ -235,17 +249,9 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
             # epilogue: zeros on padding rows (a multiply: see _g1d_consumer), bf16, one TMA store per half
             row0 = pid_m * BM + C * BMC
-            col0 = pid_n * 2 * BH
             vf = gl.expand_dims((gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0)
                                 .to(gl.float32), 1)
-            tma.store_wait(pendings=0)
-            c_smem.store((acc_lo * vf).to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dx_desc, [row0, col0], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store((acc_hi * vf).to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dx_desc, [row0, col0 + BH], c_smem)
+            _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, pid_n * 2 * BH)
         tma.store_wait(pendings=0)
 
     @gluon.jit

@@ -65,7 +65,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _swiglu_store, _tile_of
+    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _store_halves, _swiglu_store, _tile_of
 
 __all__ = ["DGRAD_FP8_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "GEMM2_FP8_CONFIG", "sm90_compile_args_dgrad_fp8",
            "sm90_compile_args_fp8", "sm90_compile_args_gemm2_fp8", "ws_gemm1_dgrad_fp8", "ws_gemm1_dgrad_fp8_supported",
@@ -338,14 +338,7 @@ if HAVE_GLUON:
             else:
                 # epilogue: zeros on padding rows (a multiply, not a select: see ws_gemm.py), bf16, TMA store per half
                 vf = gl.expand_dims(ok.to(gl.float32), 1)
-                tma.store_wait(pendings=0)
-                c_smem.store((acc_lo * vf).to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(dx_desc, [row0, col0], c_smem)
-                tma.store_wait(pendings=0)
-                c_smem.store((acc_hi * vf).to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(dx_desc, [row0, col0 + BH], c_smem)
+                _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, col0)
         if not SCATTER:
             tma.store_wait(pendings=0)
 
