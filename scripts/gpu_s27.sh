@@ -76,4 +76,13 @@ if [ "$PART" = d ]; then
   layer_ab 30b_d "" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton 6
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
+# PART=e: the wgrads under Nsight Compute, default (3 stages) and split_n (4 stages), 235B: does the 4th stage raise the
+#   tensor pipe's busy share as it did for the GEMM1 dgrad (67-70 -> 79-84 %)? The launcher is ab_kernels.py (one round).
+if [ "$PART" = e ]; then
+  timeout 150 "$(ncu_bin)" --clock-control none -k "regex:_wgrad_ws_kernel" --launch-count 12 \
+    --metrics "launch__shared_mem_per_block_dynamic,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
+    python3 scripts/ab_kernels.py --shapes 235b --rounds 1 --reps 1 > "$OUT/keep/ncu_wgrad_e.txt" 2> "$OUT/ncu_wgrad_e.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  grep -E "^  [a-zA-Z_]|shared_mem|duration|per_second|pct_of_peak" "$OUT/keep/ncu_wgrad_e.txt" | cut -c1-120 | head -110
+fi
 session_pack "s27$PART"
