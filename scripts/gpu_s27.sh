@@ -78,6 +78,7 @@ if [ "$PART" = d ]; then
 fi
 # PART=e: the wgrads under Nsight Compute, default (3 stages) and split_n (4 stages), 235B: does the 4th stage raise the
 #   tensor pipe's busy share as it did for the GEMM1 dgrad (67-70 -> 79-84 %)? The launcher is ab_kernels.py (one round).
+#   Not run in session 27 (no device time left to start a machine).
 if [ "$PART" = e ]; then
   timeout 150 "$(ncu_bin)" --clock-control none -k "regex:_wgrad_ws_kernel" --launch-count 12 \
     --metrics "launch__shared_mem_per_block_dynamic,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
