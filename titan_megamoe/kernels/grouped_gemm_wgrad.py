@@ -55,7 +55,9 @@ WGRAD_IMPLS = ("auto", "triton", "grouped_mm", "gluon")
 #: ``ws_wgrad.SPLIT_CONFIG`` (each consumer's accumulator as two column halves, half the epilogue's shared memory,
 #: a 4-stage ring) instead of ``WGRAD_CONFIG`` (3 stages). Why: Nsight on one H100 found the 3-stage Gluon GEMM1
 #: dgrad's tensor pipe busy 66-71 % against 88-90 % for the 4-stage GEMM1 forward and 93 % for cuBLAS, with neither
-#: L2 (70 %) nor shared memory (55 %) saturated (``ncu_gemm_l2_1xh100_s27a_20261206.txt``).
+#: L2 (70 %) nor shared memory (55 %) saturated (``ncu_gemm_l2_1xh100_s27a_20261206.txt``). Off by default: in an
+#: interleaved A/B (``ab_kernels_1xh100_s27c_20261206.json``) dw1 | dw3 at 235B went 5.83 -> 5.44 ms, but the 30B
+#: wgrads 2-3 % slower, and the 235B layer did not move beyond its spread (docs/NOTES.md, session 27).
 WS_WGRAD_SPLIT = env_flag("TITAN_MEGAMOE_WS_WGRAD_SPLIT", False)
 
 
