@@ -1,14 +1,16 @@
-"""Interleaved A/B of kernel variants (GPU only): the bf16 GEMM1 dgrad (Triton, Gluon cooperative, Gluon split_n)
-and the bf16 wgrads (Gluon default, split_n) at the 30B and 235B shapes.
+"""Interleaved A/B of kernel variants (GPU only) at the 30B and 235B shapes: the bf16 GEMM1 dgrad (Triton, Gluon
+cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8), the bf16 wgrads (Gluon default, split_n)
+and the bf16 GEMM2 dgrad (Triton two programs per SM, Triton one per SM, Gluon v2).
 
 Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
 GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
 Here every round times each variant once, in a rotated order, and the report is the median over rounds.
 
-    python scripts/ab_kernels.py [--shapes 30b,235b] [--rounds 8] [--reps 10] [--out f.json]
+    python scripts/ab_kernels.py [--shapes 30b,235b] [--groups gemm2_dgrad,...] [--rounds 8] [--reps 10] [--out f.json]
 
 Per variant and round: 2 untimed launches, then ``--reps`` back-to-back launches between two CUDA events (ms per
-launch). Outputs are compared bit for bit with the first variant of their group.
+launch). Outputs are compared bit for bit with the first variant of their group (the GEMM2 dgrad's d score partials
+are left out: the Gluon kernel sums them in another order). As an Nsight Compute launcher: ``--rounds 1 --reps 1``.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def _time(fn, reps: int) -> float:
 
 def _groups(shape: str):
     """{group: [(variant, fn returning its outputs)]} at one shape, inputs as scripts/bench_ws_gemm.py's."""
+    import dataclasses
+
     from titan_megamoe.kernels._bwd_common import default_bwd_config
-    from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad
+    from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, G2D_CONFIG, ws_gemm1_dgrad, ws_gemm2_dgrad
     from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
     from titan_megamoe.testing import make_routing
 
@@ -69,13 +73,37 @@ def _groups(shape: str):
     def triton_dgrad():
         return gemm1_dgrad(dgu, w1, w3, lay, tri_cfg, out=dx)[:n]
 
+    gu = (torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g) * 2).bfloat16()
+    scores = torch.rand(T, K, device="cuda", generator=g)
+    hs2 = torch.empty_like(hs)
+    g2_out = (torch.empty(lay.n_cap, 2 * F, device="cuda", dtype=torch.bfloat16),
+              torch.empty(lay.n_cap, F // 128, device="cuda"))
+    g2_two = default_bwd_config("gemm2_dgrad", lay, D, F)  # two programs per SM at D >= 2048
+    g2_one = dataclasses.replace(g2_two, num_stages=4, maxnreg=None)  # session 9's one-per-SM config
+
+    def gemm2_dgrad(cfg):
+        gemm2_dgrad_swiglu_bwd(dout, w2t, gu, scores, lay, cfg, out=g2_out, hs_out=hs2)
+        return g2_out[0][:n], hs2[:n]
+
+    def gluon_gemm2_dgrad():
+        ws_gemm2_dgrad(dout, w2t, gu, scores, lay, out=g2_out, hs_out=hs2, cfg=G2D_CONFIG)
+        return g2_out[0][:n], hs2[:n]
+
+    w2t = (torch.randn(E, D, F, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    coop = CONFIGS["coop"]
     o13 = tuple(torch.empty(E, F, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     o2 = torch.empty(E, D, F, device="cuda", dtype=torch.bfloat16)
-    flops = {"gemm1_dgrad": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F, "wgrad_w2": 2 * T * K * D * F}
+    flops = {"gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
+             "wgrad_w2": 2 * T * K * D * F, "gemm2_dgrad": 2 * T * K * D * F}
     groups = {
         "gemm1_dgrad": [("triton", triton_dgrad),
                         ("gluon coop", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["coop"])[:n]),
                         ("gluon split", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["split"])[:n])],
+        "gemm1_dgrad_order": [(f"gluon group_m {m}", lambda m=m: ws_gemm1_dgrad(
+            dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, group_m=m))[:n]) for m in (1, 4, 8)],
+        "gemm2_dgrad": [("triton 2/SM", lambda: gemm2_dgrad(g2_two)),
+                        ("triton 1/SM", lambda: gemm2_dgrad(g2_one)),
+                        ("gluon v2", gluon_gemm2_dgrad)],
         "wgrad_w13": [("gluon default", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=WGRAD_CONFIG)),
                       ("gluon split", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=SPLIT_CONFIG))],
         "wgrad_w2": [("gluon default", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=WGRAD_CONFIG)),
@@ -87,6 +115,7 @@ def _groups(shape: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="30b,235b")
+    p.add_argument("--groups", default=None, help="comma-separated kernel groups (default: all)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
@@ -98,6 +127,8 @@ def main(argv=None) -> int:
     for shape in a.shapes.split(","):
         groups, flops = _groups(shape)
         for group, variants in groups.items():
+            if a.groups and group not in a.groups.split(","):
+                continue
             first = [t.clone() for t in _as_tuple(variants[0][1]())]
             same = {name: all(torch.equal(u, v) for u, v in zip(_as_tuple(fn()), first)) for name, fn in variants}
             times = {name: [] for name, _ in variants}
