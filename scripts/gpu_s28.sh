@@ -12,8 +12,12 @@ ncu_rows() { grep -E "^  [a-zA-Z_]|duration|per_second|pct_of_peak|bytes_read|by
 #   consumer) ask 128 B/clk of shared memory, its whole bandwidth; the Triton kernel's 128 x 128 tiles ~160 B/clk at
 #   the tensor pipe's peak, so both are shared-memory bound; (3) the Gluon GEMM1 dgrad's tile order (group_m 1 / 4 / 8):
 #   DRAM bytes (session 27: ~11 GB against a 5.1 GB minimum) and time; (4) session 27's PART e: Nsight on the wgrads,
-#   default and split_n.
+#   default and split_n. On an H200, issue 4's measurement first (layer beside stock TorchTitan compiled).
 if [ "$PART" = a ]; then
+  if grep -q H200 "$OUT/gpu.txt"; then  # issue 4 names the H200: its measurement first, beside stock compiled
+    layer_ab 235b_h200_a "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 4
+    layer_ab 30b_h200_a "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton 4
+  fi
   gpu_tests halves_a tests/test_ws_gemm_fp8.py tests/test_ws_gemm.py -k gpu
   timeout 150 python3 scripts/ab_kernels.py --shapes 235b,30b --groups gemm2_dgrad,gemm1_dgrad_order --rounds 8 \
     --out "$OUT/keep/ab_kernels_a.json" > "$OUT/ab_kernels_a.log" 2>&1
