@@ -81,8 +81,14 @@ def _groups(shape: str):
     g2_two = default_bwd_config("gemm2_dgrad", lay, D, F)  # two programs per SM at D >= 2048
     g2_one = dataclasses.replace(g2_two, num_stages=4, maxnreg=None)  # session 9's one-per-SM config
 
+    # one program per SM on 128 x 256 tiles, 16 warps (2 x 2 warpgroups of m64n128): per thread the registers of the
+    # two-per-SM 128 x 128 config (sm_90a: 128 registers, 16 B of stack), wgmma's B tile read by 2 warpgroups, not 4
+    g2_wide = {s: dataclasses.replace(g2_two, block_n=256, num_warps=16, num_stages=s) for s in (3, 4)}
+    g2_out_wide = (g2_out[0], torch.empty(lay.n_cap, F // 256, device="cuda"))
+
     def gemm2_dgrad(cfg):
-        gemm2_dgrad_swiglu_bwd(dout, w2t, gu, scores, lay, cfg, out=g2_out, hs_out=hs2)
+        out = g2_out if cfg.block_n == 128 else g2_out_wide
+        gemm2_dgrad_swiglu_bwd(dout, w2t, gu, scores, lay, cfg, out=out, hs_out=hs2)
         return g2_out[0][:n], hs2[:n]
 
     def gluon_gemm2_dgrad():
@@ -103,6 +109,8 @@ def _groups(shape: str):
             dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, group_m=m))[:n]) for m in (1, 4, 8)],
         "gemm2_dgrad": [("triton 2/SM", lambda: gemm2_dgrad(g2_two)),
                         ("triton 1/SM", lambda: gemm2_dgrad(g2_one)),
+                        ("triton 128x256 16w 3st", lambda: gemm2_dgrad(g2_wide[3])),
+                        ("triton 128x256 16w 4st", lambda: gemm2_dgrad(g2_wide[4])),
                         ("gluon v2", gluon_gemm2_dgrad)],
         "wgrad_w13": [("gluon default", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=WGRAD_CONFIG)),
                       ("gluon split", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=SPLIT_CONFIG))],

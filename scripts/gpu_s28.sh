@@ -7,7 +7,7 @@ NCU_METRICS="gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__pipe_t
 ncu_rows() { grep -E "^  [a-zA-Z_]|duration|per_second|pct_of_peak|bytes_read|bytes_write|registers|grid_size|Stall|Warp Cycles|Issued" "$1" | cut -c1-120 | head -${2:-80}; }
 # PART=a: (1) the GPU tests of session 27's ws_gemm._store_halves refactor (the default FP8 GEMM1 dgrad's epilogue and
 #   the split bf16 one), never run on a GPU; (2) the bf16 GEMM2 dgrad at 235B (~455 TF/s, the least efficient GEMM of
-#   the layer): interleaved Triton two-per-SM / one-per-SM / Gluon v2, then Nsight (tensor pipe, shared memory, L2,
+#   the layer): interleaved Triton two-per-SM / one-per-SM / 128 x 256 at 16 warps / Gluon v2, then Nsight (tensor pipe, shared memory, L2,
 #   DRAM, warp stall reasons). Hypothesis: the Gluon v2 kernel's m64n64 wgmmas (two 64-column accumulators per
 #   consumer) ask 128 B/clk of shared memory, its whole bandwidth; the Triton kernel's 128 x 128 tiles ~160 B/clk at
 #   the tensor pipe's peak, so both are shared-memory bound; (3) the Gluon GEMM1 dgrad's tile order (group_m 1 / 4 / 8):
@@ -22,7 +22,7 @@ if [ "$PART" = a ]; then
   timeout 150 python3 scripts/ab_kernels.py --shapes 235b,30b --groups gemm2_dgrad,gemm1_dgrad_order --rounds 8 \
     --out "$OUT/keep/ab_kernels_a.json" > "$OUT/ab_kernels_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab_kernels rc $?"; grep -E "^(30b|235b)" "$OUT/ab_kernels_a.log"; tail -3 "$OUT/ab_kernels_a.log"
-  timeout 120 "$(ncu_bin)" --clock-control none -k "regex:dgrad" --launch-skip 3 --launch-count 12 \
+  timeout 120 "$(ncu_bin)" --clock-control none -k "regex:dgrad" --launch-skip 6 --launch-count 15 \
     --section WarpStateStats --metrics "$NCU_METRICS" \
     python3 scripts/ab_kernels.py --shapes 235b --groups gemm2_dgrad --rounds 1 --reps 1 \
     > "$OUT/keep/ncu_gemm2_dgrad_a.txt" 2> "$OUT/ncu_gemm2_dgrad_a.err"
