@@ -1,6 +1,7 @@
 """Interleaved A/B of kernel variants (GPU only) at the 30B and 235B shapes: the bf16 GEMM1 dgrad (Triton, Gluon
 cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8), the bf16 wgrads (Gluon default, split_n)
-and the bf16 GEMM2 dgrad (Triton two programs per SM, Triton one per SM, Gluon v2).
+and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
+m64n128 accumulator per consumer or two m64n64 ones).
 
 Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
 GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
@@ -48,7 +49,7 @@ def _groups(shape: str):
     from titan_megamoe.kernels._bwd_common import default_bwd_config
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_gemm import CONFIGS, G2D_CONFIG, ws_gemm1_dgrad, ws_gemm2_dgrad
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm1_dgrad, ws_gemm2_dgrad
     from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
     from titan_megamoe.testing import make_routing
 
@@ -91,8 +92,8 @@ def _groups(shape: str):
         gemm2_dgrad_swiglu_bwd(dout, w2t, gu, scores, lay, cfg, out=out, hs_out=hs2)
         return g2_out[0][:n], hs2[:n]
 
-    def gluon_gemm2_dgrad():
-        ws_gemm2_dgrad(dout, w2t, gu, scores, lay, out=g2_out, hs_out=hs2, cfg=G2D_CONFIG)
+    def gluon_gemm2_dgrad(cfg):
+        ws_gemm2_dgrad(dout, w2t, gu, scores, lay, out=g2_out, hs_out=hs2, cfg=cfg)
         return g2_out[0][:n], hs2[:n]
 
     w2t = (torch.randn(E, D, F, device="cuda", generator=g) / D ** 0.5).bfloat16()
@@ -111,7 +112,8 @@ def _groups(shape: str):
                         ("triton 1/SM", lambda: gemm2_dgrad(g2_one)),
                         ("triton 128x256 16w 3st", lambda: gemm2_dgrad(g2_wide[3])),
                         ("triton 128x256 16w 4st", lambda: gemm2_dgrad(g2_wide[4])),
-                        ("gluon v2", gluon_gemm2_dgrad)],
+                        ("gluon m64n128", lambda: gluon_gemm2_dgrad(G2D_CONFIG)),
+                        ("gluon split m64n64", lambda: gluon_gemm2_dgrad(G2D_SPLIT_CONFIG))],
         "wgrad_w13": [("gluon default", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=WGRAD_CONFIG)),
                       ("gluon split", lambda: ws_wgrad_w13(dgu, x, lay, out=o13, cfg=SPLIT_CONFIG))],
         "wgrad_w2": [("gluon default", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=WGRAD_CONFIG)),

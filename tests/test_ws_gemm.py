@@ -32,10 +32,10 @@ def _compile_sm90_all() -> list[dict]:
         r = compile_sm90(ws_gemm._gemm1_fwd_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"fwd_{shape}", **r))
     for shape, (D, F) in SHAPES.items():
-        cfg = ws_gemm.G2D_CONFIG
-        sig, cx = ws_gemm.sm90_compile_args(cfg, D, F, kind="gemm2_dgrad")
-        r = compile_sm90(ws_gemm._gemm2_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
-        out.append(dict(label=f"g2d_{shape}", **r))
+        for name, cfg in (("g2d", ws_gemm.G2D_CONFIG), ("g2d_split", ws_gemm.G2D_SPLIT_CONFIG)):
+            sig, cx = ws_gemm.sm90_compile_args(cfg, D, F, kind="gemm2_dgrad")
+            r = compile_sm90(ws_gemm._gemm2_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+            out.append(dict(label=f"{name}_{shape}", **r))
     lay = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     lay_b = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     sig = {"a_desc": f"tensordesc<bf16[64, 64],{lay!r}>", "b_desc": f"tensordesc<bf16[64, 128],{lay_b!r}>",
@@ -76,13 +76,14 @@ def test_ws_gemm1_fwd_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
-@pytest.mark.parametrize("label", ["g2d_30b", "g2d_235b"])
+@pytest.mark.parametrize("label", ["g2d_30b", "g2d_235b", "g2d_split_30b", "g2d_split_235b"])
 def test_ws_gemm2_dgrad_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
-    assert r["wgmma"] == 16, r  # two consumers x two m64n64 column halves x 4 k16 steps
+    # two consumers x 4 k16 steps x (one m64n128, or split: two m64n64 column halves)
+    assert r["wgmma"] == (16 if "split" in label else 8), r
     assert r["cp_async"] > 0 and r["tma"] > 0, "gathered dout rows by cp.async, w2 by TMA"
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # 216 / 72 registers: no spills
@@ -234,13 +235,14 @@ def _g2d_reference(dout, w2, gu, sc, lay):
     (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 256, "zero_expert"),
     (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
 ], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"])
-def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case):
+@pytest.mark.parametrize("split", [False, True], ids=["m64n128", "split-m64n64"])
+def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case, split):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     from titan_megamoe import switches
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_gemm import ws_gemm2_dgrad
+    from titan_megamoe.kernels.ws_gemm import G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm2_dgrad
     from titan_megamoe.testing import make_routing, rel_err
 
     T, E, K, D, F, routing = case
@@ -255,7 +257,7 @@ def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case):
     nan = lambda *shape, dt=torch.bfloat16: torch.full(shape, float("nan"), device="cuda", dtype=dt)  # noqa: E731
     out = (nan(lay.n_cap, 2 * F), nan(lay.n_cap, F // 128, dt=torch.float32))
     hs = nan(lay.n_cap, F)
-    ws_gemm2_dgrad(dout, w2, gu, sc, lay, out=out, hs_out=hs)
+    ws_gemm2_dgrad(dout, w2, gu, sc, lay, out=out, hs_out=hs, cfg=G2D_SPLIT_CONFIG if split else G2D_CONFIG)
     with switches.override({"TITAN_MEGAMOE_WS_GEMM2_DGRAD": "0"}):  # the Triton kernel
         ths = torch.empty_like(hs)
         tdgu, tpart = gemm2_dgrad_swiglu_bwd(dout, w2, gu, sc, lay, hs_out=ths)
@@ -269,6 +271,8 @@ def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case):
     assert rel_err(part[:n].sum(1), rdscore) < 1e-2
     assert rel_err(dgu[:n], tdgu[:n]) < 1e-2 and rel_err(hs[:n], ths[:n]) < 1e-2
     assert rel_err(part[:n].sum(1), tpart[:n].sum(1)) < 1e-3
+    print(f"gemm2 dgrad {case[-1]} split={split}: bitwise the Triton kernel's dgate_up {torch.equal(dgu[:n], tdgu[:n])}, "
+          f"hs {torch.equal(hs[:n], ths[:n])}")
 
 
 def _gpu_case(T, E, K, D, F, routing, cfg, seed):

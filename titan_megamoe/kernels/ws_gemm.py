@@ -67,8 +67,8 @@ try:
 except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper API
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "CONFIGS", "FWD_CONFIG", "G2D_CONFIG", "WsConfig", "sm90_compile_args", "ws_gemm1_dgrad",
-           "ws_gemm1_dgrad_supported", "ws_gemm1_fwd", "ws_gemm1_fwd_supported", "ws_gemm2_dgrad",
+__all__ = ["HAVE_GLUON", "CONFIGS", "FWD_CONFIG", "G2D_CONFIG", "G2D_SPLIT_CONFIG", "WsConfig", "sm90_compile_args",
+           "ws_gemm1_dgrad", "ws_gemm1_dgrad_supported", "ws_gemm1_fwd", "ws_gemm1_fwd_supported", "ws_gemm2_dgrad",
            "ws_gemm2_dgrad_supported"]
 
 
@@ -538,39 +538,62 @@ if HAVE_GLUON:
     @gluon.jit
     def _g2d_consumer(dgu_desc, hs_desc, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs,
                       gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, c_smem, C: gl.constexpr, D: gl.constexpr,
-                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2). The BN columns
-        # are two accumulators of BN / 2 (two m64n64 wgmma per k16 step): the epilogue's fp32 tiles of one half
-        # fit the registers (one m64n128 accumulator and its gate / up / SwiGLU tiles spilled 200 bytes).
+                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      SPLIT: gl.constexpr):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2). The epilogue runs
+        # per BN / 2 column half (the fp32 tiles of a whole m64n128 spilled 200 bytes). SPLIT: two m64n64
+        # accumulators (two wgmma per k16 step, each re-reading the A tile from shared memory); else one m64n128,
+        # split in registers after the main loop (its layout's halves are the m64n64 layout: no data movement).
         BMC: gl.constexpr = hs_desc.block_type.shape[0]
         BH: gl.constexpr = hs_desc.block_type.shape[1]
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         KT: gl.constexpr = D // BK
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BH, 16])
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BH, 16])
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, 2 * BH, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, half_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         for j in range(count):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
-            acc0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
-            for k in range(KT):
-                idx = idx0 + k
-                s = idx % STAGES
-                ph = (idx // STAGES) & 1
-                mbarrier.wait(ready_a.index(s), ph)
-                mbarrier.wait(ready_b.index(s), ph)
-                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
-                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                b = b_bufs.index(s)
-                acc0 = warpgroup_mma(a, b.slice(0, BH, dim=1), acc0, is_async=True)
-                acc1 = warpgroup_mma(a, b.slice(BH, BH, dim=1), acc1, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
-                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            if SPLIT:
+                acc0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=half_layout)
+                acc1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=half_layout)
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    ph = (idx // STAGES) & 1
+                    mbarrier.wait(ready_a.index(s), ph)
+                    mbarrier.wait(ready_b.index(s), ph)
+                    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                    b = b_bufs.index(s)
+                    acc0 = warpgroup_mma(a, b.slice(0, BH, dim=1), acc0, is_async=True)
+                    acc1 = warpgroup_mma(a, b.slice(BH, BH, dim=1), acc1, is_async=True)
+                    acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                    if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            else:
+                acc = gl.zeros((BMC, 2 * BH), dtype=gl.float32, layout=wide_layout)
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    ph = (idx // STAGES) & 1
+                    mbarrier.wait(ready_a.index(s), ph)
+                    mbarrier.wait(ready_b.index(s), ph)
+                    fence_async_shared()
+                    acc = warpgroup_mma(a_bufs.index(s).slice(C * BMC, BMC, dim=0), b_bufs.index(s), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    if k > 0:
+                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc0, acc1 = gl.split(gl.permute(gl.reshape(acc, [BMC, 2, BH]), [0, 2, 1]))
+                acc0 = gl.convert_layout(acc0, half_layout)
+                acc1 = gl.convert_layout(acc1, half_layout)
             mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
             # epilogue; padding rows masked by multiplies (a select on the accumulator serializes the wgmmas)
             row0 = pid_m * BM + C * BMC
@@ -595,7 +618,8 @@ if HAVE_GLUON:
     def _gemm2_dgrad_ws_kernel(dout_ptr, w2_desc, dgu_desc, hs_desc, gu_desc, scores_ptr, dscore_ptr, row_pair_ptr,
                                tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
                                NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
-                               BK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                               BK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               SPLIT: gl.constexpr):
         """g = dout[t] @ w2[e] per row tile, then the SwiGLU backward: dgate_up, hs = s h and the d score
         partials (the Triton kernel is ``grouped_gemm_bwd._gemm2_dgrad_swiglu_bwd_kernel``). Grid: (programs,).
 
@@ -623,10 +647,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g2d_consumer, (dgu_desc, hs_desc, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs,
                              gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, c0, 0, D, F, NUM_N, GROUP_M,
-                             STAGES)),
+                             STAGES, SPLIT)),
             (_g2d_consumer, (dgu_desc, hs_desc, scores_ptr, dscore_ptr, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs,
                              gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, c1, 1, D, F, NUM_N, GROUP_M,
-                             STAGES)),
+                             STAGES, SPLIT)),
             (_g2d_producer, (dout_ptr, w2_desc, gu_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs,
                              gu_bufs, ready_a, ready_b, empty, epi_ready, epi_empty, D, F, TOPK, NUM_N, GROUP_M,
                              STAGES)),
@@ -704,7 +728,7 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", 
                "hs_desc": desc([bm // 2, bn // 2]), "gu_desc": desc([bm, bn]), "scores_ptr": "*fp32", "dscore_ptr": "*fp32",
                "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
         cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SPLIT=cfg.split_n)
         return sig, cx
     if kind == "gemm1":
         sig = {"x_ptr": "*bf16", "w1_desc": desc([bn, bk]), "w3_desc": desc([bn, bk]), "gu_desc": desc([bm // 2, bn]),
@@ -886,6 +910,9 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
 #: bench_ws_gemm2_dgrad_v2_s18e_1xh200_20261205.json): 1.120 ms at 30B, 3.733 at 235B, against the Triton kernel's
 #: 1.014 / 3.484 (session 13's version, global gate / up loads: 1.164 at 4 stages, 1.109 at 6), so it stays opt-in.
 G2D_CONFIG = WsConfig(block_n=128, stages=4, group_m=1, coop=True, consumer_regs=216, producer_regs=72)
+#: Session 18's v2 of it: two m64n64 accumulators per consumer (``split_n``), each wgmma re-reading the A tile.
+G2D_SPLIT_CONFIG = WsConfig(block_n=128, stages=4, group_m=1, coop=True, consumer_regs=216, producer_regs=72,
+                            split_n=True)
 
 
 def ws_gemm2_dgrad_supported(dout_TD: Tensor, w2_EDF: Tensor, cfg: WsConfig = G2D_CONFIG) -> str | None:
@@ -961,5 +988,5 @@ def launch_gemm2_dgrad(dout_TD: Tensor, w2_EDF: Tensor, gate_up_N2F: Tensor, sco
     launch(_gemm2_dgrad_ws_kernel, (programs,),
            dout_TD, w2_desc, dgu_desc, hs_desc, gu_desc, scores_TK, dscore_part, layout.row_pair,
            layout.tile_expert, layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk,
-           cfg.producer_regs, cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.producer_regs, cfg.consumer_regs, cfg.split_n, num_warps=4, maxnreg=cfg.maxnreg)
     return dgate_up, dscore_part
