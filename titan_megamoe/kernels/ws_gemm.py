@@ -510,10 +510,11 @@ if HAVE_GLUON:
                     tma.async_copy_global_to_shared(gu_desc, [pid_m * BM, F + pid_n * BN], epi_ready, gu_bufs.index(1))
 
     @gluon.jit
-    def _g2d_epilogue(g, dgu_desc, hs_desc, gate_s, up_s, vf, sc, row0, col0, c_smem, F: gl.constexpr):
+    def _g2d_epilogue(g, dgu_desc, hs_desc, gate_s, up_s, vf, sc, row0, col0, c_x, c_y, F: gl.constexpr):
         """SwiGLU backward of one BMC x BH column block (g = the fp32 GEMM result; the Triton kernel's formulas), with
         its gate / up tiles from shared memory (``gate_s`` / ``up_s``, loaded by the producer's TMA under the main
-        loop): writes dgate, dup and hs through ``c_smem``, returns the block's row sums of g h."""
+        loop): writes dgate, dup and hs through the staging tiles ``c_x``, ``c_y``, ``c_x`` (TMA stores; a tile is
+        rewritten once the store before the last has read it), returns the block's row sums of g h."""
         gate = gate_s.load(g.type.layout).to(gl.float32) * vf
         up = up_s.load(g.type.layout).to(gl.float32) * vf
         sig = 1.0 / (1.0 + gl.exp(-gate))
@@ -521,18 +522,18 @@ if HAVE_GLUON:
         g = g * vf
         dscore = gl.sum(g * (silu * up).to(gl.bfloat16).to(gl.float32), axis=1)  # h as GEMM2 consumed it
         dh = g * sc
-        tma.store_wait(pendings=0)
-        c_smem.store((dh * up * (sig * (1.0 + gate * (1.0 - sig)))).to(gl.bfloat16))  # silu' = sig (1 + x (1 - sig))
+        tma.store_wait(pendings=1)
+        c_x.store((dh * up * (sig * (1.0 + gate * (1.0 - sig)))).to(gl.bfloat16))  # silu' = sig (1 + x (1 - sig))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dgu_desc, [row0, col0], c_smem)
-        tma.store_wait(pendings=0)
-        c_smem.store((dh * silu).to(gl.bfloat16))
+        tma.async_copy_shared_to_global(dgu_desc, [row0, col0], c_x)
+        tma.store_wait(pendings=1)
+        c_y.store((dh * silu).to(gl.bfloat16))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], c_smem)
-        tma.store_wait(pendings=0)
-        c_smem.store((silu * up * sc).to(gl.bfloat16))
+        tma.async_copy_shared_to_global(dgu_desc, [row0, F + col0], c_y)
+        tma.store_wait(pendings=1)
+        c_x.store((silu * up * sc).to(gl.bfloat16))
         fence_async_shared()
-        tma.async_copy_shared_to_global(hs_desc, [row0, col0], c_smem)
+        tma.async_copy_shared_to_global(hs_desc, [row0, col0], c_x)
         return dscore
 
     @gluon.jit
@@ -606,10 +607,11 @@ if HAVE_GLUON:
             mbarrier.wait(epi_ready, j & 1)  # this tile's gate / up tiles are in gu_bufs
             gate = gu_bufs.index(0).slice(C * BMC, BMC, dim=0)
             up = gu_bufs.index(1).slice(C * BMC, BMC, dim=0)
+            # the staging tiles alternate: x y x for the first half, y x y for the second
             dscore = _g2d_epilogue(acc0, dgu_desc, hs_desc, gate.slice(0, BH, dim=1), up.slice(0, BH, dim=1), vf, sc,
-                                   row0, col0, c_smem, F)
+                                   row0, col0, c_smem.index(0), c_smem.index(1), F)
             dscore += _g2d_epilogue(acc1, dgu_desc, hs_desc, gate.slice(BH, BH, dim=1), up.slice(BH, BH, dim=1), vf,
-                                    sc, row0, col0 + BH, c_smem, F)
+                                    sc, row0, col0 + BH, c_smem.index(1), c_smem.index(0), F)
             mbarrier.arrive(epi_empty, count=1)  # both consumers: the producer may load the next tile's gate / up
             gl.store(dscore_ptr + rows.to(gl.int64) * NUM_N + pid_n, dscore)
         tma.store_wait(pendings=0)
@@ -631,8 +633,9 @@ if HAVE_GLUON:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
         gu_bufs = gl.allocate_shared_memory(dtype, [2] + gu_desc.block_type.shape, gu_desc.layout)
-        c0 = gl.allocate_shared_memory(dtype, hs_desc.block_type.shape, hs_desc.layout)
-        c1 = gl.allocate_shared_memory(dtype, hs_desc.block_type.shape, hs_desc.layout)
+        # two staging tiles per consumer: an epilogue store waits for the one before the last, not the last
+        c0 = gl.allocate_shared_memory(dtype, [2] + hs_desc.block_type.shape, hs_desc.layout)
+        c1 = gl.allocate_shared_memory(dtype, [2] + hs_desc.block_type.shape, hs_desc.layout)
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
