@@ -33,4 +33,15 @@ if [ "$PART" = a ]; then
   fi
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
+# PART=b: PART a's interleaved A/B put the Triton GEMM2 dgrad on 128 x 256 tiles at 16 warps, one program per SM,
+#   4 stages, 12 % ahead of the two-per-SM default at 235B (3.131 vs 3.577 ms) and 5 % at 30B, bitwise the same
+#   outputs; Nsight: the default is L2-bound (84 %), the wide tile halves the gathered rows' L2 traffic. Now the
+#   default (GEMM2_DGRAD_WIDE). (1) compare.layer 235B beside stock TorchTitan compiled, with GEMM2_DGRAD_WIDE=0 as
+#   the old default, same process; (2) 30B the same without stock if time is left; (3) the bf16 op's GPU tests.
+if [ "$PART" = b ]; then
+  layer_ab 235b_b "GEMM2_DGRAD_WIDE=0" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 4
+  [ "$(left 100)" -ge 70 ] && layer_ab 30b_b "GEMM2_DGRAD_WIDE=0" qwen3-30b-a3b bf16 megamoe-triton 3
+  [ "$(left 100)" -ge 40 ] && gpu_tests wide_b tests/test_gpu.py -k "real_shapes or cuda_graph"
+  mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
+fi
 session_pack "s28$PART"

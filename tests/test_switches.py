@@ -70,18 +70,24 @@ def test_fp8_gemm2_switch_reaches_the_fp8_config():
     assert g8.fp8_config_for("gemm2", 2048, 768, False).persistent
 
 
-def test_gemm2_dgrad_2cta_switch_reaches_the_backward_config():
+def test_gemm2_dgrad_wide_and_2cta_switches_reach_the_backward_config():
     from titan_megamoe.kernels._bwd_common import _default_bwd_config
 
-    two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
-    assert (two.maxnreg, two.num_stages, two.num_warps) == (128, 3, 8)  # the default: two programs per SM
+    wide = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+    # the default: 128 x 256 tiles at 16 warps, one program per SM, 128 registers, 4 stages
+    assert (wide.block_n, wide.num_warps, wide.num_stages, wide.maxnreg) == (256, 16, 4, 128)
     assert _default_bwd_config("gemm2_dgrad", 16, 64, 32, True).maxnreg is None  # interpreter: unchanged
     assert _default_bwd_config("gemm2_dgrad", 128, 256, 768, False).maxnreg is None  # small dims: unmeasured
-    with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_2CTA": "0"}):
-        one = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
-        assert one.maxnreg is None and one.num_stages == 4  # one program per SM
-        assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (one.block_m, one.block_n, one.block_k, True)
-    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == two
+    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 128, False).block_n == 128  # F < 256: not wide
+    with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_WIDE": "0"}):
+        two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+        assert (two.block_n, two.maxnreg, two.num_stages, two.num_warps) == (128, 128, 3, 8)  # two programs per SM
+        with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_2CTA": "0"}):
+            one = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
+            assert one.maxnreg is None and one.num_stages == 4  # one program per SM
+            assert (two.block_m, two.block_n, two.block_k, two.use_tma) == (one.block_m, one.block_n, one.block_k,
+                                                                              True)
+    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == wide
 
 
 def test_fp8_gemm2_dgrad_2cta_switch_reaches_the_fp8_backward_config():

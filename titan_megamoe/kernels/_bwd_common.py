@@ -35,7 +35,9 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
     1.10 vs 1.14 and wgrad_w2 1.00 vs 1.10. wgrad_w13 (v2, two accumulators sharing the x gather,
     48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54). gemm2_dgrad
     since session 9 (D >= 2048): ``configs.HOPPER_GEMM2_DGRAD_2CTA``'s 3 stages and 128 registers, two
-    programs per SM: 0.956 / 3.309 ms against 1.094 / 3.339 for the 4-stage one-per-SM config.
+    programs per SM: 0.956 / 3.309 ms against 1.094 / 3.339 for the 4-stage one-per-SM config. Since
+    session 28 (F >= 256): ``configs.HOPPER_GEMM2_DGRAD_WIDE``, 128 x 256 tiles at 16 warps, one program per SM
+    (one H100, interleaved: 0.999 / 3.131 ms against 1.047 / 3.577 for the two-per-SM config).
     """
     return _default_bwd_config(kind, layout.block_m, D, F, _interpreting())
 
@@ -47,6 +49,10 @@ def _default_bwd_config(kind: str, block_m: int, D: int, F: int, interp: bool) -
         # the attribute, so switches.override can flip it; D >= 2048: where it was measured (the 30B and
         # 235B shapes); the debug model's training (D = 256) was within noise either way, so it keeps
         # the one-per-SM config there
+        wide = configs.HOPPER_GEMM2_DGRAD_WIDE
+        if configs.GEMM2_DGRAD_WIDE and not interp and D >= configs.GEMM2_DGRAD_2CTA_MIN_DIM and F >= wide.block_n:
+            return dataclasses.replace(cfg, block_n=wide.block_n, num_warps=wide.num_warps,
+                                       num_stages=wide.num_stages, maxnreg=wide.maxnreg)
         if configs.GEMM2_DGRAD_2CTA and not interp and D >= configs.GEMM2_DGRAD_2CTA_MIN_DIM:
             two = configs.HOPPER_GEMM2_DGRAD_2CTA
             cfg = dataclasses.replace(cfg, num_warps=two.num_warps, num_stages=two.num_stages, maxnreg=two.maxnreg)

@@ -133,6 +133,17 @@ PERSISTENT_GEMM2 = env_flag("TITAN_MEGAMOE_PERSISTENT_GEMM2", True)
 HOPPER_GEMM2_DGRAD_2CTA = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=1,
                                      use_tma=True, maxnreg=128)
 GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", True)
+#: GEMM2 dgrad on 128 x 256 tiles, one program per SM, 16 warps: 2 x 2 warpgroups of m64n128, so 128 registers per
+#: thread as in the two-per-SM config (sm_90a build: 128 registers, 16 B of stack, 196 KB of shared memory at 4
+#: stages). Why: Nsight on one H100 (session 28, benchmarks/results/logs/ncu_gemm2_dgrad_1xh100_s28a_20261206.txt)
+#: found the two-per-SM 128 x 128 kernel L2-bound (L2 84 % of peak, tensor pipe 54 %); a 256-column tile halves the
+#: gathered dout rows' L2 traffic per FLOP (L2 77 %, tensor pipe 67 %). Interleaved A/B on the same H100
+#: (scripts/ab_kernels.py, ab_kernels_1xh100_s28a_20261206.json, bitwise the same outputs): 235B 3.577 -> 3.131 ms,
+#: 30B 1.047 -> 0.999 (3 stages: 3.342 / 1.103). The default where F >= 256 and D >= GEMM2_DGRAD_2CTA_MIN_DIM;
+#: ``TITAN_MEGAMOE_GEMM2_DGRAD_WIDE=0`` (read at import) gives the two-per-SM config back.
+HOPPER_GEMM2_DGRAD_WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=16, num_stages=4, group_m=1,
+                                     use_tma=True, maxnreg=128)
+GEMM2_DGRAD_WIDE = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_WIDE", True)
 #: Model dims from which the two-per-SM GEMM2 dgrad applies: measured at D = 2048 and 4096 only. The debug
 #: model (D = 256) trained at 110,832 / 105,633 tokens/s/GPU with it and 114,292 / 130,846 without, one
 #: process each on one H200 (train_debug_2cta*_s9_20261202.json): no gain shown, within this host's
