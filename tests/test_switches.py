@@ -90,6 +90,21 @@ def test_gemm2_dgrad_wide_and_2cta_switches_reach_the_backward_config():
     assert _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False) == wide
 
 
+def test_ws_wgrad_split_switch_picks_the_gluon_wgrad_config():
+    """``WS_WGRAD_SPLIT`` "auto" (default) splits the Gluon wgrads' accumulators from D = 4096 (235B, measured faster)
+    and not at 2048 (30B, measured slower); "1" / "0" force it; restored after."""
+    from titan_megamoe.kernels import grouped_gemm_wgrad as W
+    from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG
+
+    assert W.WS_WGRAD_SPLIT == "auto"
+    assert W._ws_wgrad_config(4096) is SPLIT_CONFIG and W._ws_wgrad_config(2048) is WGRAD_CONFIG
+    with switches.override({"TITAN_MEGAMOE_WS_WGRAD_SPLIT": "1"}):
+        assert W._ws_wgrad_config(2048) is SPLIT_CONFIG
+    with switches.override({"TITAN_MEGAMOE_WS_WGRAD_SPLIT": "0"}):
+        assert W._ws_wgrad_config(4096) is WGRAD_CONFIG
+    assert W._ws_wgrad_config(2048) is WGRAD_CONFIG and W.WS_WGRAD_SPLIT == "auto"
+
+
 def test_fp8_gemm2_dgrad_2cta_switch_reaches_the_fp8_backward_config():
     """``GEMM2_DGRAD_FP8_2CTA`` picks the GPU config of the Triton FP8 GEMM2 dgrad: "auto" (default) takes BN 64 at 128
     registers (two programs per SM) at D = 2048, where it measured faster, and BN 128 at D = 4096, where it measured

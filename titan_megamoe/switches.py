@@ -68,7 +68,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM2_DGRAD", "0", attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM2_DGRAD"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DGRAD", "coop", values=("0", "pingpong", "coop", "split"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_bwd", "WS_GEMM1_DGRAD"),)),
-    Switch("TITAN_MEGAMOE_WS_WGRAD_SPLIT", "0",
+    Switch("TITAN_MEGAMOE_WS_WGRAD_SPLIT", "auto", values=("auto", "1", "0"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_wgrad", "WS_WGRAD_SPLIT"),)),
     Switch("TITAN_MEGAMOE_FP8_WGRAD", "fp8", values=("fp8", "bf16", "fp8_acc32"),
            attrs=(("titan_megamoe.ops.fp8_backend", "_WGRAD"),)),

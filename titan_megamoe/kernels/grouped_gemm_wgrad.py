@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import cdiv, env_flag, grouped_tile, next_pow2
+from titan_megamoe.kernels.jit import cdiv, env_choice, grouped_tile, next_pow2
 from titan_megamoe.kernels.jit import interp_int as _interp_int
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels._bwd_common import (
@@ -51,14 +51,24 @@ __all__ = ["wgrad_w2", "wgrad_w13", "wgrad_impl", "gather_rows", "WGRAD_IMPLS"]
 #: Implementations of the wgrads (module docstring). ``TITAN_MEGAMOE_WGRAD`` = one of them forces it
 #: (A/B benchmarks, tests); "auto" (default) picks "gluon" on sm_90 CUDA devices, else "triton".
 WGRAD_IMPLS = ("auto", "triton", "grouped_mm", "gluon")
-#: ``TITAN_MEGAMOE_WS_WGRAD_SPLIT`` (read at import; a same-process switch): the Gluon wgrads at
+#: ``TITAN_MEGAMOE_WS_WGRAD_SPLIT`` (read at import; a same-process switch): "1" runs the Gluon wgrads at
 #: ``ws_wgrad.SPLIT_CONFIG`` (each consumer's accumulator as two column halves, half the epilogue's shared memory,
-#: a 4-stage ring) instead of ``WGRAD_CONFIG`` (3 stages). Why: Nsight on one H100 found the 3-stage Gluon GEMM1
-#: dgrad's tensor pipe busy 66-71 % against 88-90 % for the 4-stage GEMM1 forward and 93 % for cuBLAS, with neither
-#: L2 (70 %) nor shared memory (55 %) saturated (``ncu_gemm_l2_1xh100_s27a_20261206.txt``). Off by default: in an
-#: interleaved A/B (``ab_kernels_1xh100_s27c_20261206.json``) dw1 | dw3 at 235B went 5.83 -> 5.44 ms, but the 30B
-#: wgrads 2-3 % slower, and the 235B layer did not move beyond its spread (docs/NOTES.md, session 27).
-WS_WGRAD_SPLIT = env_flag("TITAN_MEGAMOE_WS_WGRAD_SPLIT", False)
+#: a 4-stage ring), "0" at ``WGRAD_CONFIG`` (3 stages); "auto" (default) takes the split config for model dims
+#: >= ``WS_WGRAD_SPLIT_MIN_DIM``. Why: Nsight on one H100 found the 3-stage Gluon GEMM1 dgrad's tensor pipe busy
+#: 66-71 % against 88-90 % for the 4-stage GEMM1 forward (``ncu_gemm_l2_1xh100_s27a_20261206.txt``). Measured on
+#: one H100 (docs/NOTES.md, sessions 27-28): at 235B, dw1 | dw3 5.83 -> 5.44 ms interleaved
+#: (``ab_kernels_1xh100_s27c_20261206.json``), 5.65-5.79 -> 5.07-5.14 under Nsight with the tensor pipe 65-67 ->
+#: 77 % busy and DRAM reads 5.5-6.2 -> 2.3-2.9 GB (``ncu_wgrad_1xh100_s28a_20261206.txt``), layer fwd+bwd device
+#: time 26.26 -> 25.70 ms, same process (``layer_1xh100_ep1_235b_s28a_20261206.json``); at 30B 2-3 % slower.
+WS_WGRAD_SPLIT = env_choice("TITAN_MEGAMOE_WS_WGRAD_SPLIT", "auto", ("auto", "1", "0"))
+#: Model dim from which "auto" splits: measured faster at D = 4096 (235B), slower at 2048 (30B).
+WS_WGRAD_SPLIT_MIN_DIM = 4096
+
+
+def _ws_wgrad_config(D: int):
+    """The Gluon wgrads' config for model dim D under ``WS_WGRAD_SPLIT``."""
+    split = WS_WGRAD_SPLIT == "1" or (WS_WGRAD_SPLIT == "auto" and D >= WS_WGRAD_SPLIT_MIN_DIM)
+    return SPLIT_CONFIG if split else WGRAD_CONFIG
 
 
 def wgrad_impl(device: torch.device, out_dtype: torch.dtype | None = None, *, custom: bool = False,
@@ -317,7 +327,7 @@ def wgrad_w2(
         _check(hs_NF, "hs_NF", (layout.n_cap, F), _ACT, dev)
     custom = config is not None or out is not None or hs_NF is None
     chosen = wgrad_impl(dev, out_dtype, custom=custom, impl=impl)
-    ws_cfg = SPLIT_CONFIG if WS_WGRAD_SPLIT else WGRAD_CONFIG
+    ws_cfg = _ws_wgrad_config(D)
     if chosen == "gluon" and ws_wgrad_supported(D, F, layout, dout_TD, ws_cfg) is None:
         return ws_wgrad_w2(dout_TD.contiguous(), hs_NF, layout, cfg=ws_cfg)
     if chosen in ("grouped_mm", "gluon"):
@@ -379,7 +389,7 @@ def wgrad_w13(
         raise ValueError(f"out_dtype must be one of {_WGRAD_DTYPES}, got {out_dtype}")
     custom = config is not None or out is not None
     chosen = wgrad_impl(dev, out_dtype, custom=custom, impl=impl)
-    ws_cfg = SPLIT_CONFIG if WS_WGRAD_SPLIT else WGRAD_CONFIG
+    ws_cfg = _ws_wgrad_config(D)
     if chosen == "gluon" and ws_wgrad_supported(D, F, layout, x_TD, ws_cfg) is None:
         return ws_wgrad_w13(dgate_up_N2F, x_TD, layout, cfg=ws_cfg)
     if chosen in ("grouped_mm", "gluon"):

@@ -86,8 +86,8 @@ class WgradConfig:
 
 
 WGRAD_CONFIG = WgradConfig()
-#: The split-accumulator config (``split_n``, 4 stages) that ``TITAN_MEGAMOE_WS_WGRAD_SPLIT=1`` selects (opt-in: faster
-#: at 235B, slower at 30B, no layer change on one H100; ``grouped_gemm_wgrad.WS_WGRAD_SPLIT``).
+#: The split-accumulator config (``split_n``, 4 stages): the default from model dim 4096 (faster at 235B, slower at
+#: 30B on one H100; ``grouped_gemm_wgrad.WS_WGRAD_SPLIT``, "auto").
 SPLIT_CONFIG = WgradConfig(stages=4, split_n=True)
 _BM = 128  # tile rows (two consumers x 64)
 
