@@ -79,6 +79,7 @@ def test_gemm2_dgrad_wide_and_2cta_switches_reach_the_backward_config():
     assert _default_bwd_config("gemm2_dgrad", 16, 64, 32, True).maxnreg is None  # interpreter: unchanged
     assert _default_bwd_config("gemm2_dgrad", 128, 256, 768, False).maxnreg is None  # small dims: unmeasured
     assert _default_bwd_config("gemm2_dgrad", 128, 2048, 128, False).block_n == 128  # F < 256: not wide
+    assert _default_bwd_config("gemm2_dgrad", 128, 2048, 640, False).block_n == 128  # F % 256 != 0: unmeasured
     with switches.override({"TITAN_MEGAMOE_GEMM2_DGRAD_WIDE": "0"}):
         two = _default_bwd_config("gemm2_dgrad", 128, 2048, 768, False)
         assert (two.block_n, two.maxnreg, two.num_stages, two.num_warps) == (128, 128, 3, 8)  # two programs per SM

@@ -36,7 +36,7 @@ def default_bwd_config(kind: str, layout: RoutingLayout, D: int, F: int) -> Gemm
     48 KiB per stage): 5 stages 2.23 ms vs 4 stages 2.94 at the 30B shape (v1 best 2.54). gemm2_dgrad
     since session 9 (D >= 2048): ``configs.HOPPER_GEMM2_DGRAD_2CTA``'s 3 stages and 128 registers, two
     programs per SM: 0.956 / 3.309 ms against 1.094 / 3.339 for the 4-stage one-per-SM config. Since
-    session 28 (F >= 256): ``configs.HOPPER_GEMM2_DGRAD_WIDE``, 128 x 256 tiles at 16 warps, one program per SM
+    session 28 (F % 256 == 0): ``configs.HOPPER_GEMM2_DGRAD_WIDE``, 128 x 256 tiles at 16 warps, one program per SM
     (one H100, interleaved: 0.999 / 3.131 ms against 1.047 / 3.577 for the two-per-SM config).
     """
     return _default_bwd_config(kind, layout.block_m, D, F, _interpreting())
@@ -50,7 +50,8 @@ def _default_bwd_config(kind: str, block_m: int, D: int, F: int, interp: bool) -
         # 235B shapes); the debug model's training (D = 256) was within noise either way, so it keeps
         # the one-per-SM config there
         wide = configs.HOPPER_GEMM2_DGRAD_WIDE
-        if configs.GEMM2_DGRAD_WIDE and not interp and D >= configs.GEMM2_DGRAD_2CTA_MIN_DIM and F >= wide.block_n:
+        # F % 256 == 0: the shapes measured (F = 768, 1536); others keep the two-per-SM config
+        if configs.GEMM2_DGRAD_WIDE and not interp and D >= configs.GEMM2_DGRAD_2CTA_MIN_DIM and F % wide.block_n == 0:
             return dataclasses.replace(cfg, block_n=wide.block_n, num_warps=wide.num_warps,
                                        num_stages=wide.num_stages, maxnreg=wide.maxnreg)
         if configs.GEMM2_DGRAD_2CTA and not interp and D >= configs.GEMM2_DGRAD_2CTA_MIN_DIM:

@@ -139,7 +139,7 @@ GEMM2_DGRAD_2CTA = env_flag("TITAN_MEGAMOE_GEMM2_DGRAD_2CTA", True)
 #: found the two-per-SM 128 x 128 kernel L2-bound (L2 84 % of peak, tensor pipe 54 %); a 256-column tile halves the
 #: gathered dout rows' L2 traffic per FLOP (L2 77 %, tensor pipe 67 %). Interleaved A/B on the same H100
 #: (scripts/ab_kernels.py, ab_kernels_1xh100_s28a_20261206.json, bitwise the same outputs): 235B 3.577 -> 3.131 ms,
-#: 30B 1.047 -> 0.999 (3 stages: 3.342 / 1.103). The default where F >= 256 and D >= GEMM2_DGRAD_2CTA_MIN_DIM;
+#: 30B 1.047 -> 0.999 (3 stages: 3.342 / 1.103). The default where F % 256 == 0 and D >= GEMM2_DGRAD_2CTA_MIN_DIM;
 #: ``TITAN_MEGAMOE_GEMM2_DGRAD_WIDE=0`` (read at import) gives the two-per-SM config back.
 HOPPER_GEMM2_DGRAD_WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=16, num_stages=4, group_m=1,
                                      use_tma=True, maxnreg=128)
