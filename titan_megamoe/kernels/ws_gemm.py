@@ -562,35 +562,29 @@ if HAVE_GLUON:
             if SPLIT:
                 acc0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=half_layout)
                 acc1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=half_layout)
-                for k in range(KT):
-                    idx = idx0 + k
-                    s = idx % STAGES
-                    ph = (idx // STAGES) & 1
-                    mbarrier.wait(ready_a.index(s), ph)
-                    mbarrier.wait(ready_b.index(s), ph)
-                    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
-                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                    b = b_bufs.index(s)
+            else:
+                acc = gl.zeros((BMC, 2 * BH), dtype=gl.float32, layout=wide_layout)
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                mbarrier.wait(ready_a.index(s), ph)
+                mbarrier.wait(ready_b.index(s), ph)
+                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s)
+                if SPLIT:
                     acc0 = warpgroup_mma(a, b.slice(0, BH, dim=1), acc0, is_async=True)
                     acc1 = warpgroup_mma(a, b.slice(BH, BH, dim=1), acc1, is_async=True)
                     acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-                    if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
-                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                else:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            if SPLIT:
                 acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             else:
-                acc = gl.zeros((BMC, 2 * BH), dtype=gl.float32, layout=wide_layout)
-                for k in range(KT):
-                    idx = idx0 + k
-                    s = idx % STAGES
-                    ph = (idx // STAGES) & 1
-                    mbarrier.wait(ready_a.index(s), ph)
-                    mbarrier.wait(ready_b.index(s), ph)
-                    fence_async_shared()
-                    acc = warpgroup_mma(a_bufs.index(s).slice(C * BMC, BMC, dim=0), b_bufs.index(s), acc,
-                                        is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if k > 0:
-                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 acc0, acc1 = gl.split(gl.permute(gl.reshape(acc, [BMC, 2, BH]), [0, 2, 1]))
                 acc0 = gl.convert_layout(acc0, half_layout)
