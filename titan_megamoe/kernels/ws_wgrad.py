@@ -172,23 +172,27 @@ if HAVE_GLUON:
             tma.async_copy_shared_to_global(out0_desc, [e * SPLIT + row, col], c_smem)
 
     @gluon.jit
-    def _wg_split_consumer(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready_t, ready_c, empty, c_smem,
-                           C: gl.constexpr, TRANS_OUT: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
-                           NT: gl.constexpr, STAGES: gl.constexpr):
-        # cooperative (C: rows [C * 64, C * 64 + 64) of the tile), the tile's BN columns as two BH halves
-        # (WgradConfig.split_n): both MMAs of a step in flight, one staging tile for the two stores
+    def _wg_consumer(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready_t, ready_c, empty, c_smem,
+                     C: gl.constexpr, TRANS_OUT: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
+                     NT: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr):
+        # cooperative: both consumers take every tile, C its rows [C * 64, C * 64 + 64). SPLIT_N
+        # (WgradConfig.split_n): the tile's columns as two BW halves, both MMAs of a step in flight, one staging
+        # tile for the two stores; else one BW-column accumulator
         BK: gl.constexpr = b_bufs.type.shape[1]
-        BH: gl.constexpr = b_bufs.type.shape[2]
+        BW: gl.constexpr = b_bufs.type.shape[2]
         BMC: gl.constexpr = a_bufs.type.shape[2]
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BH, 16])
+                                                             instr_shape=[16, BW, 16])
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
             e, m, n = _wg_tile(j, MT, NT)
             start = gl.load(offsets_ptr + e)
             end = gl.load(offsets_ptr + e + 1)
-            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            if SPLIT_N:
+                acc_lo = gl.zeros((BMC, BW), dtype=gl.float32, layout=mma_layout)
+                acc_hi = gl.zeros((BMC, BW), dtype=gl.float32, layout=mma_layout)
+            else:
+                acc = gl.zeros((BMC, BW), dtype=gl.float32, layout=mma_layout)
             for r0 in range(start, end, BK):
                 s = idx % STAGES
                 ph = (idx // STAGES) & 1
@@ -196,54 +200,31 @@ if HAVE_GLUON:
                 mbarrier.wait(ready_c.index(s), ph)
                 fence_async_shared()  # cp.async rows: generic proxy; wgmma reads through the async one
                 a = a_bufs.index(s).permute((1, 0))
-                acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
-                acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
-                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
+                if SPLIT_N:
+                    acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
+                    acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
+                    acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
+                else:
+                    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if r0 > start:  # the previous step's MMAs are done: its buffers may be refilled
                     mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
                 idx += 1
-            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-            if end > start:
-                mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            row = m * 2 * BMC + C * BMC
-            col = n * 2 * BH
-            _wg_store(acc_lo, c_smem, out0_desc, out1_desc, e, row, col, TRANS_OUT, SPLIT)
-            _wg_store(acc_hi, c_smem, out0_desc, out1_desc, e, row, col + BH, TRANS_OUT, SPLIT)
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
-    def _wg_consumer(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready_t, ready_c, empty, c_smem,
-                     C: gl.constexpr, TRANS_OUT: gl.constexpr, SPLIT: gl.constexpr, MT: gl.constexpr,
-                     NT: gl.constexpr, STAGES: gl.constexpr):
-        # cooperative: both consumers take every tile, C its rows [C * 64, C * 64 + 64)
-        BK: gl.constexpr = b_bufs.type.shape[1]
-        BN: gl.constexpr = b_bufs.type.shape[2]
-        BMC: gl.constexpr = a_bufs.type.shape[2]
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN, 16])
-        idx = 0
-        for j in range(_wg_count(E, MT, NT)):
-            e, m, n = _wg_tile(j, MT, NT)
-            start = gl.load(offsets_ptr + e)
-            end = gl.load(offsets_ptr + e + 1)
-            acc = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            for r0 in range(start, end, BK):
-                s = idx % STAGES
-                ph = (idx // STAGES) & 1
-                mbarrier.wait(ready_t.index(s), ph)
-                mbarrier.wait(ready_c.index(s), ph)
-                fence_async_shared()  # cp.async rows: generic proxy; wgmma reads through the async one
-                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if r0 > start:  # the previous step's MMA is done: its buffers may be refilled
-                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-                idx += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if SPLIT_N:
+                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if end > start:
                 mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
             # epilogue: bf16 through this consumer's staging tile, TMA store (dw1 / dw3 (E, F, D) from the D x 2F
             # product: transposed, columns split at F; dw2 (E, D, F) as it is)
-            _wg_store(acc, c_smem, out0_desc, out1_desc, e, m * 2 * BMC + C * BMC, n * BN, TRANS_OUT, SPLIT)
+            row = m * 2 * BMC + C * BMC
+            if SPLIT_N:
+                col = n * 2 * BW
+                _wg_store(acc_lo, c_smem, out0_desc, out1_desc, e, row, col, TRANS_OUT, SPLIT)
+                _wg_store(acc_hi, c_smem, out0_desc, out1_desc, e, row, col + BW, TRANS_OUT, SPLIT)
+            else:
+                _wg_store(acc, c_smem, out0_desc, out1_desc, e, row, n * BW, TRANS_OUT, SPLIT)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -273,24 +254,14 @@ if HAVE_GLUON:
             mbarrier.init(ready_t.index(i), count=1)
             mbarrier.init(ready_c.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        if SPLIT_N:
-            gl.warp_specialize([
-                (_wg_split_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty,
-                                      c0, 0, TRANS_OUT, SPLIT, MT, NT, STAGES)),
-                (_wg_split_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty,
-                                      c1, 1, TRANS_OUT, SPLIT, MT, NT, STAGES)),
-                (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t,
-                                ready_c, empty, N_SRC, TOPK, MT, NT, STAGES, SPLIT_N)),
-            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty, c0,
-                                0, TRANS_OUT, SPLIT, MT, NT, STAGES)),
-                (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty, c1,
-                                1, TRANS_OUT, SPLIT, MT, NT, STAGES)),
-                (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t,
-                                ready_c, empty, N_SRC, TOPK, MT, NT, STAGES, SPLIT_N)),
-            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([
+            (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a0_bufs, b_bufs, ready_t, ready_c, empty, c0,
+                            0, TRANS_OUT, SPLIT, MT, NT, STAGES, SPLIT_N)),
+            (_wg_consumer, (out0_desc, out1_desc, offsets_ptr, E, a1_bufs, b_bufs, ready_t, ready_c, empty, c1,
+                            1, TRANS_OUT, SPLIT, MT, NT, STAGES, SPLIT_N)),
+            (_wg_producer, (a_ptr, b_desc, row_pair_ptr, offsets_ptr, E, a0_bufs, a1_bufs, b_bufs, ready_t,
+                            ready_c, empty, N_SRC, TOPK, MT, NT, STAGES, SPLIT_N)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_wgrad_supported(D: int, F: int, layout, ref: Tensor, cfg: WgradConfig = WGRAD_CONFIG) -> str | None:
