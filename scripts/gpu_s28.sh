@@ -45,6 +45,8 @@ if [ "$PART" = b ]; then
   layer_ab 235b_b "GEMM2_DGRAD_WIDE=0,WS_WGRAD_SPLIT=0 WS_WGRAD_SPLIT=0" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 5
   [ "$(left 200)" -ge 120 ] && layer_ab 30b_b "GEMM2_DGRAD_WIDE=0" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton 8
   [ "$(left 200)" -ge 60 ] && gpu_tests wide_b tests/test_gpu.py -k "real_shapes or cuda_graph or no_host_sync"
+  [ "$(left 100)" -ge 50 ] && timeout $(left 100) python3 scripts/ab_kernels.py --shapes 235b --groups gemm1_dgrad_order \
+    --rounds 6 --out "$OUT/keep/ab_kernels_b.json" > "$OUT/ab_gemm1_dgrad_order_s28b.log" 2>&1
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
 session_pack "s28$PART"
