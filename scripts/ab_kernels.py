@@ -47,6 +47,8 @@ def _groups(shape: str):
     import dataclasses
 
     from titan_megamoe.kernels._bwd_common import default_bwd_config
+    from titan_megamoe.kernels.configs import HOPPER_GEMM2, HOPPER_GEMM2_PERSISTENT
+    from titan_megamoe.kernels.grouped_gemm import gemm2_scatter_fwd
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import CONFIGS, G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm1_dgrad, ws_gemm2_dgrad
@@ -100,7 +102,20 @@ def _groups(shape: str):
     coop = CONFIGS["coop"]
     o13 = tuple(torch.empty(E, F, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     o2 = torch.empty(E, D, F, device="cuda", dtype=torch.bfloat16)
-    flops = {"gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
+    # GEMM2 forward: the persistent 8-warp default (235 registers, 3 stages) against 16 warps (2 x 2 warpgroups of
+    # m64n128: 118 registers; 4 stages do not fit the flattened loop's shared memory) and the grid kernels
+    # (sm_90a, checked on the CPU: 16 warps x 4 stages 196,608 B, 94-106 registers, no spills)
+    y_pairs = torch.empty(T * K, D, device="cuda", dtype=torch.bfloat16)
+    g2f = {"persistent 8w 3st": HOPPER_GEMM2_PERSISTENT,
+           "persistent 16w 3st": dataclasses.replace(HOPPER_GEMM2_PERSISTENT, num_warps=16),
+           "grid 8w 4st": HOPPER_GEMM2,
+           "grid 16w 4st": dataclasses.replace(HOPPER_GEMM2, num_warps=16)}
+
+    def gemm2_fwd(cfg):
+        return gemm2_scatter_fwd(hs, w2t_fwd, scores, lay, out_pairs=y_pairs, config=cfg)
+
+    w2t_fwd = (torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    flops = {"gemm2_fwd": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
              "wgrad_w2": 2 * T * K * D * F, "gemm2_dgrad": 2 * T * K * D * F}
     groups = {
         "gemm1_dgrad": [("triton", triton_dgrad),
@@ -108,6 +123,7 @@ def _groups(shape: str):
                         ("gluon split", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["split"])[:n])],
         "gemm1_dgrad_order": [(f"gluon group_m {m}", lambda m=m: ws_gemm1_dgrad(
             dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, group_m=m))[:n]) for m in (1, 4, 8)],
+        "gemm2_fwd": [(name, lambda c=c: gemm2_fwd(c)) for name, c in g2f.items()],
         "gemm2_dgrad": [("triton 2/SM", lambda: gemm2_dgrad(g2_two)),
                         ("triton 1/SM", lambda: gemm2_dgrad(g2_one)),
                         ("triton 128x256 16w 3st", lambda: gemm2_dgrad(g2_wide[3])),

@@ -43,8 +43,12 @@ fi
 #   REV=<hash> PART=b bash scripts/gpu_s28.sh
 if [ "$PART" = b ]; then
   layer_ab 235b_b "GEMM2_DGRAD_WIDE=0,WS_WGRAD_SPLIT=0 WS_WGRAD_SPLIT=0" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 5
-  [ "$(left 200)" -ge 120 ] && layer_ab 30b_b "GEMM2_DGRAD_WIDE=0" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton 8
   [ "$(left 200)" -ge 60 ] && gpu_tests wide_b tests/test_gpu.py -k "real_shapes or cuda_graph or no_host_sync"
+  # GEMM2 forward at 16 warps (the GEMM2 dgrad's lesson), and the GEMM1 dgrads (Triton, Gluon at group_m 1 / 4 / 8)
+  [ "$(left 100)" -ge 50 ] && timeout $(left 100) python3 scripts/ab_kernels.py --shapes 235b,30b \
+    --groups gemm2_fwd,gemm1_dgrad,gemm1_dgrad_order --rounds 8 --out "$OUT/keep/ab_kernels_b.json" \
+    > "$OUT/ab_kernels_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab_kernels rc $?"; grep -E "^(30b|235b)" "$OUT/ab_kernels_b.log"; tail -3 "$OUT/ab_kernels_b.log"
   # the GEMM1 dgrad's DRAM over-read (~11 GB against 5.1): Triton (hardware block order) against the persistent Gluon
   # kernel at group_m 1 / 4 / 8. Hypothesis: the persistent programs drift apart, so the live tiles stop being a
   # contiguous window of the tile order and an expert's 25 MB of weights is read from DRAM more than once.
@@ -54,9 +58,7 @@ if [ "$PART" = b ]; then
       --rounds 1 --reps 1 > "$OUT/keep/ncu_gemm1_dgrad_b.txt" 2> "$OUT/ncu_gemm1_dgrad_b.err"
     echo "[t=$((SECONDS - t0))s] ncu gemm1 dgrad rc $?"; ncu_rows "$OUT/keep/ncu_gemm1_dgrad_b.txt" 200
   fi
-  [ "$(left 100)" -ge 50 ] && timeout $(left 100) python3 scripts/ab_kernels.py --shapes 235b \
-    --groups gemm1_dgrad,gemm1_dgrad_order --rounds 6 --out "$OUT/keep/ab_kernels_b.json" > "$OUT/ab_kernels_b.log" 2>&1
-  grep -E "^(30b|235b)" "$OUT/ab_kernels_b.log"
+  [ "$(left 200)" -ge 100 ] && layer_ab 30b_b "GEMM2_DGRAD_WIDE=0" qwen3-30b-a3b bf16,fp8 tt-compile,megamoe-triton 8
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
 session_pack "s28$PART"
