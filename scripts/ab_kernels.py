@@ -51,7 +51,9 @@ def _groups(shape: str):
     from titan_megamoe.kernels.grouped_gemm import gemm2_scatter_fwd
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad, gemm2_dgrad_swiglu_bwd
     from titan_megamoe.kernels.routing import build_routing_layout
-    from titan_megamoe.kernels.ws_gemm import CONFIGS, G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm1_dgrad, ws_gemm2_dgrad
+    from titan_megamoe.kernels.grouped_gemm_wgrad import _ws_wgrad_config
+    from titan_megamoe.kernels.ws_gemm import (CONFIGS, FWD_CONFIG, G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm1_dgrad,
+                                               ws_gemm1_fwd, ws_gemm2_dgrad)
     from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
     from titan_megamoe.testing import make_routing
 
@@ -115,7 +117,24 @@ def _groups(shape: str):
         return gemm2_scatter_fwd(hs, w2t_fwd, scores, lay, out_pairs=y_pairs, config=cfg)
 
     w2t_fwd = (torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16()
-    flops = {"gemm2_fwd": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
+    # padding-aware variants against the full ones (half the experts end in a tile whose second 64 rows are padding)
+    gu1 = torch.empty(lay.n_cap, 2 * F, device="cuda", dtype=torch.bfloat16)
+    h1 = torch.empty(lay.n_cap, F, device="cuda", dtype=torch.bfloat16)
+    wcfg = _ws_wgrad_config(D)
+    skip_groups = {
+        "gemm1_fwd_skip": [(f"skip_empty {on}", lambda on=on: ws_gemm1_fwd(
+            x, w1, w3, lay, gate_up_out=gu1, h_out=h1, cfg=dataclasses.replace(FWD_CONFIG, skip_empty=on)))
+            for on in (True, False)],
+        "gemm1_dgrad_skip": [(f"skip_empty {on}", lambda on=on: ws_gemm1_dgrad(
+            dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, skip_empty=on))[:n]) for on in (True, False)],
+        "wgrad_w13_trim": [(f"trim_k {on}", lambda on=on: ws_wgrad_w13(
+            dgu, x, lay, out=o13, cfg=dataclasses.replace(wcfg, trim_k=on))) for on in (True, False)],
+        "wgrad_w2_trim": [(f"trim_k {on}", lambda on=on: ws_wgrad_w2(
+            dout, hs, lay, out=o2, cfg=dataclasses.replace(wcfg, trim_k=on))) for on in (True, False)],
+    }
+    flops = {"gemm1_fwd_skip": 4 * T * K * D * F, "gemm1_dgrad_skip": 4 * T * K * D * F,
+             "wgrad_w13_trim": 4 * T * K * D * F, "wgrad_w2_trim": 2 * T * K * D * F,
+             "gemm2_fwd": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
              "wgrad_w2": 2 * T * K * D * F, "gemm2_dgrad": 2 * T * K * D * F}
     groups = {
         "gemm1_dgrad": [("triton", triton_dgrad),
@@ -135,6 +154,7 @@ def _groups(shape: str):
         "wgrad_w2": [("gluon default", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=WGRAD_CONFIG)),
                      ("gluon split", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=SPLIT_CONFIG))],
     }
+    groups.update(skip_groups)
     return groups, flops
 
 

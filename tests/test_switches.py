@@ -4,6 +4,7 @@ attributes read at import, the config caches) and restoring it, also after an er
 import os
 
 import pytest
+import torch
 
 from titan_megamoe import switches
 from titan_megamoe.kernels import configs, launch
@@ -156,3 +157,36 @@ def test_override_restores_a_module_it_imported_first():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(default), out.stdout
+
+
+def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
+    """``SKIP_PAD_BLOCKS`` (default on) turns the GEMM1 kernels' ``skip_empty`` and the wgrads' ``trim_k`` constexprs on
+    and off at launch (the launcher is replaced by a recorder: no GPU, nothing compiled)."""
+    from titan_megamoe.kernels import ws_gemm, ws_wgrad
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    if not ws_gemm.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    calls = []
+    for mod in (ws_gemm, ws_wgrad):
+        monkeypatch.setattr(mod, "launch", lambda kernel, grid, *args, **kw: calls.append((kernel, args)))
+    T, K, E, D, F = 64, 2, 4, 256, 256
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
+    gu, h = torch.empty(lay.n_cap, 2 * F, **bf), torch.empty(lay.n_cap, F, **bf)
+
+    def flags():
+        calls.clear()
+        ws_gemm.launch_gemm1_fwd(x, w, w, lay, gu, h, programs=4)
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, torch.empty(lay.n_cap, D, **bf), ws_gemm.CONFIGS["coop"], programs=4)
+        ws_wgrad.ws_wgrad_w13(gu, x, lay, programs=4)
+        ws_wgrad.ws_wgrad_w2(x, h, lay, programs=4)
+        return [args[-1] for _, args in calls]
+
+    monkeypatch.setattr(ws_wgrad, "_platform_reason", lambda t: None)  # the wgrads' checks, as on an sm_90 GPU
+    assert flags() == [True] * 4
+    with switches.override({"TITAN_MEGAMOE_SKIP_PAD_BLOCKS": "0"}):
+        assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False
+        assert flags() == [False] * 4
+    assert ws_gemm.SKIP_PAD_BLOCKS is True and ws_wgrad.SKIP_PAD_BLOCKS is True

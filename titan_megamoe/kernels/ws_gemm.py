@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.kernels.configs import _sm_count
+from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.launch import launch
 
 try:
@@ -95,6 +96,10 @@ class WsConfig:
         split_n: cooperative GEMM1 dgrad only: each consumer's BM / 2 x BN accumulator as two BN / 2-column
             halves (two MMAs per K step, on B tiles loaded as two halves) stored through one BM / 2 x BN / 2
             staging tile, so the epilogue takes half the shared memory and the ring a fourth stage.
+        skip_empty: cooperative kernels (bf16 GEMM1 forward and dgrad): a consumer whose BM / 2 rows of a tile are
+            all padding (an expert's last tile with at most BM / 2 rows: about half the experts, ~2.9 % of the
+            rows at 1,024 rows per expert) issues no MMA for it: it waits for and releases the tile's buffers and
+            stores zeros, which its MMAs on zero rows would have given (bitwise the same outputs).
     """
 
     block_m: int = 128
@@ -107,6 +112,7 @@ class WsConfig:
     producer_regs: int = 40
     consumer_regs: int = 232
     split_n: bool = False
+    skip_empty: bool = True
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
@@ -118,6 +124,10 @@ class WsConfig:
                 f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}{', split_n' if self.split_n else ''}, "
                 f"maxnreg={self.maxnreg})")
 
+
+#: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=0 (read at import): the configs' ``skip_empty`` (here) and ``trim_k`` (``ws_wgrad``)
+#: off, every padding row block computed as before (a same-process A/B of the padding skips, docs/SWITCHES.md).
+SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", True)
 
 DEFAULT = WsConfig()
 #: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``. Measured on one H200
@@ -141,6 +151,23 @@ if HAVE_GLUON:
         first_m = (tile // width) * GROUP_M
         group = gl.minimum(n_live - first_m, GROUP_M)
         return first_m + (tile % width) % group, (tile % width) // group
+
+    @gluon.jit
+    def _rows_live(row_pair_ptr, row0, SKIP_EMPTY: gl.constexpr):
+        """False if the consumer's rows from ``row0`` are all padding (SKIP_EMPTY; an expert's valid rows are a
+        prefix of its rows, so the first row tells), else True."""
+        if SKIP_EMPTY:
+            return gl.load(row_pair_ptr + row0) >= 0
+        else:
+            return True
+
+    @gluon.jit
+    def _release_steps(ready, empty, idx0, KT: gl.constexpr, STAGES: gl.constexpr):
+        """A consumer that skips a tile's MMAs: wait for each of its KT ring steps and release it at once."""
+        for k in range(KT):
+            idx = idx0 + k
+            mbarrier.wait(ready.index(idx % STAGES), (idx // STAGES) & 1)
+            mbarrier.arrive(empty.index(idx % STAGES), count=1)
 
     @gluon.jit
     def _num_tiles(offsets_ptr, E, BM: gl.constexpr, NUM_N: gl.constexpr):
@@ -218,7 +245,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _g1d_split_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
                             C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                            STAGES: gl.constexpr):
+                            STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # cooperative, the tile's BN columns as two BH halves (WsConfig.split_n): both MMAs of a K step in flight,
         # one BMC x BH staging tile for the two stores
         BMC: gl.constexpr = dx_desc.block_type.shape[0]
@@ -235,20 +262,23 @@ if HAVE_GLUON:
             acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
-            for k in range(KT):
-                idx = idx0 + k
-                s = idx % STAGES
-                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
-                acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
-                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
-                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
-                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
-            # epilogue: zeros on padding rows (a multiply: see _g1d_consumer), bf16, one TMA store per half
             row0 = pid_m * BM + C * BMC
+            if _rows_live(row_pair_ptr, row0, SKIP_EMPTY):
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                    acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
+                    acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
+                    acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
+                    if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+                mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            else:  # all padding rows (WsConfig.skip_empty): no MMA, zeros stored
+                _release_steps(ready, empty, idx0, KT, STAGES)
+            # epilogue: zeros on padding rows (a multiply: see _g1d_consumer), bf16, one TMA store per half
             vf = gl.expand_dims((gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0)
                                 .to(gl.float32), 1)
             _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, pid_n * 2 * BH)
@@ -257,7 +287,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _g1d_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c_smem,
                       C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr, COOP: gl.constexpr):
+                      STAGES: gl.constexpr, COOP: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # ping-pong (COOP False): consumer C takes tiles C, C + 2, ..., the whole BM x BN tile each.
         # cooperative (COOP True): both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2).
         BMC: gl.constexpr = dx_desc.block_type.shape[0]  # rows this consumer owns in a tile
@@ -279,25 +309,28 @@ if HAVE_GLUON:
                     mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
             acc = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
-            for k in range(KT):
-                idx = idx0 + k
-                s = idx % STAGES
-                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                a = a_bufs.index(s)
-                if COOP:
-                    a = a.slice(m_off, BMC, dim=0)
-                acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if k > 0:  # step k - 1's MMA is done: its buffers may be refilled
-                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            if not COOP:
-                mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            row0 = pid_m * BM + m_off
+            if _rows_live(row_pair_ptr, row0, COOP and SKIP_EMPTY):
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                    a = a_bufs.index(s)
+                    if COOP:
+                        a = a.slice(m_off, BMC, dim=0)
+                    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    if k > 0:  # step k - 1's MMA is done: its buffers may be refilled
+                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                if not COOP:
+                    mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            else:  # cooperative, all padding rows (WsConfig.skip_empty): no MMA, zeros stored
+                _release_steps(ready, empty, idx0, KT, STAGES)
             # epilogue (ping-pong: under the other consumer's main loop): zeros on padding rows, bf16,
             # TMA store. The mask is a multiply, not a select: with a select on the accumulator, ptxas
             # serializes every wgmma of the kernel (C7514, checked with ptxas -v).
-            row0 = pid_m * BM + m_off
             valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
             out = (acc * gl.expand_dims(valid.to(gl.float32), 1)).to(gl.bfloat16)
             tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
@@ -310,7 +343,7 @@ if HAVE_GLUON:
     def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                                F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               SPLIT: gl.constexpr = False):
+                               SPLIT: gl.constexpr = False, SKIP_EMPTY: gl.constexpr = True):
         """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,). SPLIT
         (cooperative only, ``WsConfig.split_n``): w1_desc / w3_desc / dx_desc have half the tile's columns."""
         dtype: gl.constexpr = a_desc.dtype
@@ -330,18 +363,18 @@ if HAVE_GLUON:
         if SPLIT:
             gl.warp_specialize([
                 (_g1d_split_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
-                                       0, F, NUM_N, GROUP_M, STAGES)),
+                                       0, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
                 (_g1d_split_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
-                                       1, F, NUM_N, GROUP_M, STAGES)),
+                                       1, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
                 (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                                  empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c0,
-                                 0, F, NUM_N, GROUP_M, STAGES, COOP)),
+                                 0, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
                 (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c1,
-                                 1, F, NUM_N, GROUP_M, STAGES, COOP)),
+                                 1, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
                 (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                                  empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -400,7 +433,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b,
                       empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
@@ -416,24 +449,31 @@ if HAVE_GLUON:
             acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
-            for k in range(KT):
-                idx = idx0 + k
-                s = idx % STAGES
-                ph = (idx // STAGES) & 1
-                mbarrier.wait(ready_a.index(s), ph)
-                mbarrier.wait(ready_b.index(s), ph)
-                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
-                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                acc_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                acc_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
-                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            row0 = pid_m * BM + C * BMC
+            if _rows_live(row_pair_ptr, row0, SKIP_EMPTY):
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    ph = (idx // STAGES) & 1
+                    mbarrier.wait(ready_a.index(s), ph)
+                    mbarrier.wait(ready_b.index(s), ph)
+                    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                    acc_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                    acc_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                    if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+            else:  # all padding rows (WsConfig.skip_empty): no MMA, zeros stored
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    mbarrier.wait(ready_a.index(s), (idx // STAGES) & 1)  # both parts landed before the release
+                    _release_steps(ready_b, empty, idx, 1, STAGES)
             # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas),
             # SwiGLU in fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
-            row0 = pid_m * BM + C * BMC
             col0 = pid_n * BN
             valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
             vf = gl.expand_dims(valid.to(gl.float32), 1)
@@ -444,7 +484,7 @@ if HAVE_GLUON:
     def _gemm1_fwd_ws_kernel(x_ptr, w1_desc, w3_desc, gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                              D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SKIP_EMPTY: gl.constexpr = True):
         """gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T], h[r] = silu(gate) * up per row tile, t = row_pair[r]
         // TOPK (the Triton kernel is ``grouped_gemm._gemm1_swiglu_fwd_kernel``). Grid: (programs,)."""
         dtype: gl.constexpr = w1_desc.dtype
@@ -463,9 +503,9 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
         gl.warp_specialize([
             (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a,
-                             ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES)),
+                             ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
             (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a,
-                             ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES)),
+                             ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -732,14 +772,15 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", 
                "h_desc": desc([bm // 2, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
                "offsets_ptr": "*i32", "E": "i32"}
         cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SKIP_EMPTY=cfg.skip_empty)
         return sig, cx
     bh = bn // 2 if cfg.split_n else bn
     sig = {"a_desc": desc([bm, bk]), "w1_desc": desc([bk, bh]), "w3_desc": desc([bk, bh]),
            "dx_desc": desc([bm // 2 if cfg.coop else bm, bh]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
            "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(F=F, NUM_N=-(-D // bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, COOP=cfg.coop,
-              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SPLIT=cfg.split_n)
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SPLIT=cfg.split_n,
+              SKIP_EMPTY=cfg.skip_empty)
     return sig, cx
 
 
@@ -812,7 +853,7 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
     launch(_gemm1_fwd_ws_kernel, (programs,),
            x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
-           num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.skip_empty and SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -897,7 +938,7 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     launch(_gemm1_dgrad_ws_kernel, (programs,),
            a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs, cfg.split_n,
-           num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.skip_empty and SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 
