@@ -115,6 +115,12 @@ def _tail(text: str, n: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
+def _last_line(text: str) -> str:
+    """The log's last non-empty line (a launcher's error message: the launcher exits with it), cut to 300 chars."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "(empty log)"
+
+
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
 
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = parse_metrics(text)
         summary, reason = None, None
         if rc != 0:
-            reason = f"exit code {rc}"
+            reason = f"exit code {rc}: {_last_line(text)}"
         else:
             try:
                 summary = summarize(rows, a.skip)

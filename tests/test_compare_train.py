@@ -116,7 +116,8 @@ def test_failure_reported_others_still_run(tmp_path, fake, capsys, monkeypatch):
                monkeypatch, {"COMPARE_TRAIN_LAUNCHER": fake, "FAKE_FAIL": "baseline"})
     assert rc == 1
     cap = capsys.readouterr()
-    assert "qwen3_debugmoe_baseline_bf16 FAILED (exit code 3)" in cap.err
+    # the reason names the log's last line (a launcher's own error message ends its log)
+    assert "qwen3_debugmoe_baseline_bf16 FAILED (exit code 3: RuntimeError: CUDA out of memory (fake))" in cap.err
     assert "RuntimeError: CUDA out of memory (fake)" in cap.err
     assert "traceback line 11" in cap.err and "traceback line 10\n" not in cap.err  # last 30 lines only
     rec = json.loads(out.read_text())
@@ -124,7 +125,7 @@ def test_failure_reported_others_still_run(tmp_path, fake, capsys, monkeypatch):
     assert a["status"] == "error" and a["returncode"] == 3 and a["summary"] is None
     assert "CUDA out of memory" in a["log_tail"]
     assert b["status"] == "ok" and b["summary"]["median_tps"] == statistics.median(1500 + 10 * s for s in range(6, 9))
-    assert "| qwen3_debugmoe_baseline_bf16 | - |" in cap.out and "error: exit code 3" in cap.out
+    assert "| qwen3_debugmoe_baseline_bf16 | - |" in cap.out and "error: exit code 3: RuntimeError" in cap.out
     assert plot.is_file()
 
 
