@@ -36,7 +36,7 @@ gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line an
   grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
 }
 layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer rows, default and with each switch set
-  local lim=$((570 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
+  local lim=$((${BUDGET:-570} - 5 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \
     --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} \
     --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
