@@ -24,4 +24,17 @@ if [ "$PART" = a ]; then
   [ "$(left 200)" -ge 90 ] && layer_ab 30b_a "SKIP_PAD_BLOCKS=0 GEMM2_DGRAD_WIDE=0" qwen3-30b-a3b bf16 tt-compile,megamoe-triton 4
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
+# PART=b: the short form for a call with little device time left: the changed kernels' GPU tests (bitwise against
+#   SKIP off), then the skip / trim kernels interleaved at 235B.
+if [ "$PART" = b ]; then
+  timeout -s KILL $(left 170) python3 -m pytest -q -rfE -x tests/test_ws_wgrad.py tests/test_ws_gemm.py \
+    -k "on_gpu and not gemm2_dgrad" -p no:cacheprovider > "$OUT/keep/tests_gpu_ws_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_ws_b.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_ws_b.log" | head -20
+  [ "$(left 100)" -ge 40 ] && timeout $(left 100) python3 scripts/ab_kernels.py --shapes 235b \
+    --groups wgrad_w13_trim,wgrad_w2_trim,gemm1_fwd_skip,gemm1_dgrad_skip --rounds 6 \
+    --out "$OUT/keep/ab_kernels_b.json" > "$OUT/ab_kernels_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab_kernels rc $?"; grep -E "^(30b|235b)" "$OUT/ab_kernels_b.log"; tail -3 "$OUT/ab_kernels_b.log"
+  mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
+fi
 session_pack "s29$PART"
