@@ -160,7 +160,7 @@ def test_override_restores_a_module_it_imported_first():
 
 
 def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
-    """``SKIP_PAD_BLOCKS`` (default on) turns the GEMM1 kernels' ``skip_empty`` and the wgrads' ``trim_k`` constexprs on
+    """``SKIP_PAD_BLOCKS`` (default off) turns the GEMM1 kernels' ``skip_empty`` and the wgrads' ``trim_k`` on
     and off at launch (the launcher is replaced by a recorder: no GPU, nothing compiled)."""
     from titan_megamoe.kernels import ws_gemm, ws_wgrad
     from titan_megamoe.kernels.routing import build_routing_layout_torch
@@ -185,8 +185,8 @@ def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
         return [args[-1] for _, args in calls]
 
     monkeypatch.setattr(ws_wgrad, "_platform_reason", lambda t: None)  # the wgrads' checks, as on an sm_90 GPU
-    assert flags() == [True] * 4
-    with switches.override({"TITAN_MEGAMOE_SKIP_PAD_BLOCKS": "0"}):
-        assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False
-        assert flags() == [False] * 4
-    assert ws_gemm.SKIP_PAD_BLOCKS is True and ws_wgrad.SKIP_PAD_BLOCKS is True
+    assert flags() == [False] * 4
+    with switches.override({"TITAN_MEGAMOE_SKIP_PAD_BLOCKS": "1"}):
+        assert ws_gemm.SKIP_PAD_BLOCKS is True and ws_wgrad.SKIP_PAD_BLOCKS is True
+        assert flags() == [True] * 4
+    assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False

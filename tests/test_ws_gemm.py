@@ -304,9 +304,9 @@ def _gpu_case(T, E, K, D, F, routing, cfg, seed):
     assert (out[:n][~valid] == 0).all(), "padding rows must be zero"
     assert rel_err(out[:n], ref) < 1e-2
     assert torch.equal(out[:n], tri[:n]), "not bitwise the Triton kernel (same K order, fp32 accumulation)"
-    if cfg.coop:  # skip_empty (the default): the MMAs it leaves out were on zero rows only
-        full = ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=dataclasses.replace(cfg, skip_empty=False))
-        assert torch.equal(out[:n], full[:n]), "skip_empty changed the result"
+    if cfg.coop:  # skip_empty (opt-in): the MMAs it leaves out were on zero-weighted padding rows only
+        skip = ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=dataclasses.replace(cfg, skip_empty=True))
+        assert torch.equal(out[:n], skip[:n]), "skip_empty changed the result"
 
 
 @pytest.mark.cuda
@@ -353,9 +353,9 @@ def test_ws_gemm1_fwd_matches_triton_on_gpu(case):
     assert not torch.isnan(gu[:n]).any() and not torch.isnan(h[:n]).any(), "live rows left unwritten"
     assert (gu[:n][~valid] == 0).all() and (h[:n][~valid] == 0).all(), "padding rows must be zero"
     assert rel_err(gu[:n], tgu[:n]) < 1e-2 and rel_err(h[:n], th[:n]) < 1e-2
-    # skip_empty (the default): a consumer whose 64 rows are all padding issues no MMA; the same bits as with them
+    # skip_empty (opt-in): a consumer whose 64 rows are all padding issues no MMA; the same bits as with them
     from titan_megamoe.kernels.ws_gemm import FWD_CONFIG
-    fgu, fh = ws_gemm1_fwd(x, w1, w3, lay, cfg=dataclasses.replace(FWD_CONFIG, skip_empty=False))
+    fgu, fh = ws_gemm1_fwd(x, w1, w3, lay, cfg=dataclasses.replace(FWD_CONFIG, skip_empty=True))
     assert torch.equal(gu[:n], fgu[:n]) and torch.equal(h[:n], fh[:n]), "skip_empty changed the result"
 
 

@@ -145,11 +145,11 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
     g1, g3 = wgrad_w13(dgu, x, lay, impl="grouped_mm")
     g2 = wgrad_w2(dout, dgu, torch.rand(T, K, device="cuda"), lay, hs_NF=hs, impl="grouped_mm")
     assert rel_err(dw1, g1) < 1e-2 and rel_err(dw3, g3) < 1e-2 and rel_err(dw2, g2) < 1e-2
-    # trim_k (the default) ends each expert at its last row rounded up to 64: bitwise the padded end's sums, and
+    # trim_k (opt-in) ends each expert at its last row rounded up to 64: bitwise the padded end's sums, and
     # rows past that end are not read (poisoned, the results stay the same)
-    full = dataclasses.replace(cfg, trim_k=False)
-    assert torch.equal(ws_wgrad_w13(dgu, x, lay, cfg=full)[0], dw1)
-    assert torch.equal(ws_wgrad_w2(dout, hs, lay, cfg=full), dw2)
+    trim = dataclasses.replace(cfg, trim_k=True)
+    assert torch.equal(ws_wgrad_w13(dgu, x, lay, cfg=trim)[0], dw1)
+    assert torch.equal(ws_wgrad_w2(dout, hs, lay, cfg=trim), dw2)
     cut = lay.offsets[:-1] + (lay.counts + 63) // 64 * 64
     tail = torch.zeros(lay.n_cap, dtype=torch.bool, device="cuda")
     for e in range(E):
@@ -157,8 +157,8 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
     if tail.any():
         dgu_p, hs_p = dgu.clone(), hs.clone()
         dgu_p[tail], hs_p[tail] = float("nan"), float("nan")
-        assert torch.equal(ws_wgrad_w13(dgu_p, x, lay, cfg=cfg)[1], dw3), "trim_k read rows past the cut"
-        assert torch.equal(ws_wgrad_w2(dout, hs_p, lay, cfg=cfg), dw2), "trim_k read rows past the cut"
+        assert torch.equal(ws_wgrad_w13(dgu_p, x, lay, cfg=trim)[1], dw3), "trim_k read rows past the cut"
+        assert torch.equal(ws_wgrad_w2(dout, hs_p, lay, cfg=trim), dw2), "trim_k read rows past the cut"
     again = ws_wgrad_w13(dgu, x, lay, cfg=cfg)
     assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "not deterministic"
     # the dispatch of wgrad_w13 / wgrad_w2 with impl="gluon" is this kernel; split_n changes no sum's order

@@ -59,7 +59,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            caches=_CONFIG_CACHES),
     Switch("TITAN_MEGAMOE_GEMM2_DGRAD_WIDE", "1", attrs=(("titan_megamoe.kernels.configs", "GEMM2_DGRAD_WIDE"),),
            caches=_CONFIG_CACHES),
-    Switch("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", "1", attrs=(("titan_megamoe.kernels.ws_gemm", "SKIP_PAD_BLOCKS"),
+    Switch("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", "0", attrs=(("titan_megamoe.kernels.ws_gemm", "SKIP_PAD_BLOCKS"),
                                                          ("titan_megamoe.kernels.ws_wgrad", "SKIP_PAD_BLOCKS"))),
     Switch("TITAN_MEGAMOE_WS_GEMM1", "1", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM1"),)),
     Switch("TITAN_MEGAMOE_FUSED_LAYER", "1", attrs=(("titan_megamoe.ops.eager_layer", "ENABLED"),)),

@@ -96,10 +96,11 @@ class WsConfig:
         split_n: cooperative GEMM1 dgrad only: each consumer's BM / 2 x BN accumulator as two BN / 2-column
             halves (two MMAs per K step, on B tiles loaded as two halves) stored through one BM / 2 x BN / 2
             staging tile, so the epilogue takes half the shared memory and the ring a fourth stage.
-        skip_empty: cooperative kernels (bf16 GEMM1 forward and dgrad): a consumer whose BM / 2 rows of a tile are
-            all padding (an expert's last tile with at most BM / 2 rows: about half the experts, ~2.9 % of the
-            rows at 1,024 rows per expert) issues no MMA for it: it waits for and releases the tile's buffers and
-            stores zeros, which its MMAs on zero rows would have given (bitwise the same outputs).
+        skip_empty: opt-in (or ``SKIP_PAD_BLOCKS``), cooperative kernels (bf16 GEMM1 forward and dgrad): a consumer
+            whose BM / 2 rows of a tile are all padding (an expert's last tile with at most BM / 2 rows: about half
+            the experts, ~2.9 % of the rows at 1,024 rows per expert) issues no MMA for it: it waits for and
+            releases the tile's buffers and stores zeros, which its MMAs on the zero-weighted padding rows would
+            have given (bitwise the same outputs).
     """
 
     block_m: int = 128
@@ -112,7 +113,7 @@ class WsConfig:
     producer_regs: int = 40
     consumer_regs: int = 232
     split_n: bool = False
-    skip_empty: bool = True
+    skip_empty: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
@@ -125,9 +126,9 @@ class WsConfig:
                 f"maxnreg={self.maxnreg})")
 
 
-#: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=0 (read at import): the configs' ``skip_empty`` (here) and ``trim_k`` (``ws_wgrad``)
-#: off, every padding row block computed as before (a same-process A/B of the padding skips, docs/SWITCHES.md).
-SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", True)
+#: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=1 (read at import): ``skip_empty`` (here) and ``trim_k`` (``ws_wgrad``) on in every
+#: launch. Opt-in until the skips have run on a GPU (built and checked on the CPU only, docs/NOTES.md session 29).
+SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
 
 DEFAULT = WsConfig()
 #: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``. Measured on one H200
@@ -343,7 +344,7 @@ if HAVE_GLUON:
     def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                                F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               SPLIT: gl.constexpr = False, SKIP_EMPTY: gl.constexpr = True):
+                               SPLIT: gl.constexpr = False, SKIP_EMPTY: gl.constexpr = False):
         """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,). SPLIT
         (cooperative only, ``WsConfig.split_n``): w1_desc / w3_desc / dx_desc have half the tile's columns."""
         dtype: gl.constexpr = a_desc.dtype
@@ -484,7 +485,8 @@ if HAVE_GLUON:
     def _gemm1_fwd_ws_kernel(x_ptr, w1_desc, w3_desc, gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                              D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SKIP_EMPTY: gl.constexpr = True):
+                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             SKIP_EMPTY: gl.constexpr = False):
         """gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T], h[r] = silu(gate) * up per row tile, t = row_pair[r]
         // TOPK (the Triton kernel is ``grouped_gemm._gemm1_swiglu_fwd_kernel``). Grid: (programs,)."""
         dtype: gl.constexpr = w1_desc.dtype
@@ -853,7 +855,7 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
     launch(_gemm1_fwd_ws_kernel, (programs,),
            x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
-           cfg.skip_empty and SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -938,7 +940,7 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     launch(_gemm1_dgrad_ws_kernel, (programs,),
            a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs, cfg.split_n,
-           cfg.skip_empty and SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 

@@ -71,10 +71,10 @@ class WgradConfig:
         split_n: each consumer's 64 x BN accumulator as two BN / 2-column halves (two MMAs per step, on B tiles
             loaded as two halves), stored through one staging tile of half the size, so the epilogue takes half
             the shared memory and the ring a fourth stage (as ``ws_gemm.WsConfig.split_n``).
-        trim_k: end each expert's reduction at its last row rounded up to BK (``counts[e]``), not at its padded
-            end ``offsets[e + 1]``: the layout pads experts to block_m = 128 rows, so about half of them end
-            in a BK = 64 step of padding rows only, zeros that add nothing (skipping them leaves the sums
-            bitwise the same). ~2.9 % of the steps at 1,024 rows per expert. False: the padded end.
+        trim_k: opt-in (or ``SKIP_PAD_BLOCKS``): end each expert's reduction at its last row rounded up to BK
+            (``counts[e]``), not at its padded end ``offsets[e + 1]``: the layout pads experts to block_m = 128
+            rows, so about half of them end in a BK = 64 step of padding rows only, zeros that add nothing
+            (skipping them leaves the sums bitwise the same). ~2.9 % of the steps at 1,024 rows per expert.
     """
 
     block_n: int = 256
@@ -84,7 +84,7 @@ class WgradConfig:
     producer_regs: int = 72
     consumer_regs: int = 216
     split_n: bool = False
-    trim_k: bool = True
+    trim_k: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two consumers' epilogue tiles (bf16)."""
@@ -93,8 +93,8 @@ class WgradConfig:
 
 
 WGRAD_CONFIG = WgradConfig()
-#: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=0 (read at import): ``trim_k`` off (as ``ws_gemm.SKIP_PAD_BLOCKS``).
-SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", True)
+#: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=1 (read at import): ``trim_k`` on in every launch (as ``ws_gemm.SKIP_PAD_BLOCKS``).
+SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
 #: The split-accumulator config (``split_n``, 4 stages): the default from model dim 4096 (faster at 235B, slower at
 #: 30B on one H100; ``grouped_gemm_wgrad.WS_WGRAD_SPLIT``, "auto").
 SPLIT_CONFIG = WgradConfig(stages=4, split_n=True)
@@ -248,7 +248,7 @@ if HAVE_GLUON:
     def _wgrad_ws_kernel(a_ptr, b_desc, out0_desc, out1_desc, row_pair_ptr, offsets_ptr, counts_ptr, E,
                          TRANS_OUT: gl.constexpr, N_SRC: gl.constexpr, TOPK: gl.constexpr, SPLIT: gl.constexpr,
                          MT: gl.constexpr, NT: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, SPLIT_N: gl.constexpr = False, TRIM_K: gl.constexpr = True):
+                         CONSUMER_REGS: gl.constexpr, SPLIT_N: gl.constexpr = False, TRIM_K: gl.constexpr = False):
         """P[e] = A[rows of e]^T @ B[rows of e] with A = token rows of ``a_ptr`` (T, N_SRC) gathered, B by TMA
         (module docstring); stored as dw2[e] = P[e] (TRANS_OUT False) or as dw1[e] / dw3[e] = P[e]^T split at
         column SPLIT = F (TRANS_OUT True). Grid: (programs,). SPLIT_N (``WgradConfig.split_n``): b_desc and the
@@ -346,7 +346,7 @@ def ws_wgrad_w13(dgate_up_N2F: Tensor, x_TD: Tensor, layout, *, out: tuple[Tenso
     mt, nt = D // _BM, 2 * F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
            x_TD, b_desc, o1, o3, layout.row_pair, layout.offsets, layout.counts, E, True, D, K, F, mt, nt,
-           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k and SKIP_PAD_BLOCKS,
+           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k or SKIP_PAD_BLOCKS,
            num_warps=4, maxnreg=cfg.maxnreg)
     return dw1, dw3
 
@@ -390,7 +390,7 @@ def ws_wgrad_w2(dout_TD: Tensor, hs_NF: Tensor, layout, *, out: Tensor | None = 
     mt, nt = D // _BM, F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
            dout_TD, b_desc, o2, o2, layout.row_pair, layout.offsets, layout.counts, E, False, D, K, D, mt, nt,
-           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k and SKIP_PAD_BLOCKS,
+           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k or SKIP_PAD_BLOCKS,
            num_warps=4, maxnreg=cfg.maxnreg)
     return dw2
 
