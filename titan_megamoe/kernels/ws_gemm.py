@@ -471,8 +471,10 @@ if HAVE_GLUON:
                 for k in range(KT):
                     idx = idx0 + k
                     s = idx % STAGES
-                    mbarrier.wait(ready_a.index(s), (idx // STAGES) & 1)  # both parts landed before the release
-                    _release_steps(ready_b, empty, idx, 1, STAGES)
+                    ph = (idx // STAGES) & 1
+                    mbarrier.wait(ready_a.index(s), ph)  # both parts landed before the release
+                    mbarrier.wait(ready_b.index(s), ph)
+                    mbarrier.arrive(empty.index(s), count=1)
             # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas),
             # SwiGLU in fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
             col0 = pid_n * BN
