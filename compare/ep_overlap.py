@@ -521,15 +521,21 @@ def _measure(args, drv: Driver, shape: LayerShape, T: int, routing: str, mode: s
     return rec
 
 
-def markdown(records: list[dict]) -> str:
+# Times are medians in ms (the max over ranks); overlap is a fraction: 0 = serial, 1 = the shorter phase hidden.
+HEAD = ("| shape | routing | precision | mode | EP | tokens/rank | full fwd ms | comm fwd ms | compute fwd ms | "
+        "overlap fwd | full fwd+bwd ms | comm fwd+bwd ms | compute fwd+bwd ms | overlap fwd+bwd | NVLink MB/rank | "
+        "comm GB/s |")
+
+
+def markdown(records: list[dict], header: bool = True, details: bool = True) -> str:
+    """The records as one markdown table (``header``: with its head) and, with ``details``, each ok record's
+    phase times and rank 0's top kernels below it."""
     f = lambda x, s=".3g": "-" if x is None else format(x, s)  # noqa: E731
-    head = ("| shape | routing | precision | mode | EP | T/rank | full fwd | comm fwd | compute fwd | overlap fwd | "
-            "full fwd+bwd | comm fwd+bwd | compute fwd+bwd | overlap fwd+bwd | NVLink MB/rank | comm GB/s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = [] if not header else [HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
     for r in records:
         if r["status"] != "ok":
             lines.append(f"| {r['shape']['name']} | {r['routing']} | {r.get('precision', 'bf16')} | {r['mode']} | "
-                         f"{r['ep']} | {r['tokens_per_rank']} | {r['status']}: {r['reason']} |" + " |" * 10)
+                         f"{r['ep']} | {r['tokens_per_rank']} | {r['status']}: {r['reason']} |" + " |" * (HEAD.count("|") - 8))
             continue
         lines.append(
             f"| {r['shape']['name']} | {r['routing']} | {r.get('precision', 'bf16')} | {r['mode']} | {r['ep']} | "
@@ -538,7 +544,7 @@ def markdown(records: list[dict]) -> str:
             f"{f(r['overlap_fwd'], '.2f')} | {f(r['full_fwdbwd']['ms'])} | {f(r['comm_fwdbwd']['ms'])} | "
             f"{f(r['compute_fwdbwd']['ms'])} | {f(r['overlap_fwdbwd'], '.2f')} | "
             f"{f(r['nvlink_bytes_per_rank']['fwdbwd'] / 1e6, '.1f')} | {f(r['comm_gbps']['fwdbwd'], '.0f')} |")
-    for r in records:
+    for r in records if details else []:
         if r["status"] != "ok":
             continue
         lines.append(f"\nphases (ms, median, max over ranks) {r['shape']['name']} {r['routing']} "
@@ -654,13 +660,15 @@ def main(argv: list[str] | None = None) -> int:
                         if rank == 0:  # after every record: a run cut short by a time limit keeps what it measured
                             out.write_text(json.dumps({"schema": SCHEMA, "run": run, "records": records}, indent=1)
                                            + "\n")
-                            print(markdown([rec]), flush=True)
+                            if len(records) == 1:
+                                print(HEAD + "\n|" + "---|" * (HEAD.count("|") - 1))
+                            print(markdown([rec], header=False), flush=True)
                     del pdrv
                 del drv
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         if rank == 0:
-            print("\n" + markdown(records).split("\n\n")[0].split("\nphases")[0])
+            print("\nall records:\n" + markdown(records, details=False))
             print(f"\nwrote {out}")
             sys.stdout.flush()
         if real:

@@ -18,7 +18,7 @@ def test_tiny_emulated_run(tmp_path, capsys):
     out = tmp_path / "ovl.json"
     assert main(["--tiny", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| overlap fwd |" in text and "phases (ms" in text and "profile rank 0" in text
+    assert "| overlap fwd |" in text and "| full fwd ms |" in text and "phases (ms" in text and "profile rank 0" in text
     data = json.loads(out.read_text())
     assert data["schema"] == SCHEMA
     run = data["run"]
