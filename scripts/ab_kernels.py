@@ -1,5 +1,5 @@
 """Interleaved A/B of kernel variants (GPU only) at the 30B and 235B shapes: the bf16 GEMM1 dgrad (Triton, Gluon
-cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8), the bf16 wgrads (Gluon default, split_n)
+cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8; persistent or one program per tile), the bf16 wgrads (Gluon default, split_n)
 and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
 m64n128 accumulator per consumer or two m64n64 ones).
 
@@ -132,7 +132,15 @@ def _groups(shape: str):
         "wgrad_w2_trim": [(f"trim_k {on}", lambda on=on: ws_wgrad_w2(
             dout, hs, lay, out=o2, cfg=dataclasses.replace(wcfg, trim_k=on))) for on in (True, False)],
     }
-    flops = {"gemm1_fwd_skip": 4 * T * K * D * F, "gemm1_dgrad_skip": 4 * T * K * D * F,
+    # one program per tile (WS_GEMM1_GRID) against the persistent default: tiles started in order by the hardware
+    skip_groups.update({
+        "gemm1_fwd_grid": [(name, lambda p=p: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu1, h_out=h1, programs=p))
+                           for name, p in (("persistent", None), ("grid", lay.n_tiles_cap * (F // FWD_CONFIG.block_n)))],
+        "gemm1_dgrad_grid": [(name, lambda p=p: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=coop, programs=p)[:n])
+                             for name, p in (("persistent", None), ("grid", lay.n_tiles_cap * (D // coop.block_n)))],
+    })
+    flops = {"gemm1_fwd_grid": 4 * T * K * D * F, "gemm1_dgrad_grid": 4 * T * K * D * F,
+             "gemm1_fwd_skip": 4 * T * K * D * F, "gemm1_dgrad_skip": 4 * T * K * D * F,
              "wgrad_w13_trim": 4 * T * K * D * F, "wgrad_w2_trim": 2 * T * K * D * F,
              "gemm2_fwd": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
              "wgrad_w2": 2 * T * K * D * F, "gemm2_dgrad": 2 * T * K * D * F}

@@ -190,3 +190,38 @@ def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
         assert ws_gemm.SKIP_PAD_BLOCKS is True and ws_wgrad.SKIP_PAD_BLOCKS is True
         assert flags() == [True] * 4
     assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False
+
+
+def test_ws_gemm1_grid_switch_sizes_the_cooperative_gemm1_grids(monkeypatch):
+    """``WS_GEMM1_GRID`` (default off) launches the cooperative GEMM1 forward / dgrad with one program per tile;
+    ping-pong keeps one per SM (its two consumers need two tiles), and an explicit ``programs`` always wins."""
+    from titan_megamoe.kernels import ws_gemm
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    if not ws_gemm.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    grids = []
+    monkeypatch.setattr(ws_gemm, "launch", lambda kernel, grid, *args, **kw: grids.append(grid[0]))
+    monkeypatch.setattr(ws_gemm, "_sm_count", lambda idx: 3)  # an SM count, as on a GPU with 3 SMs
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    T, K, E, D, F = 300, 2, 4, 512, 256
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
+    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+
+    def sizes(**kw):
+        grids.clear()
+        ws_gemm.launch_gemm1_fwd(x, w, w, lay, gu, h, **kw)
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["coop"], **kw)
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["pingpong"], **kw)
+        return grids[:]
+
+    fwd_tiles = lay.n_tiles_cap * (F // ws_gemm.FWD_CONFIG.block_n)
+    dgrad_tiles = lay.n_tiles_cap * (D // ws_gemm.CONFIGS["coop"].block_n)
+    assert fwd_tiles > 3 and dgrad_tiles > 3
+    assert sizes() == [3, 3, 3]
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_GRID": "1"}):
+        assert sizes() == [fwd_tiles, dgrad_tiles, 3]
+        assert sizes(programs=2) == [2, 2, 2]
+    assert sizes() == [3, 3, 3]

@@ -307,6 +307,10 @@ def _gpu_case(T, E, K, D, F, routing, cfg, seed):
     if cfg.coop:  # skip_empty (opt-in): the MMAs it leaves out were on zero-weighted padding rows only
         skip = ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=dataclasses.replace(cfg, skip_empty=True))
         assert torch.equal(out[:n], skip[:n]), "skip_empty changed the result"
+        # one program per tile (WS_GEMM1_GRID's launch), into a poisoned output: the same tiles, the same bits
+        grid = torch.full_like(out, float("nan"))
+        ws_gemm1_dgrad(dgu, w1, w3, lay, out=grid, cfg=cfg, programs=lay.n_tiles_cap * -(-D // cfg.block_n))
+        assert torch.equal(out[:n], grid[:n]), "one program per tile changed the result"
 
 
 @pytest.mark.cuda
@@ -357,6 +361,9 @@ def test_ws_gemm1_fwd_matches_triton_on_gpu(case):
     from titan_megamoe.kernels.ws_gemm import FWD_CONFIG
     fgu, fh = ws_gemm1_fwd(x, w1, w3, lay, cfg=dataclasses.replace(FWD_CONFIG, skip_empty=True))
     assert torch.equal(gu[:n], fgu[:n]) and torch.equal(h[:n], fh[:n]), "skip_empty changed the result"
+    ggu, gh = torch.full_like(gu, float("nan")), torch.full_like(h, float("nan"))  # one program per tile
+    ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=ggu, h_out=gh, programs=lay.n_tiles_cap * (F // FWD_CONFIG.block_n))
+    assert torch.equal(gu[:n], ggu[:n]) and torch.equal(h[:n], gh[:n]), "one program per tile changed the result"
 
 
 if __name__ == "__main__":

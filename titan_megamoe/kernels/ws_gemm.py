@@ -129,6 +129,12 @@ class WsConfig:
 #: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=1 (read at import): ``skip_empty`` (here) and ``trim_k`` (``ws_wgrad``) on in every
 #: launch. Opt-in until the skips have run on a GPU (built and checked on the CPU only, docs/NOTES.md session 29).
 SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
+#: TITAN_MEGAMOE_WS_GEMM1_GRID=1 (read at import): the cooperative bf16 GEMM1 forward and dgrad launch one program per
+#: tile, not one per SM. Why try it: persistent programs walk their tiles grid-strided and drift apart, so the tiles
+#: in flight may span more experts' weights than L2 holds (the 235B dgrad read ~11 GB from DRAM for 5.1 GB of
+#: operands, docs/NOTES.md session 27); the hardware starts a grid's programs in order as SMs free up. Cost: a tile's
+#: barrier set-up and first loads no longer run under the previous tile's epilogue. Opt-in until measured.
+GEMM1_GRID = env_flag("TITAN_MEGAMOE_WS_GEMM1_GRID", False)
 
 DEFAULT = WsConfig()
 #: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``. Measured on one H200
@@ -723,6 +729,12 @@ def _check_operands(fn: str, fp32: tuple[str, ...] = (), **tensors: Tensor) -> N
                              f"tensor.to({want}).contiguous())")
 
 
+def _gemm1_programs(cfg: WsConfig, programs: int | None) -> int | None:
+    """``programs`` as given, or with ``GEMM1_GRID`` and a cooperative config, one program per tile (a ping-pong
+    program needs two tiles to keep both consumers busy)."""
+    return programs if programs is not None or not (GEMM1_GRID and cfg.coop) else 1 << 30
+
+
 def _programs(dev: torch.device, tiles: int, programs: int | None) -> int:
     """Persistent grid size: ``programs`` (default: the device's SM count), at most ``tiles``, at least 1."""
     if programs is None:
@@ -853,7 +865,7 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
     gu_desc = _desc(gu, (n_cap, 2 * F), (bm // 2, bn))
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // bn
-    programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
+    programs = _programs(dev, layout.n_tiles_cap * num_n, _gemm1_programs(cfg, programs))
     launch(_gemm1_fwd_ws_kernel, (programs,),
            x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
@@ -938,7 +950,7 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     w3_desc = _desc(w3_EFD, (E * F, D), (bk, bh))
     dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bh))
     num_n = -(-D // bn)
-    programs = _programs(dx.device, layout.n_tiles_cap * num_n, programs)
+    programs = _programs(dx.device, layout.n_tiles_cap * num_n, _gemm1_programs(cfg, programs))
     launch(_gemm1_dgrad_ws_kernel, (programs,),
            a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
            F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs, cfg.split_n,
