@@ -1,5 +1,6 @@
 """Interleaved A/B of kernel variants (GPU only) at the 30B and 235B shapes: the bf16 GEMM1 dgrad (Triton, Gluon
-cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8; persistent or one program per tile), the bf16 wgrads (Gluon default, split_n)
+cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8 or expert-major; persistent or one
+program per tile), the bf16 GEMM1 forward's tile order and grid, the bf16 wgrads (Gluon default, split_n)
 and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
 m64n128 accumulator per consumer or two m64n64 ones).
 
@@ -134,12 +135,19 @@ def _groups(shape: str):
     }
     # one program per tile (WS_GEMM1_GRID) against the persistent default: tiles started in order by the hardware
     skip_groups.update({
-        "gemm1_fwd_grid": [(name, lambda p=p: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu1, h_out=h1, programs=p))
-                           for name, p in (("persistent", None), ("grid", lay.n_tiles_cap * (F // FWD_CONFIG.block_n)))],
+        "gemm1_fwd_grid": [(name, lambda p=p: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu1, h_out=h1,
+                                                           programs=p))
+                           for name, p in (("persistent", None),
+                                           ("grid", lay.n_tiles_cap * (F // FWD_CONFIG.block_n)))],
         "gemm1_dgrad_grid": [(name, lambda p=p: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=coop, programs=p)[:n])
                              for name, p in (("persistent", None), ("grid", lay.n_tiles_cap * (D // coop.block_n)))],
     })
-    flops = {"gemm1_fwd_grid": 4 * T * K * D * F, "gemm1_dgrad_grid": 4 * T * K * D * F,
+    skip_groups["gemm1_fwd_order"] = [
+        (f"group_m {m}" if m else "expert order", lambda m=m: ws_gemm1_fwd(
+            x, w1, w3, lay, gate_up_out=gu1, h_out=h1, cfg=dataclasses.replace(FWD_CONFIG, group_m=m)))
+        for m in (1, 0)]
+    flops = {"gemm1_fwd_order": 4 * T * K * D * F, "gemm1_fwd_grid": 4 * T * K * D * F,
+             "gemm1_dgrad_grid": 4 * T * K * D * F,
              "gemm1_fwd_skip": 4 * T * K * D * F, "gemm1_dgrad_skip": 4 * T * K * D * F,
              "wgrad_w13_trim": 4 * T * K * D * F, "wgrad_w2_trim": 2 * T * K * D * F,
              "gemm2_fwd": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
@@ -149,7 +157,9 @@ def _groups(shape: str):
                         ("gluon coop", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["coop"])[:n]),
                         ("gluon split", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=CONFIGS["split"])[:n])],
         "gemm1_dgrad_order": [(f"gluon group_m {m}", lambda m=m: ws_gemm1_dgrad(
-            dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, group_m=m))[:n]) for m in (1, 4, 8)],
+            dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, group_m=m))[:n]) for m in (1, 4, 8)]
+        + [("gluon expert order", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx,
+                                                         cfg=dataclasses.replace(coop, group_m=0))[:n])],
         "gemm2_fwd": [(name, lambda c=c: gemm2_fwd(c)) for name, c in g2f.items()],
         "gemm2_dgrad": [("triton 2/SM", lambda: gemm2_dgrad(g2_two)),
                         ("triton 1/SM", lambda: gemm2_dgrad(g2_one)),
@@ -169,7 +179,7 @@ def _groups(shape: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="30b,235b")
-    p.add_argument("--groups", default=None, help="comma-separated kernel groups (default: all)")
+    p.add_argument("--groups", default=None, help="comma-separated kernel groups, run in this order (default: all)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
@@ -180,9 +190,13 @@ def main(argv=None) -> int:
     rows = []
     for shape in a.shapes.split(","):
         groups, flops = _groups(shape)
-        for group, variants in groups.items():
-            if a.groups and group not in a.groups.split(","):
-                continue
+        wanted = a.groups.split(",") if a.groups else list(groups)  # in the order asked: the first ones matter most
+        unknown = [g for g in wanted if g not in groups]
+        if unknown:
+            print(f"ab_kernels: unknown groups {unknown}; known: {', '.join(groups)}", file=sys.stderr)
+            return 2
+        for group in wanted:
+            variants = groups[group]
             first = [t.clone() for t in _as_tuple(variants[0][1]())]
             same = {name: all(torch.equal(u, v) for u, v in zip(_as_tuple(fn()), first)) for name, fn in variants}
             times = {name: [] for name, _ in variants}
@@ -197,6 +211,12 @@ def main(argv=None) -> int:
                                  vs_first=ms / base, rounds_ms=times[name], bitwise_first=same[name]))
                 print(f"{shape:5s} {group:12s} {name:14s} {ms:7.3f} ms {rows[-1]['tflops']:5.0f} TF/s "
                       f"x{ms / base:.3f} of {variants[0][0]}  bitwise {same[name]}", flush=True)
+            _write(a, rows)  # after every group: a run cut short by a time limit keeps what it measured
+    _write(a, rows)
+    return 0
+
+
+def _write(a, rows: list[dict]) -> None:
     if a.out:
         import triton
 
@@ -205,7 +225,6 @@ def main(argv=None) -> int:
                        "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
                        "git_rev": os.environ.get("TITAN_MEGAMOE_GIT_REV"), "rounds": a.rounds, "reps": a.reps,
                        "tokens": 16384, "top_k": 8, "experts": 128, "routing": "uniform", "rows": rows}, f, indent=1)
-    return 0
 
 
 def _as_tuple(out):

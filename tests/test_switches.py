@@ -225,3 +225,32 @@ def test_ws_gemm1_grid_switch_sizes_the_cooperative_gemm1_grids(monkeypatch):
         assert sizes() == [fwd_tiles, dgrad_tiles, 3]
         assert sizes(programs=2) == [2, 2, 2]
     assert sizes() == [3, 3, 3]
+
+
+def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
+    """``WS_GEMM1_EXPERT_ORDER`` (default off) launches the bf16 GEMM1 forward and dgrad with ``GROUP_M`` 0 (the
+    expert-major, column-by-column tile order); off, each config's own ``group_m``."""
+    from titan_megamoe.kernels import ws_gemm
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    if not ws_gemm.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    group_m = []
+    monkeypatch.setattr(ws_gemm, "launch", lambda kernel, grid, *args, **kw: group_m.append(
+        args[13] if kernel is ws_gemm._gemm1_fwd_ws_kernel else args[10]))
+    T, K, E, D, F = 64, 2, 4, 256, 256
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
+    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+
+    def orders():
+        group_m.clear()
+        ws_gemm.launch_gemm1_fwd(x, w, w, lay, gu, h, programs=4)
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["pingpong"], programs=4)
+        return group_m[:]
+
+    assert orders() == [ws_gemm.FWD_CONFIG.group_m, ws_gemm.CONFIGS["pingpong"].group_m] == [1, 8]
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER": "1"}):
+        assert orders() == [0, 0]
+    assert orders() == [1, 8]

@@ -27,6 +27,15 @@ def _compile_sm90_all() -> list[dict]:
             sig, cx = ws_gemm.sm90_compile_args(cfg, D, F)
             r = compile_sm90(ws_gemm._gemm1_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
             out.append(dict(label=f"{name}_{shape}", **r))
+    # the expert-major tile order (group_m 0, WS_GEMM1_EXPERT_ORDER) at 235B: three more loads per tile
+    cfg = dataclasses.replace(ws_gemm.CONFIGS["coop"], group_m=0)
+    sig, cx = ws_gemm.sm90_compile_args(cfg, *SHAPES["235b"])
+    r = compile_sm90(ws_gemm._gemm1_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+    out.append(dict(label="coop_235b_expert_order", **r))
+    cfg = dataclasses.replace(ws_gemm.FWD_CONFIG, group_m=0)
+    sig, cx = ws_gemm.sm90_compile_args(cfg, *SHAPES["235b"], kind="gemm1")
+    r = compile_sm90(ws_gemm._gemm1_fwd_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+    out.append(dict(label="fwd_235b_expert_order", **r))
     for shape, (D, F) in SHAPES.items():
         cfg = ws_gemm.FWD_CONFIG
         sig, cx = ws_gemm.sm90_compile_args(cfg, D, F, kind="gemm1")
@@ -47,7 +56,7 @@ def _compile_sm90_all() -> list[dict]:
 
 
 @pytest.mark.parametrize("label", ["pingpong_30b", "pingpong_235b", "coop_30b", "coop_235b", "split_30b",
-                                   "split_235b"])
+                                   "split_235b", "coop_235b_expert_order"])
 def test_ws_gemm1_dgrad_builds_for_sm90a_without_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
     from titan_megamoe.kernels.ws_gemm import CONFIGS
@@ -64,7 +73,7 @@ def test_ws_gemm1_dgrad_builds_for_sm90a_without_wgmma_serialization(label):
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
-@pytest.mark.parametrize("label", ["fwd_30b", "fwd_235b"])
+@pytest.mark.parametrize("label", ["fwd_30b", "fwd_235b", "fwd_235b_expert_order"])
 def test_ws_gemm1_fwd_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 
@@ -96,6 +105,32 @@ def test_the_serialization_check_reports_a_serialized_kernel():
     r = sm90_result(__file__, "serialized")
     assert r["wgmma"] > 0
     assert "C751" in r["wgmma_serialized"], r
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zero_expert", "one_expert", "skewed"])
+def test_expert_tile_order_visits_each_live_tile_once_weight_tile_readers_adjacent(routing):
+    """``ws_gemm._tile_in_expert``'s GROUP_M 0 arithmetic, written again in Python over routing layouts: every live
+    (row tile, column block) once, and the row tiles reading one weight tile (same expert, same column) consecutive.
+    Relies on the layout's experts starting on BM-aligned rows with ``tile_expert`` naming each row tile's expert."""
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+    from titan_megamoe.testing import make_routing
+
+    BM, NUM_N, E = 128, 5, 8
+    lay = build_routing_layout_torch(make_routing(routing, 1500, E, 2, seed=1), E, BM)
+    offsets, tile_expert = lay.offsets.tolist(), lay.tile_expert.tolist()
+    n_live = offsets[E] // BM
+    seen = []
+    for tile in range(n_live * NUM_N):
+        e = tile_expert[tile // NUM_N]
+        first = offsets[e] // BM
+        rows = offsets[e + 1] // BM - first
+        local = tile - first * NUM_N
+        seen.append((first + local % rows, local // rows, e))
+    assert sorted((m, n) for m, n, _ in seen) == [(m, n) for m in range(n_live) for n in range(NUM_N)]
+    assert all(tile_expert[m] == e for m, _, e in seen)
+    readers = [(e, n) for _, n, e in seen]
+    assert all(readers.index(k) + readers.count(k) - 1 == len(readers) - 1 - readers[::-1].index(k)
+               for k in set(readers)), "the readers of a weight tile are not consecutive"
 
 
 def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
@@ -311,6 +346,9 @@ def _gpu_case(T, E, K, D, F, routing, cfg, seed):
         grid = torch.full_like(out, float("nan"))
         ws_gemm1_dgrad(dgu, w1, w3, lay, out=grid, cfg=cfg, programs=lay.n_tiles_cap * -(-D // cfg.block_n))
         assert torch.equal(out[:n], grid[:n]), "one program per tile changed the result"
+    expert = torch.full_like(out, float("nan"))  # the expert-major tile order (WS_GEMM1_EXPERT_ORDER)
+    ws_gemm1_dgrad(dgu, w1, w3, lay, out=expert, cfg=dataclasses.replace(cfg, group_m=0))
+    assert torch.equal(out[:n], expert[:n]), "the expert-major tile order changed the result"
 
 
 @pytest.mark.cuda
@@ -364,6 +402,9 @@ def test_ws_gemm1_fwd_matches_triton_on_gpu(case):
     ggu, gh = torch.full_like(gu, float("nan")), torch.full_like(h, float("nan"))  # one program per tile
     ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=ggu, h_out=gh, programs=lay.n_tiles_cap * (F // FWD_CONFIG.block_n))
     assert torch.equal(gu[:n], ggu[:n]) and torch.equal(h[:n], gh[:n]), "one program per tile changed the result"
+    egu, eh = torch.full_like(gu, float("nan")), torch.full_like(h, float("nan"))  # expert-major tile order
+    ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=egu, h_out=eh, cfg=dataclasses.replace(FWD_CONFIG, group_m=0))
+    assert torch.equal(gu[:n], egu[:n]) and torch.equal(h[:n], eh[:n]), "the expert-major tile order changed the result"
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ class WsConfig:
         block_n: BN output columns per tile.
         block_k: BK reduction step.
         stages: operand buffers in the ring (each (BM + BN) x BK bf16).
-        group_m: row tiles per L2 group of the tile order (``jit.grouped_tile``).
+        group_m: row tiles per L2 group of the tile order (``jit.grouped_tile``); 0 (bf16 GEMM1 forward and dgrad):
+            expert by expert, each expert's row tiles column block by column block (``_tile_in_expert``).
         coop: False: ping-pong, each consumer warpgroup owns whole BM x BN tiles, alternately (one
             tile's epilogue under the other's main loop); True: cooperative, both consumers work on
             every tile, each on BM / 2 of its rows (BN = 256 fits: 64 x 256 fp32 = 128 registers per
@@ -135,6 +136,10 @@ SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
 #: operands, docs/NOTES.md session 27); the hardware starts a grid's programs in order as SMs free up. Cost: a tile's
 #: barrier set-up and first loads no longer run under the previous tile's epilogue. Opt-in until measured.
 GEMM1_GRID = env_flag("TITAN_MEGAMOE_WS_GEMM1_GRID", False)
+#: TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER=1 (read at import): the bf16 GEMM1 forward and dgrad walk their tiles expert by
+#: expert, column block by column block (``group_m`` 0): the tiles reading one weight tile run back to back, so one
+#: expert's weights need not stay in L2 across a whole wave (same aim as GEMM1_GRID). Opt-in until measured.
+GEMM1_EXPERT_ORDER = env_flag("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", False)
 
 DEFAULT = WsConfig()
 #: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``. Measured on one H200
@@ -158,6 +163,24 @@ if HAVE_GLUON:
         first_m = (tile // width) * GROUP_M
         group = gl.minimum(n_live - first_m, GROUP_M)
         return first_m + (tile % width) % group, (tile % width) // group
+
+    @gluon.jit
+    def _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM: gl.constexpr, NUM_N: gl.constexpr,
+                        GROUP_M: gl.constexpr):
+        """``_tile_of``, or with GROUP_M 0 expert by expert and in each expert column block by column block: the row
+        tiles that read one weight tile come back to back (in row order they are NUM_N tiles apart, and the drift of
+        persistent programs can spread one expert's weight reads over two waves)."""
+        if GROUP_M == 0:
+            tile = gl.program_id(0) + j * gl.num_programs(0)
+            e = gl.load(tile_expert_ptr + tile // NUM_N)  # tile // NUM_N is a row tile of the expert (BM-aligned)
+            first = gl.load(offsets_ptr + e) // BM
+            rows = gl.load(offsets_ptr + e + 1) // BM - first
+            local = tile - first * NUM_N
+            pid_m = first + local % rows
+            pid_n = local // rows
+        else:
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+        return pid_m, pid_n
 
     @gluon.jit
     def _rows_live(row_pair_ptr, row0, SKIP_EMPTY: gl.constexpr):
@@ -215,7 +238,7 @@ if HAVE_GLUON:
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
             e = gl.load(tile_expert_ptr + pid_m)
             row0 = pid_m * BM
             col0 = pid_n * BN
@@ -250,8 +273,8 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(desc, [row0, col0 + W], c_smem)
 
     @gluon.jit
-    def _g1d_split_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
-                            C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+    def _g1d_split_consumer(dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                            c_smem, C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # cooperative, the tile's BN columns as two BH halves (WsConfig.split_n): both MMAs of a K step in flight,
         # one BMC x BH staging tile for the two stores
@@ -265,7 +288,7 @@ if HAVE_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
             acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
@@ -292,8 +315,8 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _g1d_consumer(dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c_smem,
-                      C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+    def _g1d_consumer(dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order,
+                      c_smem, C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, COOP: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # ping-pong (COOP False): consumer C takes tiles C, C + 2, ..., the whole BM x BN tile each.
         # cooperative (COOP True): both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2).
@@ -310,7 +333,7 @@ if HAVE_GLUON:
         step: gl.constexpr = 1 if COOP else 2
         m_off: gl.constexpr = C * BMC if COOP else 0
         for j in range(first, count, step):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
             if not COOP:
                 if j > 0:  # the other consumer has issued tile j - 1's main loop: ours may start
                     mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
@@ -369,19 +392,19 @@ if HAVE_GLUON:
             mbarrier.init(order.index(i), count=1)
         if SPLIT:
             gl.warp_specialize([
-                (_g1d_split_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c0,
-                                       0, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
-                (_g1d_split_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c1,
-                                       1, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
+                (_g1d_split_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                       empty, c0, 0, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
+                (_g1d_split_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                       empty, c1, 1, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
                 (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                                  empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c0,
-                                 0, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
-                (_g1d_consumer, (dx_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order, c1,
-                                 1, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
+                (_g1d_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                 empty, order, c0, 0, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
+                (_g1d_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
+                                 empty, order, c1, 1, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
                 (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                                  empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -403,7 +426,7 @@ if HAVE_GLUON:
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
             e = gl.load(tile_expert_ptr + pid_m)
             ptrs, mask = _gathered_rows(x_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
             w_row = e * F + pid_n * BN
@@ -438,9 +461,9 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
 
     @gluon.jit
-    def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b,
-                      empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+    def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
+                      ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
@@ -452,7 +475,7 @@ if HAVE_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
             acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
@@ -512,10 +535,10 @@ if HAVE_GLUON:
             mbarrier.init(ready_b.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
         gl.warp_specialize([
-            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a,
-                             ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
-            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a,
-                             ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
+            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
+                             ready_a, ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
+            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
+                             ready_a, ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -868,8 +891,8 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
     programs = _programs(dev, layout.n_tiles_cap * num_n, _gemm1_programs(cfg, programs))
     launch(_gemm1_fwd_ws_kernel, (programs,),
            x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
-           D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs, cfg.consumer_regs,
-           cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
+           D, F, layout.top_k, num_n, 0 if GEMM1_EXPERT_ORDER else cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
+           cfg.consumer_regs, cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -953,8 +976,8 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     programs = _programs(dx.device, layout.n_tiles_cap * num_n, _gemm1_programs(cfg, programs))
     launch(_gemm1_dgrad_ws_kernel, (programs,),
            a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
-           F, num_n, cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs, cfg.consumer_regs, cfg.split_n,
-           cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
+           F, num_n, 0 if GEMM1_EXPERT_ORDER else cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs,
+           cfg.consumer_regs, cfg.split_n, cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 
