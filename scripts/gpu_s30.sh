@@ -38,7 +38,7 @@ if [ "$PART" = b ]; then
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_ws_b.log")"
   grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_ws_b.log" | head -20
   [ "$(left 100)" -ge 40 ] && timeout $(left 100) python3 scripts/ab_kernels.py --shapes 235b \
-    --groups wgrad_w13_trim,wgrad_w2_trim,gemm1_fwd_skip,gemm1_dgrad_skip,gemm1_dgrad_order,gemm1_dgrad_grid --rounds 6 \
+    --groups gemm1_dgrad_order,gemm1_dgrad_skip,wgrad_w13_trim,gemm1_fwd_order,gemm1_fwd_skip,wgrad_w2_trim,gemm1_dgrad_grid --rounds 6 \
     --out "$OUT/keep/ab_kernels_b.json" > "$OUT/ab_kernels_b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab_kernels rc $?"; grep -E "^(30b|235b)" "$OUT/ab_kernels_b.log"; tail -3 "$OUT/ab_kernels_b.log"
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
