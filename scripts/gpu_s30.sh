@@ -22,7 +22,7 @@ if [ "$PART" = a ]; then
     "SKIP_PAD_BLOCKS=1 WS_GEMM1_EXPERT_ORDER=1 WS_GEMM1_GRID=1 GEMM2_DGRAD_WIDE=0,WS_WGRAD_SPLIT=0" qwen3-235b-a22b \
     bf16 tt-compile,megamoe-triton 7
   [ "$(left 100)" -ge 50 ] && timeout $(left 200) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 \
-    --groups gemm1_dgrad_order,gemm1_fwd_order,gemm1_dgrad_grid,gemm1_fwd_grid,gemm1_dgrad_skip,gemm1_fwd_skip,wgrad_w13_trim,wgrad_w2_trim,gemm2_fwd \
+    --groups gemm1_dgrad_grid,gemm1_dgrad_order,gemm1_fwd_grid,gemm1_fwd_order,gemm1_dgrad_skip,gemm1_fwd_skip,wgrad_w13_trim,wgrad_w2_trim,gemm2_fwd \
     --out "$OUT/keep/ab_kernels_a.json" > "$OUT/ab_kernels_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab_kernels rc $?"; grep -E "^(30b|235b)" "$OUT/ab_kernels_a.log"; tail -3 "$OUT/ab_kernels_a.log"
   [ "$(left 200)" -ge 80 ] && gpu_tests op_a tests/test_gpu.py -k "real_shapes or cuda_graph or no_host_sync"
@@ -38,7 +38,7 @@ if [ "$PART" = b ]; then
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_ws_b.log")"
   grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_ws_b.log" | head -20
   [ "$(left 100)" -ge 40 ] && timeout $(left 100) python3 scripts/ab_kernels.py --shapes 235b \
-    --groups gemm1_dgrad_order,gemm1_dgrad_skip,wgrad_w13_trim,gemm1_fwd_order,gemm1_fwd_skip,wgrad_w2_trim,gemm1_dgrad_grid --rounds 6 \
+    --groups gemm1_dgrad_grid,gemm1_dgrad_order,gemm1_fwd_grid,gemm1_fwd_order,gemm1_dgrad_skip,wgrad_w13_trim,gemm1_fwd_skip,wgrad_w2_trim --rounds 6 \
     --out "$OUT/keep/ab_kernels_b.json" > "$OUT/ab_kernels_b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab_kernels rc $?"; grep -E "^(30b|235b)" "$OUT/ab_kernels_b.log"; tail -3 "$OUT/ab_kernels_b.log"
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
