@@ -138,9 +138,15 @@ def _groups(shape: str):
         "gemm1_fwd_grid": [(name, lambda p=p: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu1, h_out=h1,
                                                            programs=p))
                            for name, p in (("persistent", None),
-                                           ("grid", lay.n_tiles_cap * (F // FWD_CONFIG.block_n)))],
+                                           ("grid", lay.n_tiles_cap * (F // FWD_CONFIG.block_n)))]
+        + [("grid expert order", lambda: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu1, h_out=h1,
+                                                      cfg=dataclasses.replace(FWD_CONFIG, group_m=0),
+                                                      programs=lay.n_tiles_cap * (F // FWD_CONFIG.block_n)))],
         "gemm1_dgrad_grid": [(name, lambda p=p: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx, cfg=coop, programs=p)[:n])
-                             for name, p in (("persistent", None), ("grid", lay.n_tiles_cap * (D // coop.block_n)))],
+                             for name, p in (("persistent", None), ("grid", lay.n_tiles_cap * (D // coop.block_n)))]
+        + [("grid expert order", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx,
+                                                        cfg=dataclasses.replace(coop, group_m=0),
+                                                        programs=lay.n_tiles_cap * (D // coop.block_n))[:n])],
     })
     skip_groups["gemm1_fwd_order"] = [
         (f"group_m {m}" if m else "expert order", lambda m=m: ws_gemm1_fwd(

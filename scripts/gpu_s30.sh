@@ -19,8 +19,8 @@ left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; 
 if [ "$PART" = a ]; then
   gpu_tests ws_a tests/test_ws_gemm.py tests/test_ws_wgrad.py -k on_gpu
   [ "$(left 300)" -ge 150 ] && layer_ab 235b_a \
-    "SKIP_PAD_BLOCKS=1 WS_GEMM1_EXPERT_ORDER=1 WS_GEMM1_GRID=1 GEMM2_DGRAD_WIDE=0,WS_WGRAD_SPLIT=0" qwen3-235b-a22b \
-    bf16 tt-compile,megamoe-triton 7
+    "WS_GEMM1_GRID=1 WS_GEMM1_GRID=1,WS_GEMM1_EXPERT_ORDER=1 SKIP_PAD_BLOCKS=1 WS_GEMM1_EXPERT_ORDER=1 GEMM2_DGRAD_WIDE=0,WS_WGRAD_SPLIT=0" \
+    qwen3-235b-a22b bf16 tt-compile,megamoe-triton 8
   [ "$(left 100)" -ge 50 ] && timeout $(left 200) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 \
     --groups gemm1_dgrad_grid,gemm1_dgrad_order,gemm1_fwd_grid,gemm1_fwd_order,gemm1_dgrad_skip,gemm1_fwd_skip,wgrad_w13_trim,wgrad_w2_trim,gemm2_fwd \
     --out "$OUT/keep/ab_kernels_a.json" > "$OUT/ab_kernels_a.log" 2>&1

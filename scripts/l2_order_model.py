@@ -26,6 +26,7 @@ import heapq
 import json
 import os
 import sys
+import time
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -112,12 +113,21 @@ def simulate(seq, tile_expert, k_steps: int, a_bytes: int, b_bytes: int, b_tiles
     return missed / 1e9
 
 
+def _git_rev() -> str | None:
+    import subprocess
+
+    out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernel", default="gemm1_dgrad", choices=sorted(KERNELS))
     ap.add_argument("--shape", default="235b", choices=sorted(SHAPES))
     ap.add_argument("--l2-mb", type=float, nargs="+", default=[50.0, 25.0])
-    ap.add_argument("--jitter", type=float, default=0.05, help="relative spread of a K step's time per program and tile")
+    ap.add_argument("--jitter", type=float, default=0.05,
+                    help="relative spread of a K step's time per program and tile")
     ap.add_argument("--programs", type=int, default=132)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -150,7 +160,10 @@ def main(argv=None) -> int:
                       f"({gb / minimum:.2f}x the minimum)", flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(script="scripts/l2_order_model.py", kernel=a.kernel, shape=a.shape, jitter=a.jitter,
+            json.dump(dict(script="scripts/l2_order_model.py", command=" ".join(sys.argv),
+                           date=time.strftime("%Y-%m-%d"),
+                           git_rev=_git_rev(), machine="CPU (a model, no GPU)", kernel=a.kernel, shape=a.shape,
+                           jitter=a.jitter,
                            programs=a.programs, seed=a.seed, minimum_gb=minimum, rows=rows), f, indent=1)
     return 0
 
