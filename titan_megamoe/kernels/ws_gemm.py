@@ -853,7 +853,7 @@ def ws_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, *, gate_u
         x_TD: (T, D) bf16 contiguous; w1_EFD, w3_EFD: (E, F, D) bf16 contiguous.
         layout: the routing layout (block_m 128).
         gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 outputs.
-        programs: persistent grid size (default: the SM count).
+        programs: grid size (default: the SM count; one program per tile with ``GEMM1_GRID``).
 
     Returns:
         (gate_up (N_cap, 2F), h (N_cap, F)).
@@ -935,7 +935,7 @@ def ws_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout,
         w1_EFD, w3_EFD: (E, F, D) bf16, contiguous.
         layout: the routing layout (``routing.RoutingLayout``) with ``block_m == cfg.block_m``.
         out: optional (N_cap, D) bf16 output.
-        programs: persistent grid size (default: the SM count).
+        programs: grid size (default: the SM count; one program per tile with ``GEMM1_GRID`` and a cooperative cfg).
 
     Returns:
         dx_rows (N_cap, D) bf16: rows [0, offsets[E]) written (zeros on padding rows), the rest untouched,
