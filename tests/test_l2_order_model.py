@@ -1,5 +1,6 @@
-"""scripts/l2_order_model.py: the tile orders it models are permutations of the live tiles, and its LRU model
-charges each operand once when everything fits and more when it does not."""
+"""scripts/l2_order_model.py: the tile orders it models (the Python statement of ``ws_gemm._tile_of`` and
+``_tile_in_expert``) are permutations of the live tiles, the expert order puts a weight tile's readers next to each
+other, and its LRU model charges each operand once when everything fits and more when it does not."""
 
 import importlib.util
 import os
@@ -12,19 +13,26 @@ model = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(model)
 
 
-def _layout():
+def _layout(routing="uniform"):
     from titan_megamoe.kernels.routing import build_routing_layout_torch
     from titan_megamoe.testing import make_routing
 
-    lay = build_routing_layout_torch(make_routing("uniform", 2048, 8, 2, seed=0), 8, 128)
+    lay = build_routing_layout_torch(make_routing(routing, 2048, 8, 2, seed=0), 8, 128)
     return lay.offsets.tolist(), lay.tile_expert.tolist()
 
 
-def test_orders_are_permutations_of_the_live_tiles():
-    offsets, tile_expert = _layout()
+@pytest.mark.parametrize("routing", ["uniform", "zero_expert", "one_expert", "skewed"])
+def test_orders_are_permutations_of_the_live_tiles_expert_order_keeps_weight_readers_adjacent(routing):
+    """Relies on the layout's experts starting on 128-aligned rows with ``tile_expert`` naming each row tile's
+    expert, as the Gluon kernels' expert order (``WS_GEMM1_EXPERT_ORDER``) does."""
+    offsets, tile_expert = _layout(routing)
     n_live = offsets[-1] // 128
-    for name, seq in model.tile_orders(offsets, tile_expert, 128, 4).items():
-        assert sorted(seq) == [(m, n) for m in range(n_live) for n in range(4)], name
+    orders = model.tile_orders(offsets, tile_expert, 128, 5)
+    for name, seq in orders.items():
+        assert sorted(seq) == [(m, n) for m in range(n_live) for n in range(5)], name
+    readers = [(tile_expert[m], n) for m, n in orders["expert order"]]
+    runs = [k for i, k in enumerate(readers) if i == 0 or readers[i - 1] != k]
+    assert len(runs) == len(set(readers)), "a weight tile's readers are not consecutive"
 
 
 @pytest.mark.parametrize("grid", [False, True])

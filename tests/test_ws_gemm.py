@@ -107,32 +107,6 @@ def test_the_serialization_check_reports_a_serialized_kernel():
     assert "C751" in r["wgmma_serialized"], r
 
 
-@pytest.mark.parametrize("routing", ["uniform", "zero_expert", "one_expert", "skewed"])
-def test_expert_tile_order_visits_each_live_tile_once_weight_tile_readers_adjacent(routing):
-    """``ws_gemm._tile_in_expert``'s GROUP_M 0 arithmetic, written again in Python over routing layouts: every live
-    (row tile, column block) once, and the row tiles reading one weight tile (same expert, same column) consecutive.
-    Relies on the layout's experts starting on BM-aligned rows with ``tile_expert`` naming each row tile's expert."""
-    from titan_megamoe.kernels.routing import build_routing_layout_torch
-    from titan_megamoe.testing import make_routing
-
-    BM, NUM_N, E = 128, 5, 8
-    lay = build_routing_layout_torch(make_routing(routing, 1500, E, 2, seed=1), E, BM)
-    offsets, tile_expert = lay.offsets.tolist(), lay.tile_expert.tolist()
-    n_live = offsets[E] // BM
-    seen = []
-    for tile in range(n_live * NUM_N):
-        e = tile_expert[tile // NUM_N]
-        first = offsets[e] // BM
-        rows = offsets[e + 1] // BM - first
-        local = tile - first * NUM_N
-        seen.append((first + local % rows, local // rows, e))
-    assert sorted((m, n) for m, n, _ in seen) == [(m, n) for m in range(n_live) for n in range(NUM_N)]
-    assert all(tile_expert[m] == e for m, _, e in seen)
-    readers = [(e, n) for _, n, e in seen]
-    assert all(readers.index(k) + readers.count(k) - 1 == len(readers) - 1 - readers[::-1].index(k)
-               for k in set(readers)), "the readers of a weight tile are not consecutive"
-
-
 def test_ws_gemm1_dgrad_refuses_what_it_cannot_take():
     from titan_megamoe.kernels import ws_gemm
 
