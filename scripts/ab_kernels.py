@@ -148,11 +148,29 @@ def _groups(shape: str):
                                                         cfg=dataclasses.replace(coop, group_m=0),
                                                         programs=lay.n_tiles_cap * (D // coop.block_n))[:n])],
     })
+    # tiles in order from a per-launch counter, persistent (WS_GEMM1_DYNAMIC), against the grid and the default
+    fwd_tiles = lay.n_tiles_cap * (F // FWD_CONFIG.block_n)
+    dgrad_tiles = lay.n_tiles_cap * (D // coop.block_n)
+    skip_groups.update({
+        "gemm1_fwd_dynamic": [(name, lambda c=c, p=p: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=gu1, h_out=h1,
+                                                                   cfg=dataclasses.replace(FWD_CONFIG, **c), programs=p))
+                              for name, c, p in (("persistent", {}, None), ("grid", {}, fwd_tiles),
+                                                 ("dynamic", {"dynamic": True}, None),
+                                                 ("dynamic expert order", {"dynamic": True, "group_m": 0}, None),
+                                                 ("grid expert order", {"group_m": 0}, fwd_tiles))],
+        "gemm1_dgrad_dynamic": [(name, lambda c=c, p=p: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx,
+                                                                       cfg=dataclasses.replace(coop, **c), programs=p)[:n])
+                                for name, c, p in (("persistent", {}, None), ("grid", {}, dgrad_tiles),
+                                                   ("dynamic", {"dynamic": True}, None),
+                                                   ("dynamic expert order", {"dynamic": True, "group_m": 0}, None),
+                                                   ("grid expert order", {"group_m": 0}, dgrad_tiles))],
+    })
     skip_groups["gemm1_fwd_order"] = [
         (f"group_m {m}" if m else "expert order", lambda m=m: ws_gemm1_fwd(
             x, w1, w3, lay, gate_up_out=gu1, h_out=h1, cfg=dataclasses.replace(FWD_CONFIG, group_m=m)))
         for m in (1, 0)]
     flops = {"gemm1_fwd_order": 4 * T * K * D * F, "gemm1_fwd_grid": 4 * T * K * D * F,
+             "gemm1_fwd_dynamic": 4 * T * K * D * F, "gemm1_dgrad_dynamic": 4 * T * K * D * F,
              "gemm1_dgrad_grid": 4 * T * K * D * F,
              "gemm1_fwd_skip": 4 * T * K * D * F, "gemm1_dgrad_skip": 4 * T * K * D * F,
              "wgrad_w13_trim": 4 * T * K * D * F, "wgrad_w2_trim": 2 * T * K * D * F,

@@ -182,7 +182,7 @@ def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
         ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, torch.empty(lay.n_cap, D, **bf), ws_gemm.CONFIGS["coop"], programs=4)
         ws_wgrad.ws_wgrad_w13(gu, x, lay, programs=4)
         ws_wgrad.ws_wgrad_w2(x, h, lay, programs=4)
-        return [args[-1] for _, args in calls]
+        return [args[k.arg_names.index("SKIP_EMPTY")] if "SKIP_EMPTY" in k.arg_names else args[-1] for k, args in calls]
 
     monkeypatch.setattr(ws_wgrad, "_platform_reason", lambda t: None)  # the wgrads' checks, as on an sm_90 GPU
     assert flags() == [False] * 4
@@ -237,7 +237,7 @@ def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
         pytest.skip("this Triton has no Gluon Hopper API")
     group_m = []
     monkeypatch.setattr(ws_gemm, "launch", lambda kernel, grid, *args, **kw: group_m.append(
-        args[13] if kernel is ws_gemm._gemm1_fwd_ws_kernel else args[10]))
+        args[kernel.arg_names.index("GROUP_M")]))
     T, K, E, D, F = 64, 2, 4, 256, 256
     lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
     bf = dict(dtype=torch.bfloat16)
@@ -254,3 +254,42 @@ def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
     with switches.override({"TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER": "1"}):
         assert orders() == [0, 0]
     assert orders() == [1, 8]
+
+
+def test_ws_gemm1_dynamic_switch_reaches_the_cooperative_gemm1_launches(monkeypatch):
+    """``WS_GEMM1_DYNAMIC`` (default off) launches the cooperative GEMM1 forward / dgrad with ``DYNAMIC`` and a
+    zeroed int32 counter, on the persistent grid even with ``WS_GEMM1_GRID`` on; ping-pong stays static."""
+    from titan_megamoe.kernels import ws_gemm
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    if not ws_gemm.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    seen = []
+
+    def record(kernel, grid, *args, **kw):
+        counter = args[kernel.arg_names.index("counter_ptr")]
+        seen.append((grid[0], args[kernel.arg_names.index("DYNAMIC")],
+                     counter.dtype == torch.int32 and counter.numel() == 1 and int(counter) == 0))
+
+    monkeypatch.setattr(ws_gemm, "launch", record)
+    monkeypatch.setattr(ws_gemm, "_sm_count", lambda idx: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    T, K, E, D, F = 300, 2, 4, 512, 256
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
+    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+
+    def launches():
+        seen.clear()
+        ws_gemm.launch_gemm1_fwd(x, w, w, lay, gu, h)
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["coop"])
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["pingpong"])
+        return [(g, d) for g, d, _ in seen], [c for _, d, c in seen if d]
+
+    assert launches() == ([(3, False)] * 3, [])
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DYNAMIC": "1"}):
+        assert launches() == ([(3, True), (3, True), (3, False)], [True, True])
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_GRID": "1"}):  # the counter schedule keeps one per SM
+            assert launches()[0] == [(3, True), (3, True), (3, False)]
+    assert launches() == ([(3, False)] * 3, [])

@@ -36,6 +36,18 @@ def _compile_sm90_all() -> list[dict]:
     sig, cx = ws_gemm.sm90_compile_args(cfg, *SHAPES["235b"], kind="gemm1")
     r = compile_sm90(ws_gemm._gemm1_fwd_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
     out.append(dict(label="fwd_235b_expert_order", **r))
+    # tiles from the launch's counter (dynamic, WS_GEMM1_DYNAMIC), row and expert order, at 235B
+    for name, base in (("coop", ws_gemm.CONFIGS["coop"]), ("split", ws_gemm.CONFIGS["split"])):
+        for order, group_m in (("", base.group_m), ("_expert", 0)):
+            cfg = dataclasses.replace(base, dynamic=True, group_m=group_m)
+            sig, cx = ws_gemm.sm90_compile_args(cfg, *SHAPES["235b"])
+            r = compile_sm90(ws_gemm._gemm1_dgrad_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+            out.append(dict(label=f"{name}_235b_dynamic{order}", **r))
+    for order, group_m in (("", ws_gemm.FWD_CONFIG.group_m), ("_expert", 0)):
+        cfg = dataclasses.replace(ws_gemm.FWD_CONFIG, dynamic=True, group_m=group_m)
+        sig, cx = ws_gemm.sm90_compile_args(cfg, *SHAPES["235b"], kind="gemm1")
+        r = compile_sm90(ws_gemm._gemm1_fwd_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"fwd_235b_dynamic{order}", **r))
     for shape, (D, F) in SHAPES.items():
         cfg = ws_gemm.FWD_CONFIG
         sig, cx = ws_gemm.sm90_compile_args(cfg, D, F, kind="gemm1")
@@ -56,7 +68,8 @@ def _compile_sm90_all() -> list[dict]:
 
 
 @pytest.mark.parametrize("label", ["pingpong_30b", "pingpong_235b", "coop_30b", "coop_235b", "split_30b",
-                                   "split_235b", "coop_235b_expert_order"])
+                                   "split_235b", "coop_235b_expert_order", "coop_235b_dynamic", "coop_235b_dynamic_expert",
+                                   "split_235b_dynamic", "split_235b_dynamic_expert"])
 def test_ws_gemm1_dgrad_builds_for_sm90a_without_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
     from titan_megamoe.kernels.ws_gemm import CONFIGS
@@ -71,9 +84,12 @@ def test_ws_gemm1_dgrad_builds_for_sm90a_without_wgmma_serialization(label):
     assert CONFIGS[label.split("_")[0]].smem_bytes() <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # the cap, no spills
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+    # the counter schedule: one atomic add per ticket (the producer's); the static schedules none
+    assert (r["atomics"] > 0) == ("dynamic" in label), r["atomics"]
 
 
-@pytest.mark.parametrize("label", ["fwd_30b", "fwd_235b", "fwd_235b_expert_order"])
+@pytest.mark.parametrize("label", ["fwd_30b", "fwd_235b", "fwd_235b_expert_order", "fwd_235b_dynamic",
+                                   "fwd_235b_dynamic_expert"])
 def test_ws_gemm1_fwd_builds_for_sm90a_without_spills_or_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 
@@ -82,8 +98,12 @@ def test_ws_gemm1_fwd_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     assert r["wgmma"] == 16, r  # two consumers x (gate, up) x 4 k16 steps of m64n128
     assert r["cp_async"] > 0 and r["tma"] > 0, "gathered rows by cp.async, weights by TMA"
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
-    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # 216 / 72 registers: no spills
+    # 216 / 72 registers: no spills, except the counter schedule in the expert order: 8 bytes, one register saved
+    # across the partitions' setmaxnreg at the kernel's start (nvdisasm: an STL / LDL pair before the dispatch)
+    stack = "STACK:8" if label == "fwd_235b_dynamic_expert" else "STACK:0"
+    assert stack in r["usage"] and "REG:168" in r["usage"], r["usage"]
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+    assert (r["atomics"] > 0) == ("dynamic" in label), r["atomics"]
 
 
 @pytest.mark.parametrize("label", ["g2d_30b", "g2d_235b", "g2d_split_30b", "g2d_split_235b"])
@@ -285,6 +305,22 @@ def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case, split):
           f"hs {torch.equal(hs[:n], ths[:n])}")
 
 
+def _check_dynamic(run, outs, cfg, n, kernel):
+    """Tiles from the launch's counter (``WsConfig.dynamic``, ``WS_GEMM1_DYNAMIC``) give ``outs``' bits: with the SM
+    count of programs, with 3 (many tiles each) and in the expert order, each twice into NaN-poisoned outputs (the
+    first launch must leave the counter at zero for the second), and the counter is zero at the end."""
+    from titan_megamoe.kernels import ws_gemm
+
+    for c, programs in ((dataclasses.replace(cfg, dynamic=True), None), (dataclasses.replace(cfg, dynamic=True), 3),
+                        (dataclasses.replace(cfg, dynamic=True, group_m=0), None)):
+        for rep in range(2):
+            got = tuple(torch.full_like(o, float("nan")) for o in outs)
+            run(got, c, programs)
+            for o, g in zip(outs, got):
+                assert torch.equal(o[:n], g[:n]), f"{c} with {programs} programs, launch {rep}: not the same bits"
+    assert int(ws_gemm._tile_counter(outs[0].device, kernel).item()) == 0, "the counter was not left at zero"
+
+
 def _gpu_case(T, E, K, D, F, routing, cfg, seed):
     from titan_megamoe.kernels._bwd_common import default_bwd_config
     from titan_megamoe.kernels.grouped_gemm_bwd import gemm1_dgrad
@@ -379,6 +415,87 @@ def test_ws_gemm1_fwd_matches_triton_on_gpu(case):
     egu, eh = torch.full_like(gu, float("nan")), torch.full_like(h, float("nan"))  # expert-major tile order
     ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=egu, h_out=eh, cfg=dataclasses.replace(FWD_CONFIG, group_m=0))
     assert torch.equal(gu[:n], egu[:n]) and torch.equal(h[:n], eh[:n]), "the expert-major tile order changed the result"
+
+
+DYNAMIC_CASES = [(4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"),
+                 (3000, 32, 4, 384, 256, "zero_expert"), (2048, 16, 2, 256, 256, "one_expert"),
+                 (16384, 128, 8, 2048, 768, "uniform")]
+DYNAMIC_IDS = ["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", ["coop", "split"])
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=DYNAMIC_IDS)
+def test_ws_gemm1_dgrad_dynamic_schedule_on_gpu(config, case):
+    """Separate from the tests above so a GPU run can take it last (a hang in the counter hand-off would stall it)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad
+    from titan_megamoe.testing import make_routing
+
+    T, E, K, D, F, routing = case
+    g = torch.Generator(device="cuda").manual_seed(13)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=13).cuda(), E, 128)
+    dgu = torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    cfg = CONFIGS[config]
+    out = ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=cfg)  # the static schedule (bitwise the Triton kernel, tested above)
+    _check_dynamic(lambda o, c, programs: ws_gemm1_dgrad(dgu, w1, w3, lay, out=o[0], cfg=c, programs=programs),
+                   (out,), cfg, int(lay.offsets[-1]), "gemm1_dgrad")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=DYNAMIC_IDS)
+def test_ws_gemm1_fwd_dynamic_schedule_on_gpu(case):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import FWD_CONFIG, ws_gemm1_fwd
+    from titan_megamoe.testing import make_routing
+
+    T, E, K, D, F, routing = case
+    g = torch.Generator(device="cuda").manual_seed(17)
+    lay = build_routing_layout(make_routing(routing, T, E, K, seed=17).cuda(), E, 128)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    gu, h = ws_gemm1_fwd(x, w1, w3, lay)
+    _check_dynamic(lambda o, c, programs: ws_gemm1_fwd(x, w1, w3, lay, gate_up_out=o[0], h_out=o[1], cfg=c,
+                                                       programs=programs), (gu, h), FWD_CONFIG,
+                   int(lay.offsets[-1]), "gemm1_fwd")
+
+
+@pytest.mark.cuda
+def test_ws_gemm1_dgrad_dynamic_schedule_replays_in_a_cuda_graph_on_gpu():
+    """A captured launch of the counter schedule gets its own zeroed counter (its fill captured with it) and
+    leaves it at zero: three replays give the eager launch's bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.routing import build_routing_layout
+    from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad
+    from titan_megamoe.testing import make_routing
+
+    T, E, K, D, F = 4096, 16, 4, 512, 256
+    g = torch.Generator(device="cuda").manual_seed(11)
+    lay = build_routing_layout(make_routing("uniform", T, E, K, seed=11).cuda(), E, 128)
+    dgu = torch.randn(lay.n_cap, 2 * F, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16()
+    cfg = dataclasses.replace(CONFIGS["coop"], dynamic=True)
+    ref = ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=dataclasses.replace(cfg, dynamic=False))
+    out = torch.full_like(ref, float("nan"))
+    ws_gemm1_dgrad(dgu, w1, w3, lay, out=out, cfg=cfg)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ws_gemm1_dgrad(dgu, w1, w3, lay, out=out, cfg=cfg)
+    n = int(lay.offsets[-1])
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:n], ref[:n])
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM1_GRID", "0", attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_GRID"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", "0",
            attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_EXPERT_ORDER"),)),
+    Switch("TITAN_MEGAMOE_WS_GEMM1_DYNAMIC", "0", attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_DYNAMIC"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1", "1", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM1"),)),
     Switch("TITAN_MEGAMOE_FUSED_LAYER", "1", attrs=(("titan_megamoe.ops.eager_layer", "ENABLED"),)),
     Switch("TITAN_MEGAMOE_FUSED_GATE", "1", attrs=(("titan_megamoe.ops.eager_layer", "FUSED_GATE"),)),

@@ -59,7 +59,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
 
     Returns:
         dict(target (PTX built for sm_90a), wgmma (count of wgmma.mma_async), tma (bulk tensor copies),
-        cp_async, mbarrier_arrive (mbarrier.arrive instructions), shared (bytes), usage (cuobjdump register line
+        cp_async, atomics (``atom.`` instructions), mbarrier_arrive (mbarrier.arrive instructions), shared (bytes), usage (cuobjdump register line
         or ""), loops (``scf.for`` ops in the TTGIR: a flattened persistent kernel has one), wgmma_waits (the pending counts of the PTX's
         ``wgmma.wait_group`` instructions, in order, as strings), wgmma_serialized (ptxas's C7514 / C7515 notes,
         "" if none: ptxas then waits for every wgmma before the next, whatever the kernel asked)).
@@ -98,7 +98,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
                                    text=True).stdout
     regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
     return dict(target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
-                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"),
+                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"), atomics=ptx.count("atom."),
                 mbarrier_arrive=len(re.findall(r"mbarrier\.arrive\b", ptx)),
                 shared=ck.metadata.shared, usage=regs[0] if regs else "", loops=ck.asm["ttgir"].count("scf.for "),
                 wgmma_waits=re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),

@@ -102,6 +102,9 @@ class WsConfig:
             the experts, ~2.9 % of the rows at 1,024 rows per expert) issues no MMA for it: it waits for and
             releases the tile's buffers and stores zeros, which its MMAs on the zero-weighted padding rows would
             have given (bitwise the same outputs).
+        dynamic: opt-in (or ``GEMM1_DYNAMIC``), cooperative bf16 GEMM1 forward and dgrad: the persistent programs take
+            their tiles in order from a per-launch atomic counter instead of grid-strided (``_take_tile``), so the
+            tiles in flight stay within a few experts however the programs drift.
     """
 
     block_m: int = 128
@@ -115,6 +118,7 @@ class WsConfig:
     consumer_regs: int = 232
     split_n: bool = False
     skip_empty: bool = False
+    dynamic: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two epilogue tiles (bf16)."""
@@ -123,7 +127,7 @@ class WsConfig:
 
     def __repr__(self) -> str:
         return (f"WsConfig(BM={self.block_m}, BN={self.block_n}, BK={self.block_k}, stages={self.stages}, "
-                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}{', split_n' if self.split_n else ''}, "
+                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}{', split_n' if self.split_n else ''}{', dynamic' if self.dynamic else ''}, "
                 f"maxnreg={self.maxnreg})")
 
 
@@ -140,6 +144,11 @@ GEMM1_GRID = env_flag("TITAN_MEGAMOE_WS_GEMM1_GRID", False)
 #: expert, column block by column block (``group_m`` 0): the tiles reading one weight tile run back to back, so one
 #: expert's weights need not stay in L2 across a whole wave (same aim as GEMM1_GRID). Opt-in until measured.
 GEMM1_EXPERT_ORDER = env_flag("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", False)
+#: TITAN_MEGAMOE_WS_GEMM1_DYNAMIC=1 (read at import): the cooperative bf16 GEMM1 forward and dgrad stay persistent
+#: (one program per SM) but take their tiles in order from a per-launch atomic counter, as a grid's programs start
+#: (GEMM1_GRID's order without its per-tile launch cost: the next tile's loads still run under the epilogue). The
+#: producer takes the ticket and hands it to both consumers through a 2-slot shared-memory ring. Opt-in until measured.
+GEMM1_DYNAMIC = env_flag("TITAN_MEGAMOE_WS_GEMM1_DYNAMIC", False)
 
 DEFAULT = WsConfig()
 #: The configs ``grouped_gemm_bwd.gemm1_dgrad`` picks by ``TITAN_MEGAMOE_WS_GEMM1_DGRAD``. Measured on one H200
@@ -165,13 +174,13 @@ if HAVE_GLUON:
         return first_m + (tile % width) % group, (tile % width) // group
 
     @gluon.jit
-    def _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM: gl.constexpr, NUM_N: gl.constexpr,
-                        GROUP_M: gl.constexpr):
-        """``_tile_of``, or with GROUP_M 0 expert by expert and in each expert column block by column block: the row
-        tiles that read one weight tile come back to back (in row order they are NUM_N tiles apart, and the drift of
-        persistent programs can spread one expert's weight reads over two waves)."""
+    def _tile_coords(tile, n_live, tile_expert_ptr, offsets_ptr, BM: gl.constexpr, NUM_N: gl.constexpr,
+                     GROUP_M: gl.constexpr):
+        """(row tile, column block) of linear tile index ``tile``: with GROUP_M 0 expert by expert and in each expert
+        column block by column block (the row tiles that read one weight tile come back to back; in row order they
+        are NUM_N tiles apart, and the drift of persistent programs can spread one expert's weight reads over two
+        waves), else the grouped order of ``_tile_of``."""
         if GROUP_M == 0:
-            tile = gl.program_id(0) + j * gl.num_programs(0)
             e = gl.load(tile_expert_ptr + tile // NUM_N)  # tile // NUM_N is a row tile of the expert (BM-aligned)
             first = gl.load(offsets_ptr + e) // BM
             rows = gl.load(offsets_ptr + e + 1) // BM - first
@@ -179,8 +188,61 @@ if HAVE_GLUON:
             pid_m = first + local % rows
             pid_n = local // rows
         else:
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            width = GROUP_M * NUM_N
+            first_m = (tile // width) * GROUP_M
+            group = gl.minimum(n_live - first_m, GROUP_M)
+            pid_m = first_m + (tile % width) % group
+            pid_n = (tile % width) // group
         return pid_m, pid_n
+
+    @gluon.jit
+    def _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM: gl.constexpr, NUM_N: gl.constexpr,
+                        GROUP_M: gl.constexpr):
+        """``_tile_coords`` of the program's j-th tile, grid-strided."""
+        return _tile_coords(gl.program_id(0) + j * gl.num_programs(0), n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N,
+                            GROUP_M)
+
+    @gluon.jit
+    def _take_tile(counter_ptr, total):
+        """The launch's next linear tile index, in order (``GEMM1_DYNAMIC``); >= total: none left. Every program takes
+        exactly one index >= total, so the one that takes total + programs - 1 is the counter's last user: it zeroes
+        the counter for the next launch (no memset launch, CUDA-graph safe)."""
+        t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        if t == total + gl.num_programs(0) - 1:
+            gl.store(counter_ptr, 0)
+        return t
+
+    @gluon.jit
+    def _post_tile(tiles, tile_ready, tile_empty, j, t):
+        """Producer: hand the program's j-th tile index ``t`` (-1: no more) to both consumers through a 2-slot ring."""
+        s = j % 2
+        mbarrier.wait(tile_empty.index(s), ((j // 2) & 1) ^ 1)  # first pass: free
+        tiles.index(s).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+        mbarrier.arrive(tile_ready.index(s), count=1)
+
+    @gluon.jit
+    def _wait_tile(tiles, tile_ready, tile_empty, j):
+        """Consumer: the program's j-th tile index from ``_post_tile`` (-1: no more)."""
+        s = j % 2
+        mbarrier.wait(tile_ready.index(s), (j // 2) & 1)
+        t = gl.max(tiles.index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+        mbarrier.arrive(tile_empty.index(s), count=1)
+        return t
+
+    @gluon.jit
+    def _tile_ring(DYNAMIC: gl.constexpr, unused):
+        """(tile slots, tile_ready, tile_empty) of the 2-slot ring of ``_post_tile`` / ``_wait_tile`` (DYNAMIC), else
+        ``unused`` three times (a static schedule allocates nothing)."""
+        if DYNAMIC:
+            tiles = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(tile_ready.index(i), count=1)
+                mbarrier.init(tile_empty.index(i), count=2)  # both consumers read every slot
+            return tiles, tile_ready, tile_empty
+        else:
+            return unused, unused, unused
 
     @gluon.jit
     def _rows_live(row_pair_ptr, row0, SKIP_EMPTY: gl.constexpr):
@@ -224,10 +286,9 @@ if HAVE_GLUON:
         return ptrs, gl.expand_dims(ok, 1) & gl.expand_dims(cols < BK, 0)
 
     @gluon.jit
-    def _g1d_producer(a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                      F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      SPLIT: gl.constexpr):
-        # SPLIT: B tiles as two column halves, b_bufs[2 s] and b_bufs[2 s + 1] (WsConfig.split_n)
+    def _g1d_load_tile(a_desc, w1_desc, w3_desc, tile_expert_ptr, a_bufs, b_bufs, ready, empty, pid_m, pid_n, idx,
+                       F: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        """Producer: issue the TMA loads of one tile's 2F / BK ring steps from ring step ``idx``; returns the next."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BH: gl.constexpr = w1_desc.block_type.shape[1]
@@ -235,28 +296,52 @@ if HAVE_GLUON:
         BN: gl.constexpr = NB * BH
         KH: gl.constexpr = F // BK  # steps per half (dgate x w1, then dup x w3)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + NB * w1_desc.block_type.nbytes
+        e = gl.load(tile_expert_ptr + pid_m)
+        row0 = pid_m * BM
+        col0 = pid_n * BN
+        for half in gl.static_range(2):
+            for k in range(KH):
+                s = idx % STAGES
+                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, half * F + k * BK], bar, a_bufs.index(s))
+                for q in gl.static_range(NB):
+                    if half == 0:
+                        tma.async_copy_global_to_shared(w1_desc, [e * F + k * BK, col0 + q * BH], bar,
+                                                        b_bufs.index(NB * s + q))
+                    else:
+                        tma.async_copy_global_to_shared(w3_desc, [e * F + k * BK, col0 + q * BH], bar,
+                                                        b_bufs.index(NB * s + q))
+                idx += 1
+        return idx
+
+    @gluon.jit
+    def _g1d_producer(a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, counter_ptr, E, a_bufs, b_bufs, ready,
+                      empty, tiles, tile_ready, tile_empty, F: gl.constexpr, NUM_N: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+        # SPLIT: B tiles as two column halves, b_bufs[2 s] and b_bufs[2 s + 1] (WsConfig.split_n). DYNAMIC: tiles
+        # taken in order from the launch's counter and handed to the consumers (GEMM1_DYNAMIC), else grid-strided.
+        BM: gl.constexpr = a_desc.block_type.shape[0]
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
-        for j in range(count):
-            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
-            e = gl.load(tile_expert_ptr + pid_m)
-            row0 = pid_m * BM
-            col0 = pid_n * BN
-            for half in gl.static_range(2):
-                for k in range(KH):
-                    s = idx % STAGES
-                    mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)  # first pass: free
-                    bar = ready.index(s)
-                    mbarrier.expect(bar, nbytes)
-                    tma.async_copy_global_to_shared(a_desc, [row0, half * F + k * BK], bar, a_bufs.index(s))
-                    for q in gl.static_range(NB):
-                        if half == 0:
-                            tma.async_copy_global_to_shared(w1_desc, [e * F + k * BK, col0 + q * BH], bar,
-                                                            b_bufs.index(NB * s + q))
-                        else:
-                            tma.async_copy_global_to_shared(w3_desc, [e * F + k * BK, col0 + q * BH], bar,
-                                                            b_bufs.index(NB * s + q))
-                    idx += 1
+        if DYNAMIC:
+            total = n_live * NUM_N
+            j = 0
+            t = _take_tile(counter_ptr, total)
+            while t < total:
+                _post_tile(tiles, tile_ready, tile_empty, j, t)
+                pid_m, pid_n = _tile_coords(t, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+                idx = _g1d_load_tile(a_desc, w1_desc, w3_desc, tile_expert_ptr, a_bufs, b_bufs, ready, empty, pid_m,
+                                     pid_n, idx, F, STAGES, SPLIT)
+                j += 1
+                t = _take_tile(counter_ptr, total)
+            _post_tile(tiles, tile_ready, tile_empty, j, -1)
+        else:
+            for j in range(count):
+                pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+                idx = _g1d_load_tile(a_desc, w1_desc, w3_desc, tile_expert_ptr, a_bufs, b_bufs, ready, empty, pid_m,
+                                     pid_n, idx, F, STAGES, SPLIT)
 
     @gluon.jit
     def _store_halves(lo, hi, desc, c_smem, row0, col0):
@@ -273,9 +358,8 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(desc, [row0, col0 + W], c_smem)
 
     @gluon.jit
-    def _g1d_split_consumer(dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
-                            c_smem, C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                            STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+    def _g1d_split_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, c_smem, j, pid_m, pid_n, C: gl.constexpr,
+                        F: gl.constexpr, STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
         # cooperative, the tile's BN columns as two BH halves (WsConfig.split_n): both MMAs of a K step in flight,
         # one BMC x BH staging tile for the two stores
         BMC: gl.constexpr = dx_desc.block_type.shape[0]
@@ -286,38 +370,34 @@ if HAVE_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BH, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(count):
-            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
-            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * KT
-            row0 = pid_m * BM + C * BMC
-            if _rows_live(row_pair_ptr, row0, SKIP_EMPTY):
-                for k in range(KT):
-                    idx = idx0 + k
-                    s = idx % STAGES
-                    mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                    acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
-                    acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
-                    acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
-                    if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
-                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-                mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
-            else:  # all padding rows (WsConfig.skip_empty): no MMA, zeros stored
-                _release_steps(ready, empty, idx0, KT, STAGES)
-            # epilogue: zeros on padding rows (a multiply: see _g1d_consumer), bf16, one TMA store per half
-            vf = gl.expand_dims((gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0)
-                                .to(gl.float32), 1)
-            _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, pid_n * 2 * BH)
-        tma.store_wait(pendings=0)
+        acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+        acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+        idx0 = j * KT
+        row0 = pid_m * BM + C * BMC
+        if _rows_live(row_pair_ptr, row0, SKIP_EMPTY):
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                acc_lo = warpgroup_mma(a, b_bufs.index(2 * s), acc_lo, is_async=True)
+                acc_hi = warpgroup_mma(a, b_bufs.index(2 * s + 1), acc_hi, is_async=True)
+                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
+                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+        else:  # all padding rows (WsConfig.skip_empty): no MMA, zeros stored
+            _release_steps(ready, empty, idx0, KT, STAGES)
+        # epilogue: zeros on padding rows (a multiply: see _g1d_tile), bf16, one TMA store per half
+        vf = gl.expand_dims((gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0)
+                            .to(gl.float32), 1)
+        _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, pid_n * 2 * BH)
 
     @gluon.jit
-    def _g1d_consumer(dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order,
-                      c_smem, C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr, COOP: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+    def _g1d_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n,
+                  C: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, COOP: gl.constexpr,
+                  SKIP_EMPTY: gl.constexpr):
         # ping-pong (COOP False): consumer C takes tiles C, C + 2, ..., the whole BM x BN tile each.
         # cooperative (COOP True): both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2).
         BMC: gl.constexpr = dx_desc.block_type.shape[0]  # rows this consumer owns in a tile
@@ -328,54 +408,87 @@ if HAVE_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        first: gl.constexpr = 0 if COOP else C
-        step: gl.constexpr = 1 if COOP else 2
         m_off: gl.constexpr = C * BMC if COOP else 0
-        for j in range(first, count, step):
-            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+        if not COOP:
+            if j > 0:  # the other consumer has issued tile j - 1's main loop: ours may start
+                mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
+        acc = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+        idx0 = j * KT
+        row0 = pid_m * BM + m_off
+        if _rows_live(row_pair_ptr, row0, COOP and SKIP_EMPTY):
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                a = a_bufs.index(s)
+                if COOP:
+                    a = a.slice(m_off, BMC, dim=0)
+                acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:  # step k - 1's MMA is done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
             if not COOP:
-                if j > 0:  # the other consumer has issued tile j - 1's main loop: ours may start
-                    mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)
-            acc = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * KT
-            row0 = pid_m * BM + m_off
-            if _rows_live(row_pair_ptr, row0, COOP and SKIP_EMPTY):
-                for k in range(KT):
-                    idx = idx0 + k
-                    s = idx % STAGES
-                    mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                    a = a_bufs.index(s)
-                    if COOP:
-                        a = a.slice(m_off, BMC, dim=0)
-                    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if k > 0:  # step k - 1's MMA is done: its buffers may be refilled
-                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-                if not COOP:
-                    mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
-            else:  # cooperative, all padding rows (WsConfig.skip_empty): no MMA, zeros stored
-                _release_steps(ready, empty, idx0, KT, STAGES)
-            # epilogue (ping-pong: under the other consumer's main loop): zeros on padding rows, bf16,
-            # TMA store. The mask is a multiply, not a select: with a select on the accumulator, ptxas
-            # serializes every wgmma of the kernel (C7514, checked with ptxas -v).
-            valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
-            out = (acc * gl.expand_dims(valid.to(gl.float32), 1)).to(gl.bfloat16)
-            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-            c_smem.store(out)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dx_desc, [row0, pid_n * BN], c_smem)
+                mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+        else:  # cooperative, all padding rows (WsConfig.skip_empty): no MMA, zeros stored
+            _release_steps(ready, empty, idx0, KT, STAGES)
+        # epilogue (ping-pong: under the other consumer's main loop): zeros on padding rows, bf16,
+        # TMA store. The mask is a multiply, not a select: with a select on the accumulator, ptxas
+        # serializes every wgmma of the kernel (C7514, checked with ptxas -v).
+        valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
+        out = (acc * gl.expand_dims(valid.to(gl.float32), 1)).to(gl.bfloat16)
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dx_desc, [row0, pid_n * BN], c_smem)
+
+    @gluon.jit
+    def _g1d_consumer(dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order,
+                      tiles, tile_ready, tile_empty, c_smem, C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, COOP: gl.constexpr, SKIP_EMPTY: gl.constexpr,
+                      SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+        # the tiles of consumer C: grid-strided (ping-pong: every other one), or (DYNAMIC, cooperative only) as
+        # the producer hands them over; each by _g1d_tile or (SPLIT) _g1d_split_tile
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        if DYNAMIC:
+            gl.static_assert(COOP, "dynamic tile scheduling needs the cooperative schedule")
+            j = 0
+            t = _wait_tile(tiles, tile_ready, tile_empty, 0)
+            while t >= 0:
+                pid_m, pid_n = _tile_coords(t, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+                if SPLIT:
+                    _g1d_split_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, c_smem, j, pid_m, pid_n, C,
+                                    F, STAGES, SKIP_EMPTY)
+                else:
+                    _g1d_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n,
+                              C, F, STAGES, COOP, SKIP_EMPTY)
+                j += 1
+                t = _wait_tile(tiles, tile_ready, tile_empty, j)
+        else:
+            first: gl.constexpr = 0 if COOP else C
+            step: gl.constexpr = 1 if COOP else 2
+            for j in range(first, count, step):
+                pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+                if SPLIT:
+                    _g1d_split_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, c_smem, j, pid_m, pid_n, C,
+                                    F, STAGES, SKIP_EMPTY)
+                else:
+                    _g1d_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n,
+                              C, F, STAGES, COOP, SKIP_EMPTY)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                               F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                               COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               SPLIT: gl.constexpr = False, SKIP_EMPTY: gl.constexpr = False):
+    def _gemm1_dgrad_ws_kernel(a_desc, w1_desc, w3_desc, dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr,
+                               counter_ptr, E, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                               STAGES: gl.constexpr, COOP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, SPLIT: gl.constexpr = False,
+                               SKIP_EMPTY: gl.constexpr = False, DYNAMIC: gl.constexpr = False):
         """dx_rows = [dgate | dup] @ [w1[e]; w3[e]] per row tile (module docstring). Grid: (programs,). SPLIT
-        (cooperative only, ``WsConfig.split_n``): w1_desc / w3_desc / dx_desc have half the tile's columns."""
+        (cooperative only, ``WsConfig.split_n``): w1_desc / w3_desc / dx_desc have half the tile's columns. DYNAMIC
+        (cooperative only, ``GEMM1_DYNAMIC``): tiles in order from the int32 counter at ``counter_ptr`` (zero
+        before the launch, zero again after it), else ``counter_ptr`` is not read."""
         dtype: gl.constexpr = a_desc.dtype
         NB: gl.constexpr = 2 if SPLIT else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -390,24 +503,17 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2 if COOP else 1)  # COOP: both consumers read every buffer
         for i in gl.static_range(2):
             mbarrier.init(order.index(i), count=1)
-        if SPLIT:
-            gl.warp_specialize([
-                (_g1d_split_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                                       empty, c0, 0, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
-                (_g1d_split_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                                       empty, c1, 1, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
-                (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                                 empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_g1d_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                                 empty, order, c0, 0, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
-                (_g1d_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                                 empty, order, c1, 1, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY)),
-                (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
-                                 empty, F, NUM_N, GROUP_M, STAGES, SPLIT)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        tiles, tile_ready, tile_empty = _tile_ring(DYNAMIC, order)
+        gl.warp_specialize([
+            (_g1d_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                             order, tiles, tile_ready, tile_empty, c0, 0, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY,
+                             SPLIT, DYNAMIC)),
+            (_g1d_consumer, (dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                             order, tiles, tile_ready, tile_empty, c1, 1, F, NUM_N, GROUP_M, STAGES, COOP, SKIP_EMPTY,
+                             SPLIT, DYNAMIC)),
+            (_g1d_producer, (a_desc, w1_desc, w3_desc, tile_expert_ptr, offsets_ptr, counter_ptr, E, a_bufs, b_bufs,
+                             ready, empty, tiles, tile_ready, tile_empty, F, NUM_N, GROUP_M, STAGES, SPLIT, DYNAMIC)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
     # ---------------------------------------------------------------------------------------------
@@ -415,32 +521,64 @@ if HAVE_GLUON:
     # ---------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _g1f_producer(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
-                      b3_bufs, ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
-                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _g1f_load_tile(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, a_bufs, b1_bufs, b3_bufs, ready_a,
+                       ready_b, empty, pid_m, pid_n, idx, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """Producer (4 warps): one tile's D / BK ring steps from ring step ``idx`` (x rows by cp.async, w1 / w3 tiles
+        by TMA); returns the next step."""
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w1_desc.block_type.shape[0]
         KT: gl.constexpr = D // BK
         nbytes: gl.constexpr = 2 * w1_desc.block_type.nbytes
+        e = gl.load(tile_expert_ptr + pid_m)
+        ptrs, mask = _gathered_rows(x_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
+        w_row = e * F + pid_n * BN
+        for k in range(KT):
+            s = idx % STAGES
+            mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
+            # padding rows (pair -1) are masked: cp.async zero-fills them
+            async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k * BK, mask=mask)
+            async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)  # one arrival per thread
+            bar = ready_b.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(w1_desc, [w_row, k * BK], bar, b1_bufs.index(s))
+            tma.async_copy_global_to_shared(w3_desc, [w_row, k * BK], bar, b3_bufs.index(s))
+            idx += 1
+        return idx
+
+    @gluon.jit
+    def _g1f_producer(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                      b3_bufs, ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        BM: gl.constexpr = a_bufs.type.shape[1]
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         idx = 0
         for j in range(count):
             pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
-            e = gl.load(tile_expert_ptr + pid_m)
-            ptrs, mask = _gathered_rows(x_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
-            w_row = e * F + pid_n * BN
-            for k in range(KT):
-                s = idx % STAGES
-                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
-                # padding rows (pair -1) are masked: cp.async zero-fills them
-                async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k * BK, mask=mask)
-                async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)  # one arrival per thread
-                bar = ready_b.index(s)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(w1_desc, [w_row, k * BK], bar, b1_bufs.index(s))
-                tma.async_copy_global_to_shared(w3_desc, [w_row, k * BK], bar, b3_bufs.index(s))
-                idx += 1
+            idx = _g1f_load_tile(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, a_bufs, b1_bufs, b3_bufs,
+                                 ready_a, ready_b, empty, pid_m, pid_n, idx, D, F, TOPK, STAGES)
+
+    @gluon.jit
+    def _g1f_producer_dynamic(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, counter_ptr, E,
+                              a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, tiles, tile_ready, tile_empty,
+                              D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        # _g1f_producer with tiles taken in order from the launch's counter and handed to the consumers
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        total = n_live * NUM_N
+        idx = 0
+        j = 0
+        t = _take_tile(counter_ptr, total)
+        while t < total:
+            _post_tile(tiles, tile_ready, tile_empty, j, t)
+            pid_m, pid_n = _tile_coords(t, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+            idx = _g1f_load_tile(x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, a_bufs, b1_bufs, b3_bufs,
+                                 ready_a, ready_b, empty, pid_m, pid_n, idx, D, F, TOPK, STAGES)
+            j += 1
+            t = _take_tile(counter_ptr, total)
+        _post_tile(tiles, tile_ready, tile_empty, j, -1)
 
     @gluon.jit
     def _swiglu_store(gate, up, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr):
@@ -461,9 +599,9 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
 
     @gluon.jit
-    def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
-                      ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
-                      NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+    def _g1f_tile(gu_desc, h_desc, row_pair_ptr, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, j, pid_m,
+                  pid_n, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr,
+                  SKIP_EMPTY: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
@@ -473,53 +611,75 @@ if HAVE_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+        acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+        idx0 = j * KT
+        row0 = pid_m * BM + C * BMC
+        if _rows_live(row_pair_ptr, row0, SKIP_EMPTY):
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                mbarrier.wait(ready_a.index(s), ph)
+                mbarrier.wait(ready_b.index(s), ph)
+                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                acc_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
+                    mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
+        else:  # all padding rows (WsConfig.skip_empty): no MMA, zeros stored
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                mbarrier.wait(ready_a.index(s), ph)  # both parts landed before the release
+                mbarrier.wait(ready_b.index(s), ph)
+                mbarrier.arrive(empty.index(s), count=1)
+        # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas),
+        # SwiGLU in fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
+        col0 = pid_n * BN
+        valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
+        vf = gl.expand_dims(valid.to(gl.float32), 1)
+        _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
+
+    @gluon.jit
+    def _g1f_consumer(gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
+                      ready_a, ready_b, empty, tiles, tile_ready, tile_empty, c_smem, C: gl.constexpr,
+                      D: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, SKIP_EMPTY: gl.constexpr, DYNAMIC: gl.constexpr):
+        # every tile (grid-strided, or DYNAMIC: as the producer hands them over) by _g1f_tile
+        BM: gl.constexpr = a_bufs.type.shape[1]
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(count):
-            pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
-            acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * KT
-            row0 = pid_m * BM + C * BMC
-            if _rows_live(row_pair_ptr, row0, SKIP_EMPTY):
-                for k in range(KT):
-                    idx = idx0 + k
-                    s = idx % STAGES
-                    ph = (idx // STAGES) & 1
-                    mbarrier.wait(ready_a.index(s), ph)
-                    mbarrier.wait(ready_b.index(s), ph)
-                    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
-                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                    acc_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                    acc_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                    if k > 0:  # step k - 1's MMAs are done: its buffers may be refilled
-                        mbarrier.arrive(empty.index((idx - 1) % STAGES), count=1)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-                mbarrier.arrive(empty.index((idx0 + KT - 1) % STAGES), count=1)
-            else:  # all padding rows (WsConfig.skip_empty): no MMA, zeros stored
-                for k in range(KT):
-                    idx = idx0 + k
-                    s = idx % STAGES
-                    ph = (idx // STAGES) & 1
-                    mbarrier.wait(ready_a.index(s), ph)  # both parts landed before the release
-                    mbarrier.wait(ready_b.index(s), ph)
-                    mbarrier.arrive(empty.index(s), count=1)
-            # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas),
-            # SwiGLU in fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
-            col0 = pid_n * BN
-            valid = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout)) >= 0
-            vf = gl.expand_dims(valid.to(gl.float32), 1)
-            _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
+        if DYNAMIC:
+            j = 0
+            t = _wait_tile(tiles, tile_ready, tile_empty, 0)
+            while t >= 0:
+                pid_m, pid_n = _tile_coords(t, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+                _g1f_tile(gu_desc, h_desc, row_pair_ptr, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, j,
+                          pid_m, pid_n, C, D, F, STAGES, SKIP_EMPTY)
+                j += 1
+                t = _wait_tile(tiles, tile_ready, tile_empty, j)
+        else:
+            for j in range(count):
+                pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
+                _g1f_tile(gu_desc, h_desc, row_pair_ptr, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, j,
+                          pid_m, pid_n, C, D, F, STAGES, SKIP_EMPTY)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _gemm1_fwd_ws_kernel(x_ptr, w1_desc, w3_desc, gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                             D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
-                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             SKIP_EMPTY: gl.constexpr = False):
+    def _gemm1_fwd_ws_kernel(x_ptr, w1_desc, w3_desc, gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr,
+                             counter_ptr, E, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+                             NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
+                             BK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             SKIP_EMPTY: gl.constexpr = False, DYNAMIC: gl.constexpr = False):
         """gate_up[r] = [x[t] @ w1[e].T | x[t] @ w3[e].T], h[r] = silu(gate) * up per row tile, t = row_pair[r]
-        // TOPK (the Triton kernel is ``grouped_gemm._gemm1_swiglu_fwd_kernel``). Grid: (programs,)."""
+        // TOPK (the Triton kernel is ``grouped_gemm._gemm1_swiglu_fwd_kernel``). Grid: (programs,). DYNAMIC
+        (``GEMM1_DYNAMIC``): tiles in order from the int32 counter at ``counter_ptr`` (zero before the launch, zero
+        again after it), else ``counter_ptr`` is not read."""
         dtype: gl.constexpr = w1_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
@@ -534,14 +694,30 @@ if HAVE_GLUON:
             mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(ready_b.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        gl.warp_specialize([
-            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
-                             ready_a, ready_b, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
-            (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, b3_bufs,
-                             ready_a, ready_b, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, SKIP_EMPTY)),
-            (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
-                             b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        tiles, tile_ready, tile_empty = _tile_ring(DYNAMIC, empty)
+        if DYNAMIC:
+            gl.warp_specialize([
+                (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                                 b3_bufs, ready_a, ready_b, empty, tiles, tile_ready, tile_empty, c0, 0, D, F, NUM_N,
+                                 GROUP_M, STAGES, SKIP_EMPTY, DYNAMIC)),
+                (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                                 b3_bufs, ready_a, ready_b, empty, tiles, tile_ready, tile_empty, c1, 1, D, F, NUM_N,
+                                 GROUP_M, STAGES, SKIP_EMPTY, DYNAMIC)),
+                (_g1f_producer_dynamic, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr,
+                                         counter_ptr, E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, tiles,
+                                         tile_ready, tile_empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                                 b3_bufs, ready_a, ready_b, empty, tiles, tile_ready, tile_empty, c0, 0, D, F, NUM_N,
+                                 GROUP_M, STAGES, SKIP_EMPTY, DYNAMIC)),
+                (_g1f_consumer, (gu_desc, h_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
+                                 b3_bufs, ready_a, ready_b, empty, tiles, tile_ready, tile_empty, c1, 1, D, F, NUM_N,
+                                 GROUP_M, STAGES, SKIP_EMPTY, DYNAMIC)),
+                (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                                 b1_bufs, b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
     # ---------------------------------------------------------------------------------------------
@@ -754,8 +930,35 @@ def _check_operands(fn: str, fp32: tuple[str, ...] = (), **tensors: Tensor) -> N
 
 def _gemm1_programs(cfg: WsConfig, programs: int | None) -> int | None:
     """``programs`` as given, or with ``GEMM1_GRID`` and a cooperative config, one program per tile (a ping-pong
-    program needs two tiles to keep both consumers busy)."""
-    return programs if programs is not None or not (GEMM1_GRID and cfg.coop) else 1 << 30
+    program needs two tiles to keep both consumers busy; ``GEMM1_DYNAMIC`` keeps the persistent grid)."""
+    grid = GEMM1_GRID and cfg.coop and not _dynamic(cfg)
+    return programs if programs is not None or not grid else 1 << 30
+
+
+_TILE_COUNTERS: dict[tuple, Tensor] = {}  # (device index, stream, kernel) -> int32 counter of GEMM1_DYNAMIC
+
+
+def _tile_counter(dev: torch.device, kernel: str) -> Tensor:
+    """The zeroed int32 tile counter of a ``GEMM1_DYNAMIC`` launch of ``kernel`` on the current stream of ``dev``.
+
+    The kernel leaves it at zero (``_take_tile``), so one counter serves every launch in stream order; launches on
+    two streams would race for one, hence one per stream. Under CUDA-graph capture a fresh one is allocated (its
+    zero fill is captured with the graph, which then owns it): a cached counter first allocated inside a capture
+    would hold garbage for eager launches until the graph replays."""
+    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():  # not cuda: the CPU tests' host-only driver
+        return torch.zeros(1, dtype=torch.int32, device=dev)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = (idx, torch.cuda.current_stream(idx).cuda_stream, kernel)
+    c = _TILE_COUNTERS.get(key)
+    if c is None:
+        c = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return c
+
+
+def _dynamic(cfg: WsConfig) -> bool:
+    """Whether a GEMM1 launch with ``cfg`` takes its tiles from a counter (``cfg.dynamic`` or ``GEMM1_DYNAMIC``;
+    cooperative configs only)."""
+    return (cfg.dynamic or GEMM1_DYNAMIC) and cfg.coop
 
 
 def _programs(dev: torch.device, tiles: int, programs: int | None) -> int:
@@ -791,8 +994,8 @@ def ws_gemm1_dgrad_supported(dgate_up_N2F: Tensor, w1_EFD: Tensor, cfg: WsConfig
 
 def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", top_k: int = 8) -> tuple[dict, dict]:
     """(signature, constexprs) of ``_gemm1_dgrad_ws_kernel`` (``kind`` "gemm1_dgrad"), ``_gemm1_fwd_ws_kernel``
-    ("gemm1") or ``_gemm2_dgrad_ws_kernel`` ("gemm2_dgrad") for ``sm90_check.compile_sm90`` (CPU build checks: registers, shared memory, wgmma count, no
-    ptxas wgmma serialization)."""
+    ("gemm1") or ``_gemm2_dgrad_ws_kernel`` ("gemm2_dgrad") for ``sm90_check.compile_sm90`` (CPU build checks:
+    registers, shared memory, wgmma count, no ptxas wgmma serialization)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
     def desc(block):
@@ -809,17 +1012,18 @@ def sm90_compile_args(cfg: WsConfig, D: int, F: int, kind: str = "gemm1_dgrad", 
     if kind == "gemm1":
         sig = {"x_ptr": "*bf16", "w1_desc": desc([bn, bk]), "w3_desc": desc([bn, bk]), "gu_desc": desc([bm // 2, bn]),
                "h_desc": desc([bm // 2, bn]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
-               "offsets_ptr": "*i32", "E": "i32"}
+               "offsets_ptr": "*i32", "counter_ptr": "*i32", "E": "i32"}
         cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SKIP_EMPTY=cfg.skip_empty)
+                  PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SKIP_EMPTY=cfg.skip_empty,
+                  DYNAMIC=cfg.dynamic)
         return sig, cx
     bh = bn // 2 if cfg.split_n else bn
     sig = {"a_desc": desc([bm, bk]), "w1_desc": desc([bk, bh]), "w3_desc": desc([bk, bh]),
            "dx_desc": desc([bm // 2 if cfg.coop else bm, bh]), "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32",
-           "offsets_ptr": "*i32", "E": "i32"}
+           "offsets_ptr": "*i32", "counter_ptr": "*i32", "E": "i32"}
     cx = dict(F=F, NUM_N=-(-D // bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, COOP=cfg.coop,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, SPLIT=cfg.split_n,
-              SKIP_EMPTY=cfg.skip_empty)
+              SKIP_EMPTY=cfg.skip_empty, DYNAMIC=cfg.dynamic)
     return sig, cx
 
 
@@ -889,10 +1093,12 @@ def launch_gemm1_fwd(x_TD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, layout, gu: T
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // bn
     programs = _programs(dev, layout.n_tiles_cap * num_n, _gemm1_programs(cfg, programs))
+    dynamic = _dynamic(cfg)
+    counter = _tile_counter(dev, "gemm1_fwd") if dynamic else layout.offsets  # not read unless dynamic
     launch(_gemm1_fwd_ws_kernel, (programs,),
-           x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
+           x_TD, w1_desc, w3_desc, gu_desc, h_desc, layout.row_pair, layout.tile_expert, layout.offsets, counter, E,
            D, F, layout.top_k, num_n, 0 if GEMM1_EXPERT_ORDER else cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
-           cfg.consumer_regs, cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, cfg.skip_empty or SKIP_PAD_BLOCKS, dynamic, num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -974,10 +1180,13 @@ def launch_gemm1_dgrad(dgate_up_N2F: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, lay
     dx_desc = _desc(dx, (n_cap, D), (bm // 2 if cfg.coop else bm, bh))
     num_n = -(-D // bn)
     programs = _programs(dx.device, layout.n_tiles_cap * num_n, _gemm1_programs(cfg, programs))
+    dynamic = _dynamic(cfg)
+    counter = _tile_counter(dx.device, "gemm1_dgrad") if dynamic else layout.offsets  # not read unless dynamic
     launch(_gemm1_dgrad_ws_kernel, (programs,),
-           a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, E,
+           a_desc, w1_desc, w3_desc, dx_desc, layout.row_pair, layout.tile_expert, layout.offsets, counter, E,
            F, num_n, 0 if GEMM1_EXPERT_ORDER else cfg.group_m, cfg.stages, cfg.coop, cfg.producer_regs,
-           cfg.consumer_regs, cfg.split_n, cfg.skip_empty or SKIP_PAD_BLOCKS, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, cfg.split_n, cfg.skip_empty or SKIP_PAD_BLOCKS, dynamic, num_warps=4,
+           maxnreg=cfg.maxnreg)
     return dx
 
 
