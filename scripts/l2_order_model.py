@@ -14,7 +14,8 @@ Model: the routing layout of 16,384 tokens, top-8, 128 experts, uniform router (
 a tile touches its A tile (BM x BK) and B tile (BK x BN) as whole objects of an LRU cache of ``--l2-mb``; a miss
 costs the object's bytes. A K step takes one time unit times (1 + ``--jitter`` x a normal draw per program and
 tile), so persistent programs drift apart as real ones do; ``grid`` hands the next tile to the program that frees
-first (the hardware's in-order block dispatch). Output writes (dx / gate_up, h) are not counted.
+first (the hardware's in-order block dispatch, and equally the persistent programs of ``WS_GEMM1_DYNAMIC``,
+which take tickets from one counter as they free up). Output writes (dx / gate_up, h) are not counted.
 What it leaves out: L2's two partitions (an SM's far-partition hits; try ``--l2-mb 25``), sector granularity,
 the row gather's cross-expert reuse of x rows (forward), prefetch and write-back traffic.
 """
