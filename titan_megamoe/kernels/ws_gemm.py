@@ -127,8 +127,8 @@ class WsConfig:
 
     def __repr__(self) -> str:
         return (f"WsConfig(BM={self.block_m}, BN={self.block_n}, BK={self.block_k}, stages={self.stages}, "
-                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}{', split_n' if self.split_n else ''}{', dynamic' if self.dynamic else ''}, "
-                f"maxnreg={self.maxnreg})")
+                f"group_m={self.group_m}, {'coop' if self.coop else 'pingpong'}{', split_n' if self.split_n else ''}"
+                f"{', dynamic' if self.dynamic else ''}, maxnreg={self.maxnreg})")
 
 
 #: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=1 (read at import): ``skip_empty`` (here) and ``trim_k`` (``ws_wgrad``) on in every
@@ -165,13 +165,17 @@ CONFIGS = {"pingpong": WsConfig(block_n=128, stages=4, group_m=8),
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_of(j, n_live, NUM_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """(row tile, column block) of the program's j-th tile (grid-strided, grouped order)."""
-        tile = gl.program_id(0) + j * gl.num_programs(0)
+    def _grouped_tile(tile, n_live, NUM_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """(row tile, column block) of linear tile index ``tile`` in the grouped order (``jit.grouped_tile``)."""
         width = GROUP_M * NUM_N
         first_m = (tile // width) * GROUP_M
         group = gl.minimum(n_live - first_m, GROUP_M)
         return first_m + (tile % width) % group, (tile % width) // group
+
+    @gluon.jit
+    def _tile_of(j, n_live, NUM_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """(row tile, column block) of the program's j-th tile (grid-strided, grouped order)."""
+        return _grouped_tile(gl.program_id(0) + j * gl.num_programs(0), n_live, NUM_N, GROUP_M)
 
     @gluon.jit
     def _tile_coords(tile, n_live, tile_expert_ptr, offsets_ptr, BM: gl.constexpr, NUM_N: gl.constexpr,
@@ -179,7 +183,7 @@ if HAVE_GLUON:
         """(row tile, column block) of linear tile index ``tile``: with GROUP_M 0 expert by expert and in each expert
         column block by column block (the row tiles that read one weight tile come back to back; in row order they
         are NUM_N tiles apart, and the drift of persistent programs can spread one expert's weight reads over two
-        waves), else the grouped order of ``_tile_of``."""
+        waves), else the grouped order of ``_grouped_tile``."""
         if GROUP_M == 0:
             e = gl.load(tile_expert_ptr + tile // NUM_N)  # tile // NUM_N is a row tile of the expert (BM-aligned)
             first = gl.load(offsets_ptr + e) // BM
@@ -188,11 +192,7 @@ if HAVE_GLUON:
             pid_m = first + local % rows
             pid_n = local // rows
         else:
-            width = GROUP_M * NUM_N
-            first_m = (tile // width) * GROUP_M
-            group = gl.minimum(n_live - first_m, GROUP_M)
-            pid_m = first_m + (tile % width) % group
-            pid_n = (tile % width) // group
+            pid_m, pid_n = _grouped_tile(tile, n_live, NUM_N, GROUP_M)
         return pid_m, pid_n
 
     @gluon.jit
