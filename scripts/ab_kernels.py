@@ -56,6 +56,7 @@ def _groups(shape: str):
     from titan_megamoe.kernels.ws_gemm import (CONFIGS, FWD_CONFIG, G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm1_dgrad,
                                                ws_gemm1_fwd, ws_gemm2_dgrad)
     from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
+    from titan_megamoe.kernels.ws_gemm2 import GEMM2_CONFIG, ws_gemm2_fwd
     from titan_megamoe.testing import make_routing
 
     D, F = SHAPES[shape]
@@ -117,6 +118,9 @@ def _groups(shape: str):
     def gemm2_fwd(cfg):
         return gemm2_scatter_fwd(hs, w2t_fwd, scores, lay, out_pairs=y_pairs, config=cfg)
 
+    def gluon_gemm2_fwd(cfg):  # the warp-specialized GEMM2 (ws_gemm2, WS_GEMM2), into the same output
+        return ws_gemm2_fwd(hs, w2t_fwd, scores, lay, out=y_pairs, cfg=cfg)
+
     w2t_fwd = (torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16()
     # padding-aware variants against the full ones (half the experts end in a tile whose second 64 rows are padding)
     gu1 = torch.empty(lay.n_cap, 2 * F, device="cuda", dtype=torch.bfloat16)
@@ -174,7 +178,7 @@ def _groups(shape: str):
              "gemm1_dgrad_grid": 4 * T * K * D * F,
              "gemm1_fwd_skip": 4 * T * K * D * F, "gemm1_dgrad_skip": 4 * T * K * D * F,
              "wgrad_w13_trim": 4 * T * K * D * F, "wgrad_w2_trim": 2 * T * K * D * F,
-             "gemm2_fwd": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
+             "gemm2_fwd": 2 * T * K * D * F, "gemm2_fwd_gluon": 2 * T * K * D * F, "gemm1_dgrad": 4 * T * K * D * F, "gemm1_dgrad_order": 4 * T * K * D * F, "wgrad_w13": 4 * T * K * D * F,
              "wgrad_w2": 2 * T * K * D * F, "gemm2_dgrad": 2 * T * K * D * F}
     groups = {
         "gemm1_dgrad": [("triton", triton_dgrad),
@@ -185,6 +189,10 @@ def _groups(shape: str):
         + [("gluon expert order", lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, out=dx,
                                                          cfg=dataclasses.replace(coop, group_m=0))[:n])],
         "gemm2_fwd": [(name, lambda c=c: gemm2_fwd(c)) for name, c in g2f.items()],
+        "gemm2_fwd_gluon": [("triton persistent 8w 3st", lambda: gemm2_fwd(HOPPER_GEMM2_PERSISTENT)),
+                            ("gluon 128x256 4st", lambda: gluon_gemm2_fwd(GEMM2_CONFIG)),
+                            ("gluon 128x128 6st", lambda: gluon_gemm2_fwd(
+                                dataclasses.replace(GEMM2_CONFIG, block_n=128, stages=6)))],
         "gemm2_dgrad": [("triton 2/SM", lambda: gemm2_dgrad(g2_two)),
                         ("triton 1/SM", lambda: gemm2_dgrad(g2_one)),
                         ("triton 128x256 16w 3st", lambda: gemm2_dgrad(g2_wide[3])),

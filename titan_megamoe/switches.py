@@ -66,6 +66,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
            attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_EXPERT_ORDER"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_DYNAMIC", "0", attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_DYNAMIC"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1", "1", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM1"),)),
+    Switch("TITAN_MEGAMOE_WS_GEMM2", "0", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM2"),)),
     Switch("TITAN_MEGAMOE_FUSED_LAYER", "1", attrs=(("titan_megamoe.ops.eager_layer", "ENABLED"),)),
     Switch("TITAN_MEGAMOE_FUSED_GATE", "1", attrs=(("titan_megamoe.ops.eager_layer", "FUSED_GATE"),)),
     Switch("TITAN_MEGAMOE_ROUTER_BWD_KERNEL", "1", attrs=(("titan_megamoe.kernels.router", "BWD_KERNEL"),)),

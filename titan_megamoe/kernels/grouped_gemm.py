@@ -53,7 +53,7 @@ from titan_megamoe.kernels.jit import cdiv, env_flag, flavor, grouped_tile, inte
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.configs import GemmConfig, config_for, persistent_programs
 from titan_megamoe.kernels.routing import RoutingLayout, layout_caps
-from titan_megamoe.kernels import ws_gemm
+from titan_megamoe.kernels import ws_gemm, ws_gemm2
 
 __all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_mode", "launch_gemm1_swiglu_fwd",
            "launch_gemm2_scatter_fwd", "launch_combine_topk"]
@@ -66,6 +66,11 @@ __all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_m
 #: layer forward 3.189 -> 2.929 ms from idle at 30B (layer_1xh200_ep1_s10e_20261202.json). Read at import; a
 #: same-process switch (``switches.py``).
 WS_GEMM1 = env_flag("TITAN_MEGAMOE_WS_GEMM1", True)
+#: GEMM2 by the warp-specialized Gluon kernel (``kernels/ws_gemm2.py``: h and w2 by TMA, two cooperative consumers,
+#: rows scattered from registers) where it applies (sm_90, BM 128, D >= 2048, D % 256 == 0, token-major output, the
+#: default config); else the Triton kernel. Opt-in (``TITAN_MEGAMOE_WS_GEMM2=1``) until measured on a GPU. Read at
+#: import; a same-process switch (``switches.py``).
+WS_GEMM2 = env_flag("TITAN_MEGAMOE_WS_GEMM2", False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -582,6 +587,9 @@ def gemm2_scatter_fwd(
         ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
             layout built for other T, K, E or block_m.
 
+    With ``WS_GEMM2`` on (opt-in, ``TITAN_MEGAMOE_WS_GEMM2=1``), no ``config``, not ``by_row``, sm_90, D >= 2048 and
+    D % 256 == 0, the warp-specialized Gluon kernel (``ws_gemm2.ws_gemm2_fwd``) computes the same output.
+
     Host syncs: none.
     """
     if h_NF.dim() != 2 or w2_EDF.dim() != 3 or scores_TK.dim() != 2:
@@ -609,7 +617,7 @@ def gemm2_scatter_fwd(
     _check_bf16_2d_or_3d("out_pairs", out_pairs, (rows_out, D), dev)
     if layout.n_tiles_cap == 0:
         return out_pairs
-    return _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, cfg, by_row, interpret)
+    return _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, cfg, by_row, interpret, config is None)
 
 
 def launch_gemm2_scatter_fwd(h_NF: Tensor, w2_EDF: Tensor, scores_TK: Tensor, layout: RoutingLayout) -> Tensor:
@@ -624,12 +632,15 @@ def launch_gemm2_scatter_fwd(h_NF: Tensor, w2_EDF: Tensor, scores_TK: Tensor, la
         return out_pairs
     interpret = interpret_mode()
     return _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, config_for("gemm2", D, F, interpret), False,
-                         interpret)
+                         interpret, True)
 
 
-def _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, cfg, by_row, interpret):
+def _launch_gemm2(h_NF, w2_EDF, scores_TK, layout, out_pairs, cfg, by_row, interpret, default_config):
     """The launch half of :func:`gemm2_scatter_fwd` (operands, output and layout checked)."""
     E, D, F = w2_EDF.shape
+    if WS_GEMM2 and default_config and not by_row and layout.block_m == 128 and D >= 2048:
+        if ws_gemm2.ws_gemm2_fwd_supported(h_NF, w2_EDF) is None:  # operands, output and layout checked above
+            return ws_gemm2.launch_gemm2_fwd(h_NF, w2_EDF, scores_TK, layout, out_pairs)
     N, dev = layout.n_cap, h_NF.device
     use_tma = _tma_usable(cfg, h_NF, w2_EDF)  # else the pointer path (same results)
     if use_tma and not interpret:
