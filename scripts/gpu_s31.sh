@@ -58,4 +58,16 @@ if [ "$PART" = b ]; then
     gemm1_dgrad_grid,gemm1_dgrad_order,gemm1_fwd_grid,gemm1_fwd_order,gemm1_dgrad_skip,wgrad_w13_trim,gemm1_fwd_skip,wgrad_w2_trim
   mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
 fi
+# PART=c: for a call with ~300-450 s: issue 4's 235B layer beside stock with today's defaults only (no untested
+#   switch in the layer), then the new kernels' tests and their A/B at 235B, then the other changed kernels' tests.
+if [ "$PART" = c ]; then
+  layer_ab 235b_c "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 4
+  groups=""
+  [ "$(left 150)" -ge 60 ] && new_tests dynamic_c tests/test_ws_gemm.py "on_gpu and dynamic" \
+    && groups="gemm1_dgrad_dynamic,gemm1_fwd_dynamic"
+  [ "$(left 150)" -ge 60 ] && new_tests gemm2_c tests/test_ws_gemm2.py "on_gpu" && groups="${groups:+$groups,}gemm2_fwd_gluon"
+  [ -n "$groups" ] && [ "$(left 100)" -ge 40 ] && ab new_c 235b 6 100 "$groups"
+  [ "$(left 200)" -ge 60 ] && gpu_tests ws_c tests/test_ws_gemm.py tests/test_ws_wgrad.py -k "on_gpu and not dynamic"
+  mv "$OUT"/keep/*.log "$OUT"/ 2>/dev/null
+fi
 session_pack "s31$PART"
