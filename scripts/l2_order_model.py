@@ -34,10 +34,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
 #: (BN, BK, K steps as a function of D, F, N columns as a function of D, F, B bytes per K step) per kernel,
-#: as the default Gluon configs: dgrad coop 128 x 256 tiles, K = 2F; forward 128 x 128 (gate and up tiles), K = D.
+#: as the default configs: GEMM1 dgrad coop 128 x 256 tiles, K = 2F; forward 128 x 128 (gate and up tiles), K = D.
 KERNELS = {
     "gemm1_dgrad": dict(bn=256, bk=64, k=lambda D, F: 2 * F, n=lambda D, F: D, b_tiles=1),
     "gemm1_fwd": dict(bn=128, bk=64, k=lambda D, F: D, n=lambda D, F: F, b_tiles=2),
+    # GEMM2 forward (Triton default and the Gluon ws_gemm2): 128 x 256 tiles of h @ w2[e]^T, K = F, group_m 8
+    "gemm2_fwd": dict(bn=256, bk=64, k=lambda D, F: F, n=lambda D, F: D, b_tiles=1),
 }
 
 
