@@ -192,11 +192,21 @@ def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
     assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False
 
 
+def _gemm1_launch_operands(T, K, E, D, F):
+    """(layout, x, w, gate_up, h, dx) on the CPU for the GEMM1 launchers under a recording ``launch``."""
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
+    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+    return lay, x, w, gu, h, dx
+
+
 def test_ws_gemm1_grid_switch_sizes_the_cooperative_gemm1_grids(monkeypatch):
     """``WS_GEMM1_GRID`` (default off) launches the cooperative GEMM1 forward / dgrad with one program per tile;
     ping-pong keeps one per SM (its two consumers need two tiles), and an explicit ``programs`` always wins."""
     from titan_megamoe.kernels import ws_gemm
-    from titan_megamoe.kernels.routing import build_routing_layout_torch
 
     if not ws_gemm.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -205,10 +215,7 @@ def test_ws_gemm1_grid_switch_sizes_the_cooperative_gemm1_grids(monkeypatch):
     monkeypatch.setattr(ws_gemm, "_sm_count", lambda idx: 3)  # an SM count, as on a GPU with 3 SMs
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     T, K, E, D, F = 300, 2, 4, 512, 256
-    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
-    bf = dict(dtype=torch.bfloat16)
-    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
-    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+    lay, x, w, gu, h, dx = _gemm1_launch_operands(T, K, E, D, F)
 
     def sizes(**kw):
         grids.clear()
@@ -231,7 +238,6 @@ def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
     """``WS_GEMM1_EXPERT_ORDER`` (default off) launches the bf16 GEMM1 forward and dgrad with ``GROUP_M`` 0 (the
     expert-major, column-by-column tile order); off, each config's own ``group_m``."""
     from titan_megamoe.kernels import ws_gemm
-    from titan_megamoe.kernels.routing import build_routing_layout_torch
 
     if not ws_gemm.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -239,10 +245,7 @@ def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
     monkeypatch.setattr(ws_gemm, "launch", lambda kernel, grid, *args, **kw: group_m.append(
         args[kernel.arg_names.index("GROUP_M")]))
     T, K, E, D, F = 64, 2, 4, 256, 256
-    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
-    bf = dict(dtype=torch.bfloat16)
-    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
-    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+    lay, x, w, gu, h, dx = _gemm1_launch_operands(T, K, E, D, F)
 
     def orders():
         group_m.clear()
@@ -260,7 +263,6 @@ def test_ws_gemm1_dynamic_switch_reaches_the_cooperative_gemm1_launches(monkeypa
     """``WS_GEMM1_DYNAMIC`` (default off) launches the cooperative GEMM1 forward / dgrad with ``DYNAMIC`` and a
     zeroed int32 counter, on the persistent grid even with ``WS_GEMM1_GRID`` on; ping-pong stays static."""
     from titan_megamoe.kernels import ws_gemm
-    from titan_megamoe.kernels.routing import build_routing_layout_torch
 
     if not ws_gemm.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -275,10 +277,7 @@ def test_ws_gemm1_dynamic_switch_reaches_the_cooperative_gemm1_launches(monkeypa
     monkeypatch.setattr(ws_gemm, "_sm_count", lambda idx: 3)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     T, K, E, D, F = 300, 2, 4, 512, 256
-    lay = build_routing_layout_torch(torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(0)), E, 128)
-    bf = dict(dtype=torch.bfloat16)
-    x, w = torch.randn(T, D).to(**bf), torch.randn(E, F, D).to(**bf)
-    gu, h, dx = (torch.empty(lay.n_cap, c, **bf) for c in (2 * F, F, D))
+    lay, x, w, gu, h, dx = _gemm1_launch_operands(T, K, E, D, F)
 
     def launches():
         seen.clear()
