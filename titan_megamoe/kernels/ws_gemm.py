@@ -444,12 +444,24 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(dx_desc, [row0, pid_n * BN], c_smem)
 
     @gluon.jit
+    def _g1d_any_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n,
+                      C: gl.constexpr, F: gl.constexpr, STAGES: gl.constexpr, COOP: gl.constexpr,
+                      SKIP_EMPTY: gl.constexpr, SPLIT: gl.constexpr):
+        # one tile of consumer C by _g1d_split_tile (SPLIT) or _g1d_tile
+        if SPLIT:
+            _g1d_split_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, c_smem, j, pid_m, pid_n, C, F, STAGES,
+                            SKIP_EMPTY)
+        else:
+            _g1d_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n, C, F, STAGES,
+                      COOP, SKIP_EMPTY)
+
+    @gluon.jit
     def _g1d_consumer(dx_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, order,
                       tiles, tile_ready, tile_empty, c_smem, C: gl.constexpr, F: gl.constexpr, NUM_N: gl.constexpr,
                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, COOP: gl.constexpr, SKIP_EMPTY: gl.constexpr,
                       SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
         # the tiles of consumer C: grid-strided (ping-pong: every other one), or (DYNAMIC, cooperative only) as
-        # the producer hands them over; each by _g1d_tile or (SPLIT) _g1d_split_tile
+        # the producer hands them over; each by _g1d_any_tile
         BM: gl.constexpr = a_bufs.type.shape[1]
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
         if DYNAMIC:
@@ -458,12 +470,8 @@ if HAVE_GLUON:
             t = _wait_tile(tiles, tile_ready, tile_empty, 0)
             while t >= 0:
                 pid_m, pid_n = _tile_coords(t, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
-                if SPLIT:
-                    _g1d_split_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, c_smem, j, pid_m, pid_n, C,
-                                    F, STAGES, SKIP_EMPTY)
-                else:
-                    _g1d_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n,
-                              C, F, STAGES, COOP, SKIP_EMPTY)
+                _g1d_any_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n, C, F,
+                              STAGES, COOP, SKIP_EMPTY, SPLIT)
                 j += 1
                 t = _wait_tile(tiles, tile_ready, tile_empty, j)
         else:
@@ -471,12 +479,8 @@ if HAVE_GLUON:
             step: gl.constexpr = 1 if COOP else 2
             for j in range(first, count, step):
                 pid_m, pid_n = _tile_in_expert(j, n_live, tile_expert_ptr, offsets_ptr, BM, NUM_N, GROUP_M)
-                if SPLIT:
-                    _g1d_split_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, c_smem, j, pid_m, pid_n, C,
-                                    F, STAGES, SKIP_EMPTY)
-                else:
-                    _g1d_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n,
-                              C, F, STAGES, COOP, SKIP_EMPTY)
+                _g1d_any_tile(dx_desc, row_pair_ptr, a_bufs, b_bufs, ready, empty, order, c_smem, j, pid_m, pid_n, C, F,
+                              STAGES, COOP, SKIP_EMPTY, SPLIT)
         tma.store_wait(pendings=0)
 
     @gluon.jit
