@@ -6,6 +6,7 @@ and every case it does not cover falls back to the modular path."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -100,10 +101,8 @@ FP8_CASES = [  # (precision, T, E, K, score_func, shared): the edge each row cov
 ]
 
 
-@pytest.mark.parametrize("case", FP8_CASES, ids=[f"{c[0]}-T{c[1]}-K{c[3]}" for c in FP8_CASES])
-def test_fused_fp8_layer_matches_the_modular_path(case, monkeypatch):
-    """ops/eager_layer_fp8.py: precision fp8 / fp8_bwd through one autograd node gives the modular FP8 path's
-    output, counts and expert-weight gradients bitwise, dx and the gate gradient within bf16 error."""
+def _fused_fp8_against_modular(case, monkeypatch):
+    """(modular path's step, fused node's step) of an FP8_CASES row, the node's call checked to have run."""
     from titan_megamoe.ops import eager_layer_fp8
 
     precision, T, E, K, score_func, shared = case
@@ -122,6 +121,10 @@ def test_fused_fp8_layer_matches_the_modular_path(case, monkeypatch):
     monkeypatch.setattr(eager_layer, "ENABLED", True)
     got = _step(layer, x, dy)
     assert calls, "the fused FP8 layer path did not run"
+    return ref, got
+
+
+def _assert_fused_fp8_matches(ref, got):
     assert torch.equal(got[0], ref[0]), "forward output"
     assert torch.equal(got[3], ref[3]), "tokens_per_expert"
     assert got[2].keys() == ref[2].keys() and "experts.w1" in got[2] and "router.gate.weight" in got[2]
@@ -131,6 +134,34 @@ def test_fused_fp8_layer_matches_the_modular_path(case, monkeypatch):
         else:
             assert torch.equal(got[2][name], ref[2][name]), name
     assert_close_rel(got[1].float(), ref[1].float(), torch.bfloat16, "dx")
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"{c[0]}-T{c[1]}-K{c[3]}" for c in FP8_CASES])
+def test_fused_fp8_layer_matches_the_modular_path(case, monkeypatch):
+    """ops/eager_layer_fp8.py: precision fp8 / fp8_bwd through one autograd node gives the modular FP8 path's
+    output, counts and expert-weight gradients bitwise, dx and the gate gradient within bf16 error."""
+    _assert_fused_fp8_matches(*_fused_fp8_against_modular(case, monkeypatch))
+
+
+def test_fused_fp8_bwd_layer_runs_the_bf16_forward_launches_then_takes_its_weights(monkeypatch):
+    """Where the bf16 layout's block is the FP8 one (128: off the interpreter, emulated here with 128-row
+    interpreter blocks), "fp8_bwd"'s node runs the bf16 node's unchecked forward launches and takes its FP8
+    weights from the cache after them (only the backward reads them): the modular path's results, as above."""
+    from titan_megamoe.kernels import grouped_gemm as gg
+    from titan_megamoe.ops import fp8_backend as fb
+    from titan_megamoe.ops import triton_backend as tb
+
+    order = []
+    real_fwd, real_prep = tb.triton_fwd_unchecked, fb.prepare_weights_eager
+    monkeypatch.setattr(tb, "triton_fwd_unchecked", lambda *a: order.append("forward") or real_fwd(*a))
+    monkeypatch.setattr(fb, "prepare_weights_eager", lambda *a, **k: order.append("weights") or real_prep(*a, **k))
+    monkeypatch.setattr(tb, "_block_m", lambda: fb.FP8_BLOCK_M)
+    real_cfg = gg.config_for  # the modular path's fp8_bwd forward passes 128-wide interpreter blocks: the same here
+    monkeypatch.setattr(gg, "config_for", lambda kind, D, F, interp: dataclasses.replace(
+        real_cfg(kind, D, F, interp), block_m=128, block_n=128, block_k=128))
+    ref, got = _fused_fp8_against_modular(FP8_CASES[1], monkeypatch)
+    assert order == ["forward", "weights"], order
+    _assert_fused_fp8_matches(ref, got)
 
 
 def test_fused_fp8_layer_leaves_dims_it_cannot_take_to_the_modular_path():

@@ -185,3 +185,31 @@ def test_fp8_op_matches_reference_30b_shape(precision):
         bound = (bounds["out"] if name == "out" else bounds["grad"]) + TOLERANCES[torch.bfloat16]
         err = rel_err(a.float(), b.float())
         assert err <= bound, f"{precision} {name}: relative error {err:.4f} > {bound}"
+
+
+@pytest.mark.cuda
+def test_fused_fp8_bwd_layer_forward_is_the_bf16_layers():
+    """The fused "fp8_bwd" node's forward runs the bf16 node's launches (ops/eager_layer_fp8.py): at the 30B layer
+    shape its output and counts equal the bf16 layer's bitwise (same weights, gate inside the router), and its
+    backward gives finite gradients with the FP8 weights it took from the cache after the forward."""
+    from compare.builders import build_layer
+    from compare.shapes import parse_shape
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    shape = parse_shape("custom:2048,768,128,8")
+    bf16 = build_layer("megamoe-triton", "bf16", shape, torch.device("cuda")).module
+    fp8b = build_layer("megamoe-triton", "fp8_bwd", shape, torch.device("cuda")).module
+    fp8b.load_state_dict(bf16.state_dict())
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(1, 4096, 2048, generator=gen).bfloat16().cuda()
+    outs = []
+    for layer in (bf16, fp8b):
+        layer.tokens_per_expert.zero_()
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(torch.ones_like(out))
+        outs.append((out.detach(), layer.tokens_per_expert.clone(), xi.grad))
+    assert torch.equal(outs[0][0], outs[1][0]), "fp8_bwd forward output differs from bf16's"
+    assert torch.equal(outs[0][1], outs[1][1]), "tokens_per_expert"
+    assert torch.isfinite(outs[1][2]).all() and outs[1][2].abs().sum() > 0

@@ -318,12 +318,10 @@ class MegaMoE(MoE):
             if precision == "bf16":
                 out = eager_layer.FusedLayerFunction.apply(*args, eager_layer.fused_forward(*args))
             else:
-                from titan_megamoe.ops import eager_layer_fp8, fp8_backend
+                from titan_megamoe.ops import eager_layer_fp8
 
-                fp8_forward = precision == "fp8"
-                wq = fp8_backend.prepare_weights(*fused[4:], fp8_forward=fp8_forward, cache=experts.fp8_cache,
-                                                 layer_name=experts.layer_name)
-                args += (wq, fp8_forward, experts.layer_name)
+                # the FP8 weights are taken inside the node's forward, where its host time waits least
+                args += (experts.fp8_cache, precision == "fp8", experts.layer_name)
                 out = eager_layer_fp8.FusedFp8LayerFunction.apply(*args, eager_layer_fp8.fused_forward_fp8(*args))
             if self.shared_experts is not None:
                 out = self.shared_experts(x) + out

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from titan_megamoe.kernels.grouped_gemm import launch_combine_topk  # needs triton, as this node does
+from titan_megamoe.kernels.routing import build_routing_layout
 from titan_megamoe.ops import eager_layer
 from titan_megamoe.ops import fp8_backend as fb
 from titan_megamoe.ops import triton_backend as tb
@@ -29,16 +31,37 @@ __all__ = ["FusedFp8LayerFunction", "fused_forward_fp8"]
 
 def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, w1: Tensor,
                       w2: Tensor, w3: Tensor, top_k: int, score_func: str, route_norm: bool, route_scale: float,
-                      wq: list[Tensor], fp8_forward: bool, layer_name: str):
+                      cache: fb.Fp8WeightCache | None, fp8_forward: bool, layer_name: str):
     """Launch the FP8 layer's forward kernels (router, routing layout, x / h quantization, GEMM1 + SwiGLU, GEMM2,
     combine) for operands that meet the fused path's preconditions (``MegaMoE._fused_layer_operands``).
 
-    Shapes as :class:`FusedFp8LayerFunction`; ``wq`` from ``fp8_backend.prepare_weights`` (the weight cache).
-    Returns (out (T, D) bf16, the tensors the backward keeps, its constants).
+    Host work the from-idle forward would wait on is kept off the path to GEMM1 (docs/NOTES.md session 32):
+
+    * "fp8_bwd" runs the bf16 layer's forward launches (``triton_backend.triton_fwd_unchecked``: the same kernels
+      and configs as ``fp8_backend.fp8_experts_fwd``'s bf16 branch, without the per-kernel checks) wherever the
+      bf16 layout's block is the FP8 one (128: off the interpreter), and takes its FP8 weights from the cache
+      (``cache``: ``fp8_backend.prepare_weights_eager``) after the forward is enqueued: only the backward reads them.
+    * "fp8" takes its FP8 weights after the router's launch, then the FP8 experts' forward.
+    * Both check the non-finite records of earlier calls (``fp8_backend.NONFINITE``) after the launches.
+
+    Shapes as :class:`FusedFp8LayerFunction`. Returns (out (T, D) bf16, the tensors the backward keeps, its
+    constants).
+
+    Raises:
+        NonFiniteError: an earlier call's FP8 scales held inf / nan (found now, after this call's launches).
     """
     logits, top, ids = eager_layer.route(x_TD, gate_w, expert_bias, counts_into, top_k, score_func, route_norm,
                                          route_scale)
-    out, gate_up, L = fb.fp8_fwd(x_TD, ids, top, w1, w2, w3, wq, fp8_forward, layer_name)
+    T, K = ids.shape
+    if not fp8_forward and tb._block_m() == fb.FP8_BLOCK_M:
+        out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
+        wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=False, cache=cache, layer_name=layer_name)
+    else:
+        wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
+        L = build_routing_layout(ids, w1.shape[0], fb.FP8_BLOCK_M, one_allocation=True)
+        y, gate_up = fb.fp8_experts_fwd(x_TD, top, L, w1, w2, w3, wq, fp8_forward, layer_name)
+        out = launch_combine_topk(y, T, K)
+    fb.NONFINITE.check()  # records of earlier calls that have landed (no wait)
     # the transposed FP8 weights are the cache's tensors: keeping them costs no memory
     saved = (x_TD, gate_w, logits, ids, top, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert,
              *wq[:6])
@@ -51,17 +74,18 @@ class FusedFp8LayerFunction(torch.autograd.Function):
     blockwise-FP8 experts (EP = 1; "fp8": FP8 forward and backward, "fp8_bwd": bf16 forward, FP8 backward).
 
     forward(x_TD, gate_w (E, D), expert_bias (E,) or None, counts_into (E,) fp32, w1 (E, F, D), w2 (E, D, F),
-    w3 (E, F, D), top_k, score_func, route_norm, route_scale, wq, fp8_forward, layer_name, launched=None):
+    w3 (E, F, D), top_k, score_func, route_norm, route_scale, cache (``fp8_backend.Fp8WeightCache`` or None: quantize
+    the weights now), fp8_forward, layer_name, launched=None):
     ``launched`` is what :func:`fused_forward_fp8` returned for these operands (its kernels already enqueued), else
     the forward calls it. Gradients to x, gate_w, w1, w2, w3 (in the weights' dtypes).
     """
 
     @staticmethod
     def forward(ctx, x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func, route_norm, route_scale,
-                wq, fp8_forward, layer_name, launched=None):
+                cache, fp8_forward, layer_name, launched=None):
         if launched is None:
             launched = fused_forward_fp8(x_TD, gate_w, expert_bias, counts_into, w1, w2, w3, top_k, score_func,
-                                         route_norm, route_scale, wq, fp8_forward, layer_name)
+                                         route_norm, route_scale, cache, fp8_forward, layer_name)
         out, saved, ctx.cfg = launched
         ctx.save_for_backward(*saved)
         return out

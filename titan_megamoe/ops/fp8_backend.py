@@ -47,7 +47,7 @@ from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "check_fp8_supported",
            "fp8_fwd", "fp8_bwd", "fp8_experts_fwd", "fp8_experts_bwd", "placed_token_rows", "prepare_weights",
-           "quantize_weights"]
+           "prepare_weights_eager", "quantize_weights"]
 
 #: Row block of the FP8 path's routing layout: one 128-row scale group (module docstring).
 FP8_BLOCK_M = 128
@@ -247,11 +247,14 @@ class Fp8WeightCache:
         self._entries.clear()
 
 
-@torch.compiler.disable  # reads _version / data_ptr and launches Triton directly: never traced
-def prepare_weights(w1: Tensor, w2: Tensor, w3: Tensor, *, fp8_forward: bool, cache: Fp8WeightCache | None,
-                    layer_name: str) -> list[Tensor]:
+def prepare_weights_eager(w1: Tensor, w2: Tensor, w3: Tensor, *, fp8_forward: bool, cache: Fp8WeightCache | None,
+                          layer_name: str) -> list[Tensor]:
     """The op's weight operand list: [w1t_q, w1t_s, w3t_q, w3t_s, w2t_q, w2t_s] (+ [w1_q, w1_s, w3_q,
-    w3_s, w2_q, w2_s] when ``fp8_forward``), from the cache when given (else quantized now)."""
+    w3_s, w2_q, w2_s] when ``fp8_forward``), from the cache when given (else quantized now).
+
+    For callers that never run under torch.compile (the fused eager node, ``ops/eager_layer_fp8.py``); others call
+    :func:`prepare_weights`, the same function kept out of tracing, whose wrapper costs host time on every call
+    (~5 us on the CPU machine) before GEMM1 is enqueued."""
     dev = w1.device
     counter: list[Tensor] = []  # made on the first quantization: a call served by the cache launches nothing
 
@@ -274,6 +277,11 @@ def prepare_weights(w1: Tensor, w2: Tensor, w3: Tensor, *, fp8_forward: bool, ca
     if counter:
         NONFINITE.record(f"{layer_name} expert weights", counter[0])
     return out_bwd + out_fwd
+
+
+#: :func:`prepare_weights_eager` kept out of torch.compile's tracing: it reads ``_version`` / ``data_ptr`` and
+#: launches Triton directly.
+prepare_weights = torch.compiler.disable(prepare_weights_eager)
 
 
 # --------------------------------------------------------------------------------------------------
