@@ -123,8 +123,10 @@ def _groups(shape: str):
 
     w2t_fwd = (torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16()
     # padding-aware variants against the full ones (half the experts end in a tile whose second 64 rows are padding)
-    gu1 = torch.empty(lay.n_cap, 2 * F, device="cuda", dtype=torch.bfloat16)
-    h1 = torch.empty(lay.n_cap, F, device="cuda", dtype=torch.bfloat16)
+    # zeros, not empty: rows past the last expert stay unwritten, and an uninitialized NaN pattern is unequal to itself
+    # (session 32's forward groups read "bitwise False" for that reason alone)
+    gu1 = torch.zeros(lay.n_cap, 2 * F, device="cuda", dtype=torch.bfloat16)
+    h1 = torch.zeros(lay.n_cap, F, device="cuda", dtype=torch.bfloat16)
     wcfg = _ws_wgrad_config(D)
     skip_groups = {
         "gemm1_fwd_skip": [(f"skip_empty {on}", lambda on=on: ws_gemm1_fwd(

@@ -55,6 +55,11 @@ try:  # the Gluon kernels as on an sm_90 GPU with 132 SMs
     torch.cuda.current_device = lambda: 0
 except ImportError:
     pass
+try:  # the Gluon GEMM2 forward (a tree without it: the Triton GEMM2)
+    from titan_megamoe.kernels import ws_gemm2
+    ws_gemm2._platform_reason = lambda t: None
+except (ImportError, AttributeError):
+    pass
 precision = sys.argv[4]
 if precision != "bf16":  # the FP8 platform check and the Gluon FP8 kernels (each module binds _platform_reason)
     import importlib

@@ -235,8 +235,8 @@ def test_ws_gemm1_grid_switch_sizes_the_cooperative_gemm1_grids(monkeypatch):
 
 
 def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
-    """``WS_GEMM1_EXPERT_ORDER`` (default off) launches the bf16 GEMM1 forward and dgrad with ``GROUP_M`` 0 (the
-    expert-major, column-by-column tile order); off, each config's own ``group_m``."""
+    """``WS_GEMM1_EXPERT_ORDER`` (default on since session 32) launches the bf16 GEMM1 forward and dgrad with
+    ``GROUP_M`` 0 (the expert-major, column-by-column tile order); off, each config's own ``group_m``."""
     from titan_megamoe.kernels import ws_gemm
 
     if not ws_gemm.HAVE_GLUON:
@@ -253,15 +253,17 @@ def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
         ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["pingpong"], programs=4)
         return group_m[:]
 
-    assert orders() == [ws_gemm.FWD_CONFIG.group_m, ws_gemm.CONFIGS["pingpong"].group_m] == [1, 8]
-    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER": "1"}):
-        assert orders() == [0, 0]
-    assert orders() == [1, 8]
+    assert orders() == [0, 0]
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER": "0"}):
+        assert orders() == [ws_gemm.FWD_CONFIG.group_m, ws_gemm.CONFIGS["pingpong"].group_m] == [1, 8]
+    assert orders() == [0, 0]
 
 
 def test_ws_gemm1_dynamic_switch_reaches_the_cooperative_gemm1_launches(monkeypatch):
     """``WS_GEMM1_DYNAMIC`` (default off) launches the cooperative GEMM1 forward / dgrad with ``DYNAMIC`` and a
-    zeroed int32 counter, on the persistent grid even with ``WS_GEMM1_GRID`` on; ping-pong stays static."""
+    zeroed int32 counter, on the persistent grid even with ``WS_GEMM1_GRID`` on; ping-pong stays static. While the
+    schedule is fenced off (``ws_gemm.DYNAMIC_FENCED``: it hung on the GPU) the cooperative launches raise, naming the
+    switch; the ping-pong one still launches."""
     from titan_megamoe.kernels import ws_gemm
 
     if not ws_gemm.HAVE_GLUON:
@@ -287,6 +289,16 @@ def test_ws_gemm1_dynamic_switch_reaches_the_cooperative_gemm1_launches(monkeypa
         return [(g, d) for g, d, _ in seen], [c for _, d, c in seen if d]
 
     assert launches() == ([(3, False)] * 3, [])
+    assert ws_gemm.DYNAMIC_FENCED
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DYNAMIC": "1"}):
+        for coop in (lambda: ws_gemm.launch_gemm1_fwd(x, w, w, lay, gu, h),
+                     lambda: ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["coop"])):
+            with pytest.raises(RuntimeError, match="TITAN_MEGAMOE_WS_GEMM1_DYNAMIC.*hung"):
+                coop()
+        seen.clear()
+        ws_gemm.launch_gemm1_dgrad(gu, w, w, lay, dx, ws_gemm.CONFIGS["pingpong"])
+        assert [(g, d) for g, d, _ in seen] == [(3, False)]
+    monkeypatch.setattr(ws_gemm, "DYNAMIC_FENCED", False)  # the kernel's own path, for debugging it on a GPU
     with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DYNAMIC": "1"}):
         assert launches() == ([(3, True), (3, True), (3, False)], [True, True])
         with switches.override({"TITAN_MEGAMOE_WS_GEMM1_GRID": "1"}):  # the counter schedule keeps one per SM

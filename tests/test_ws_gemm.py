@@ -4,6 +4,7 @@ fallback, and on a GPU its results against the Triton kernel and an fp32 referen
 
 import dataclasses
 import json
+import os
 import sys
 
 import pytest
@@ -305,6 +306,19 @@ def test_ws_gemm2_dgrad_matches_triton_and_fp32_on_gpu(case, split):
           f"hs {torch.equal(hs[:n], ths[:n])}")
 
 
+#: The counter schedule's GPU tests hung on an H100 (session 32; ``ws_gemm.DYNAMIC_FENCED``): they run only when asked
+#: for, to debug it (``TITAN_MEGAMOE_TEST_DYNAMIC=1``, under a kill timeout).
+_DYNAMIC_DEBUG = os.environ.get("TITAN_MEGAMOE_TEST_DYNAMIC") == "1"
+_DYNAMIC_SKIP = pytest.mark.skipif(not _DYNAMIC_DEBUG, reason="the counter schedule hung on the GPU (session 32) and "
+                                   "is fenced off; TITAN_MEGAMOE_TEST_DYNAMIC=1 runs these tests to debug it")
+
+
+def _unfence(monkeypatch):
+    from titan_megamoe.kernels import ws_gemm
+
+    monkeypatch.setattr(ws_gemm, "DYNAMIC_FENCED", False)
+
+
 def _check_dynamic(run, outs, cfg, n, kernel):
     """Tiles from the launch's counter (``WsConfig.dynamic``, ``WS_GEMM1_DYNAMIC``) give ``outs``' bits: with the SM
     count of programs, with 3 (many tiles each) and in the expert order, each twice into NaN-poisoned outputs (the
@@ -424,12 +438,14 @@ DYNAMIC_IDS = ["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"]
 
 
 @pytest.mark.cuda
+@_DYNAMIC_SKIP
 @pytest.mark.parametrize("config", ["coop", "split"])
 @pytest.mark.parametrize("case", DYNAMIC_CASES, ids=DYNAMIC_IDS)
-def test_ws_gemm1_dgrad_dynamic_schedule_on_gpu(config, case):
+def test_ws_gemm1_dgrad_dynamic_schedule_on_gpu(config, case, monkeypatch):
     """Separate from the tests above so a GPU run can take it last (a hang in the counter hand-off would stall it)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
+    _unfence(monkeypatch)
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad
     from titan_megamoe.testing import make_routing
@@ -447,10 +463,12 @@ def test_ws_gemm1_dgrad_dynamic_schedule_on_gpu(config, case):
 
 
 @pytest.mark.cuda
+@_DYNAMIC_SKIP
 @pytest.mark.parametrize("case", DYNAMIC_CASES, ids=DYNAMIC_IDS)
-def test_ws_gemm1_fwd_dynamic_schedule_on_gpu(case):
+def test_ws_gemm1_fwd_dynamic_schedule_on_gpu(case, monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
+    _unfence(monkeypatch)
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import FWD_CONFIG, ws_gemm1_fwd
     from titan_megamoe.testing import make_routing
@@ -468,11 +486,13 @@ def test_ws_gemm1_fwd_dynamic_schedule_on_gpu(case):
 
 
 @pytest.mark.cuda
-def test_ws_gemm1_dgrad_dynamic_schedule_replays_in_a_cuda_graph_on_gpu():
+@_DYNAMIC_SKIP
+def test_ws_gemm1_dgrad_dynamic_schedule_replays_in_a_cuda_graph_on_gpu(monkeypatch):
     """A captured launch of the counter schedule gets its own zeroed counter (its fill captured with it) and
     leaves it at zero: three replays give the eager launch's bits."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
+    _unfence(monkeypatch)
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_gemm import CONFIGS, ws_gemm1_dgrad
     from titan_megamoe.testing import make_routing

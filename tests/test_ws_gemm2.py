@@ -68,7 +68,7 @@ def test_ws_gemm2_fwd_refuses_what_it_cannot_take():
 
 
 def test_ws_gemm2_switch_dispatches_the_token_major_default_launch_only(monkeypatch):
-    """``WS_GEMM2`` (default off) sends ``gemm2_scatter_fwd`` / ``launch_gemm2_scatter_fwd`` to the Gluon kernel where it
+    """``WS_GEMM2`` (default on since session 32) sends ``gemm2_scatter_fwd`` / ``launch_gemm2_scatter_fwd`` to the Gluon kernel where it
     applies (default config, token-major output, D >= 2048); ``by_row``, an explicit config and small D keep the Triton
     kernel (the launchers are replaced by recorders: no GPU, nothing compiled)."""
     from titan_megamoe import switches
@@ -93,7 +93,9 @@ def test_ws_gemm2_switch_dispatches_the_token_major_default_launch_only(monkeypa
         G.launch_gemm2_scatter_fwd(h, w2, sc, lay)
         return calls[:]
 
-    assert which() == ["triton", "triton"]
+    assert which() == ["gluon", "gluon"]
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM2": "0"}):
+        assert which() == ["triton", "triton"]
     with switches.override({"TITAN_MEGAMOE_WS_GEMM2": "1"}):
         assert which() == ["gluon", "gluon"]
         assert which(by_row=True)[0] == "triton"
@@ -102,7 +104,7 @@ def test_ws_gemm2_switch_dispatches_the_token_major_default_launch_only(monkeypa
         calls.clear()
         G.gemm2_scatter_fwd(h_s, w2_s, sc_s, lay_s)
         assert calls == ["triton"], "D < 2048 keeps the Triton kernel"
-    assert which() == ["triton", "triton"]
+    assert which() == ["gluon", "gluon"]
 
 
 def _reference(h, w2, sc, lay):

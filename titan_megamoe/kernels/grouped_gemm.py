@@ -68,9 +68,11 @@ __all__ = ["gemm1_swiglu_fwd", "gemm2_scatter_fwd", "combine_topk", "interpret_m
 WS_GEMM1 = env_flag("TITAN_MEGAMOE_WS_GEMM1", True)
 #: GEMM2 by the warp-specialized Gluon kernel (``kernels/ws_gemm2.py``: h and w2 by TMA, two cooperative consumers,
 #: rows scattered from registers) where it applies (sm_90, BM 128, D >= 2048, D % 256 == 0, token-major output, the
-#: default config); else the Triton kernel. Opt-in (``TITAN_MEGAMOE_WS_GEMM2=1``) until measured on a GPU. Read at
-#: import; a same-process switch (``switches.py``).
-WS_GEMM2 = env_flag("TITAN_MEGAMOE_WS_GEMM2", False)
+#: default config); else the Triton kernel. On by default (``TITAN_MEGAMOE_WS_GEMM2=0``: off) since session 32 (one
+#: H100: GPU tests bitwise the Triton kernel; 235B 2.761 -> 2.650 ms, 30B 0.787 -> 0.743,
+#: ab_kernels_new_1xh100_s32a_20261207.json; 30B layer fwd+bwd with the expert order 7.282 -> 7.101 ms,
+#: layer_1xh100_ep1_30b_s32c_20261207.json). Read at import; a same-process switch (``switches.py``).
+WS_GEMM2 = env_flag("TITAN_MEGAMOE_WS_GEMM2", True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -587,7 +589,7 @@ def gemm2_scatter_fwd(
         ValueError: wrong dtype / shape / contiguity / device, D or F not a multiple of 16, or a
             layout built for other T, K, E or block_m.
 
-    With ``WS_GEMM2`` on (opt-in, ``TITAN_MEGAMOE_WS_GEMM2=1``), no ``config``, not ``by_row``, sm_90, D >= 2048 and
+    With ``WS_GEMM2`` on (the default; ``TITAN_MEGAMOE_WS_GEMM2=0`` off), no ``config``, not ``by_row``, sm_90, D >= 2048 and
     D % 256 == 0, the warp-specialized Gluon kernel (``ws_gemm2.ws_gemm2_fwd``) computes the same output.
 
     Host syncs: none.

@@ -140,14 +140,18 @@ SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
 #: operands, docs/NOTES.md session 27); the hardware starts a grid's programs in order as SMs free up. Cost: a tile's
 #: barrier set-up and first loads no longer run under the previous tile's epilogue. Opt-in until measured.
 GEMM1_GRID = env_flag("TITAN_MEGAMOE_WS_GEMM1_GRID", False)
-#: TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER=1 (read at import): the bf16 GEMM1 forward and dgrad walk their tiles expert by
-#: expert, column block by column block (``group_m`` 0): the tiles reading one weight tile run back to back, so one
-#: expert's weights need not stay in L2 across a whole wave (same aim as GEMM1_GRID). Opt-in until measured.
-GEMM1_EXPERT_ORDER = env_flag("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", False)
+#: The bf16 GEMM1 forward and dgrad walk their tiles expert by expert, column block by column block (``group_m`` 0):
+#: the tiles reading one weight tile run back to back, so one expert's weights need not stay in L2 across a whole wave
+#: (same aim as GEMM1_GRID). On by default (``TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER=0``: the configs' group_m; read at
+#: import) since session 32 (one H100, bitwise the default order in the GPU tests): 235B dgrad 5.93 -> 4.83 ms,
+#: forward 5.91 -> 5.37 (ab_kernels_1xh100_s32a_20261207.json); 30B within 1 %; 235B layer fwd+bwd 26.68 -> 25.58 ms
+#: (layer_1xh100_ep1_235b_s32b_20261207.json).
+GEMM1_EXPERT_ORDER = env_flag("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", True)
 #: TITAN_MEGAMOE_WS_GEMM1_DYNAMIC=1 (read at import): the cooperative bf16 GEMM1 forward and dgrad stay persistent
 #: (one program per SM) but take their tiles in order from a per-launch atomic counter, as a grid's programs start
 #: (GEMM1_GRID's order without its per-tile launch cost: the next tile's loads still run under the epilogue). The
-#: producer takes the ticket and hands it to both consumers through a 2-slot shared-memory ring. Opt-in until measured.
+#: producer takes the ticket and hands it to both consumers through a 2-slot shared-memory ring. Disabled: it hung on
+#: its first GPU test (``DYNAMIC_FENCED``); asking for it raises.
 GEMM1_DYNAMIC = env_flag("TITAN_MEGAMOE_WS_GEMM1_DYNAMIC", False)
 
 DEFAULT = WsConfig()
@@ -959,10 +963,25 @@ def _tile_counter(dev: torch.device, kernel: str) -> Tensor:
     return c
 
 
+#: The counter schedule (``GEMM1_DYNAMIC``, ``WsConfig.dynamic``) never returned from its first GPU test (an H100,
+#: session 32: the GEMM1 dgrad, uniform routing, cooperative config; killed after 100 s), so a launch that asks for it
+#: raises instead of hanging the GPU. Set False only to debug the kernel on a GPU (docs/NOTES.md session 32).
+DYNAMIC_FENCED = True
+
+
 def _dynamic(cfg: WsConfig) -> bool:
     """Whether a GEMM1 launch with ``cfg`` takes its tiles from a counter (``cfg.dynamic`` or ``GEMM1_DYNAMIC``;
-    cooperative configs only)."""
-    return (cfg.dynamic or GEMM1_DYNAMIC) and cfg.coop
+    cooperative configs only).
+
+    Raises:
+        RuntimeError: it asks for the counter schedule while :data:`DYNAMIC_FENCED` (it hangs on the GPU)."""
+    dynamic = (cfg.dynamic or GEMM1_DYNAMIC) and cfg.coop
+    if dynamic and DYNAMIC_FENCED:
+        raise RuntimeError(
+            "TITAN_MEGAMOE_WS_GEMM1_DYNAMIC / WsConfig.dynamic: the counter tile schedule hung on its first GPU test "
+            "(H100, docs/NOTES.md session 32) and is disabled until fixed. Unset TITAN_MEGAMOE_WS_GEMM1_DYNAMIC (the "
+            "default schedule computes the same bits; TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER orders the tiles by expert).")
+    return dynamic
 
 
 def _programs(dev: torch.device, tiles: int, programs: int | None) -> int:
