@@ -15,7 +15,7 @@ ab() {  # ab TAG SHAPES ROUNDS CAP GROUPS
 }
 if [ "$PART" = a ]; then
   # issue 4: both shapes beside stock compiled, today's defaults, and session 31's state as a same-process row
-  layer_ab 235b_a "WS_GEMM1_EXPERT_ORDER=0,WS_GEMM2=0" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 6
+  layer_ab 235b_a "WS_GEMM1_EXPERT_ORDER=0,WS_GEMM2=0 WGRAD_TRIM_K=1" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 6
   [ "$(left 200)" -ge 90 ] && layer_ab 30b_a "WS_GEMM1_EXPERT_ORDER=0,WS_GEMM2=0" qwen3-30b-a3b bf16 tt-compile,megamoe-triton 6
   [ "$(left 200)" -ge 80 ] && gpu_tests op_a tests/test_gpu.py tests/test_ws_gemm2.py \
     -k "real_shapes or cuda_graph or no_host_sync or fp8 or on_gpu"

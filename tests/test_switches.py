@@ -190,6 +190,9 @@ def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
         assert ws_gemm.SKIP_PAD_BLOCKS is True and ws_wgrad.SKIP_PAD_BLOCKS is True
         assert flags() == [True] * 4
     assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False
+    with switches.override({"TITAN_MEGAMOE_WGRAD_TRIM_K": "1"}):  # the wgrads' trim alone
+        assert flags() == [False, False, True, True]
+    assert flags() == [False] * 4
 
 
 def _gemm1_launch_operands(T, K, E, D, F):

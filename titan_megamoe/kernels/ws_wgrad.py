@@ -71,7 +71,7 @@ class WgradConfig:
         split_n: each consumer's 64 x BN accumulator as two BN / 2-column halves (two MMAs per step, on B tiles
             loaded as two halves), stored through one staging tile of half the size, so the epilogue takes half
             the shared memory and the ring a fourth stage (as ``ws_gemm.WsConfig.split_n``).
-        trim_k: opt-in (or ``SKIP_PAD_BLOCKS``): end each expert's reduction at its last row rounded up to BK
+        trim_k: opt-in (or ``SKIP_PAD_BLOCKS`` / ``WGRAD_TRIM_K``): end each expert's reduction at its last row rounded up to BK
             (``counts[e]``), not at its padded end ``offsets[e + 1]``: the layout pads experts to block_m = 128
             rows, so about half of them end in a BK = 64 step of padding rows only, zeros that add nothing
             (skipping them leaves the sums bitwise the same). ~2.9 % of the steps at 1,024 rows per expert.
@@ -95,6 +95,9 @@ class WgradConfig:
 WGRAD_CONFIG = WgradConfig()
 #: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=1 (read at import): ``trim_k`` on in every launch (as ``ws_gemm.SKIP_PAD_BLOCKS``).
 SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
+#: TITAN_MEGAMOE_WGRAD_TRIM_K=1 (read at import): ``trim_k`` alone, without the GEMM1 kernels' ``skip_empty`` (whose
+#: forward lost 16 % at 235B in session 32's A/B while the trims gained ~2 %). Opt-in until measured in a layer.
+TRIM_K = env_flag("TITAN_MEGAMOE_WGRAD_TRIM_K", False)
 #: The split-accumulator config (``split_n``, 4 stages): the default from model dim 4096 (faster at 235B, slower at
 #: 30B on one H100; ``grouped_gemm_wgrad.WS_WGRAD_SPLIT``, "auto").
 SPLIT_CONFIG = WgradConfig(stages=4, split_n=True)
@@ -346,7 +349,7 @@ def ws_wgrad_w13(dgate_up_N2F: Tensor, x_TD: Tensor, layout, *, out: tuple[Tenso
     mt, nt = D // _BM, 2 * F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
            x_TD, b_desc, o1, o3, layout.row_pair, layout.offsets, layout.counts, E, True, D, K, F, mt, nt,
-           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k or SKIP_PAD_BLOCKS,
+           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k or SKIP_PAD_BLOCKS or TRIM_K,
            num_warps=4, maxnreg=cfg.maxnreg)
     return dw1, dw3
 
@@ -390,7 +393,7 @@ def ws_wgrad_w2(dout_TD: Tensor, hs_NF: Tensor, layout, *, out: Tensor | None = 
     mt, nt = D // _BM, F // bn
     launch(_wgrad_ws_kernel, (_programs(dev, E * mt * nt, programs),),
            dout_TD, b_desc, o2, o2, layout.row_pair, layout.offsets, layout.counts, E, False, D, K, D, mt, nt,
-           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k or SKIP_PAD_BLOCKS,
+           cfg.stages, cfg.producer_regs, cfg.consumer_regs, cfg.split_n, cfg.trim_k or SKIP_PAD_BLOCKS or TRIM_K,
            num_warps=4, maxnreg=cfg.maxnreg)
     return dw2
 
