@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.grouped_gemm import launch_combine_topk  # needs triton, as this node does
-from titan_megamoe.kernels.routing import build_routing_layout
 from titan_megamoe.ops import eager_layer
 from titan_megamoe.ops import fp8_backend as fb
 from titan_megamoe.ops import triton_backend as tb
@@ -42,26 +40,24 @@ def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, 
       bf16 layout's block is the FP8 one (128: off the interpreter), and takes its FP8 weights from the cache
       (``cache``: ``fp8_backend.prepare_weights_eager``) after the forward is enqueued: only the backward reads them.
     * "fp8" takes its FP8 weights after the router's launch, then the FP8 experts' forward.
-    * Both check the non-finite records of earlier calls (``fp8_backend.NONFINITE``) after the launches.
+    * "fp8_bwd" checks the non-finite records of earlier calls (``fp8_backend.NONFINITE``) after its launches; "fp8"
+      before its experts' launches, in ``fp8_backend.fp8_fwd`` (after them it would also see this call's own).
 
     Shapes as :class:`FusedFp8LayerFunction`. Returns (out (T, D) bf16, the tensors the backward keeps, its
     constants).
 
     Raises:
-        NonFiniteError: an earlier call's FP8 scales held inf / nan (found now, after this call's launches).
+        NonFiniteError: an earlier call's FP8 scales held inf / nan.
     """
     logits, top, ids = eager_layer.route(x_TD, gate_w, expert_bias, counts_into, top_k, score_func, route_norm,
                                          route_scale)
-    T, K = ids.shape
     if not fp8_forward and tb._block_m() == fb.FP8_BLOCK_M:
         out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=False, cache=cache, layer_name=layer_name)
-    else:
+        fb.NONFINITE.check()  # records of earlier calls that have landed (this forward records none)
+    else:  # fp8_fwd checks the earlier calls' records before its launches, as the op does
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
-        L = build_routing_layout(ids, w1.shape[0], fb.FP8_BLOCK_M, one_allocation=True)
-        y, gate_up = fb.fp8_experts_fwd(x_TD, top, L, w1, w2, w3, wq, fp8_forward, layer_name)
-        out = launch_combine_topk(y, T, K)
-    fb.NONFINITE.check()  # records of earlier calls that have landed (no wait)
+        out, gate_up, L = fb.fp8_fwd(x_TD, ids, top, w1, w2, w3, wq, fp8_forward, layer_name, one_allocation=True)
     # the transposed FP8 weights are the cache's tensors: keeping them costs no memory
     saved = (x_TD, gate_w, logits, ids, top, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert,
              *wq[:6])

@@ -438,15 +438,19 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
 
 
 def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-            wq: list[Tensor], fp8_forward: bool, layer_name: str):
+            wq: list[Tensor], fp8_forward: bool, layer_name: str, *, one_allocation: bool = False):
     """Forward at EP = 1: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``wq`` from
     :func:`prepare_weights`; w1..w3 (any float dtype) are read only by the bf16 forward (fp8_bwd).
-    Routing layout (BM = 128) -> :func:`fp8_experts_fwd` -> fp32 top-k sum."""
+    Routing layout (BM = 128) -> :func:`fp8_experts_fwd` -> fp32 top-k sum. ``one_allocation``: the layout's arrays
+    as views of one allocation (``routing.build_routing_layout``; not for a custom op's outputs).
+
+    Raises:
+        NonFiniteError: an earlier call's FP8 scales held inf / nan (:data:`NONFINITE`, checked first)."""
     from titan_megamoe.kernels.grouped_gemm import combine_topk
 
     NONFINITE.check()  # records of earlier calls that have landed (no wait)
     T, K = topk_ids_TK.shape
-    layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M)
+    layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M, one_allocation=one_allocation)
     y, gate_up = fp8_experts_fwd(x_TD, topk_scores_TK, layout, w1, w2, w3, wq, fp8_forward, layer_name)
     return combine_topk(y, T, K), gate_up, layout
 
