@@ -55,6 +55,7 @@ def _groups(shape: str):
     from titan_megamoe.kernels.grouped_gemm_wgrad import _ws_wgrad_config
     from titan_megamoe.kernels.ws_gemm import (CONFIGS, FWD_CONFIG, G2D_CONFIG, G2D_SPLIT_CONFIG, ws_gemm1_dgrad,
                                                ws_gemm1_fwd, ws_gemm2_dgrad)
+    from titan_megamoe.kernels import ws_wgrad
     from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
     from titan_megamoe.kernels.ws_gemm2 import GEMM2_CONFIG, ws_gemm2_fwd
     from titan_megamoe.testing import make_routing
@@ -128,16 +129,26 @@ def _groups(shape: str):
     gu1 = torch.zeros(lay.n_cap, 2 * F, device="cuda", dtype=torch.bfloat16)
     h1 = torch.zeros(lay.n_cap, F, device="cuda", dtype=torch.bfloat16)
     wcfg = _ws_wgrad_config(D)
+
+    def trim(on, fn):  # the wgrads' trim is on by default (WGRAD_TRIM_K): its "False" rows turn it off per launch
+        def run():
+            old, ws_wgrad.TRIM_K = ws_wgrad.TRIM_K, on
+            try:
+                return fn()
+            finally:
+                ws_wgrad.TRIM_K = old
+        return run
+
     skip_groups = {
         "gemm1_fwd_skip": [(f"skip_empty {on}", lambda on=on: ws_gemm1_fwd(
             x, w1, w3, lay, gate_up_out=gu1, h_out=h1, cfg=dataclasses.replace(FWD_CONFIG, skip_empty=on)))
             for on in (True, False)],
         "gemm1_dgrad_skip": [(f"skip_empty {on}", lambda on=on: ws_gemm1_dgrad(
             dgu, w1, w3, lay, out=dx, cfg=dataclasses.replace(coop, skip_empty=on))[:n]) for on in (True, False)],
-        "wgrad_w13_trim": [(f"trim_k {on}", lambda on=on: ws_wgrad_w13(
-            dgu, x, lay, out=o13, cfg=dataclasses.replace(wcfg, trim_k=on))) for on in (True, False)],
-        "wgrad_w2_trim": [(f"trim_k {on}", lambda on=on: ws_wgrad_w2(
-            dout, hs, lay, out=o2, cfg=dataclasses.replace(wcfg, trim_k=on))) for on in (True, False)],
+        "wgrad_w13_trim": [(f"trim_k {on}", trim(on, lambda on=on: ws_wgrad_w13(
+            dgu, x, lay, out=o13, cfg=dataclasses.replace(wcfg, trim_k=on)))) for on in (True, False)],
+        "wgrad_w2_trim": [(f"trim_k {on}", trim(on, lambda on=on: ws_wgrad_w2(
+            dout, hs, lay, out=o2, cfg=dataclasses.replace(wcfg, trim_k=on)))) for on in (True, False)],
     }
     # one program per tile (WS_GEMM1_GRID) against the persistent default: tiles started in order by the hardware
     skip_groups.update({

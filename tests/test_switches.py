@@ -185,14 +185,17 @@ def test_skip_pad_blocks_switch_reaches_the_gluon_launches(monkeypatch):
         return [args[k.arg_names.index("SKIP_EMPTY")] if "SKIP_EMPTY" in k.arg_names else args[-1] for k, args in calls]
 
     monkeypatch.setattr(ws_wgrad, "_platform_reason", lambda t: None)  # the wgrads' checks, as on an sm_90 GPU
-    assert flags() == [False] * 4
+    assert flags() == [False, False, True, True]  # default: the wgrads' trim alone (WGRAD_TRIM_K)
     with switches.override({"TITAN_MEGAMOE_SKIP_PAD_BLOCKS": "1"}):
         assert ws_gemm.SKIP_PAD_BLOCKS is True and ws_wgrad.SKIP_PAD_BLOCKS is True
         assert flags() == [True] * 4
     assert ws_gemm.SKIP_PAD_BLOCKS is False and ws_wgrad.SKIP_PAD_BLOCKS is False
-    with switches.override({"TITAN_MEGAMOE_WGRAD_TRIM_K": "1"}):  # the wgrads' trim alone
-        assert flags() == [False, False, True, True]
-    assert flags() == [False] * 4
+    with switches.override({"TITAN_MEGAMOE_WGRAD_TRIM_K": "0"}):  # every padded row reduced
+        assert ws_wgrad.TRIM_K is False
+        assert flags() == [False] * 4
+    with switches.override({"TITAN_MEGAMOE_WGRAD_TRIM_K": "0", "TITAN_MEGAMOE_SKIP_PAD_BLOCKS": "1"}):
+        assert flags() == [True] * 4  # SKIP_PAD_BLOCKS still trims the wgrads
+    assert flags() == [False, False, True, True]
 
 
 def _gemm1_launch_operands(T, K, E, D, F):

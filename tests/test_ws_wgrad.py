@@ -112,6 +112,7 @@ def _reference(a_rows, b_rows, lay):
 def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe import switches
     from titan_megamoe.kernels.grouped_gemm_wgrad import gather_rows, wgrad_w2, wgrad_w13
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.kernels.ws_wgrad import SPLIT_CONFIG, WGRAD_CONFIG, ws_wgrad_w2, ws_wgrad_w13
@@ -131,8 +132,9 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
         t[:n][pad] = 0
         t[n:] = float("nan")
     nan = lambda *s: torch.full(s, float("nan"), device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    dw1, dw3 = ws_wgrad_w13(dgu, x, lay, out=(nan(E, F, D), nan(E, F, D)), cfg=cfg)
-    dw2 = ws_wgrad_w2(dout, hs, lay, out=nan(E, D, F), cfg=cfg)
+    with switches.override({"TITAN_MEGAMOE_WGRAD_TRIM_K": "0"}):  # every padded row reduced (trim_k: below)
+        dw1, dw3 = ws_wgrad_w13(dgu, x, lay, out=(nan(E, F, D), nan(E, F, D)), cfg=cfg)
+        dw2 = ws_wgrad_w2(dout, hs, lay, out=nan(E, D, F), cfg=cfg)
     for t in (dw1, dw3, dw2):
         assert not torch.isnan(t).any(), "output left unwritten"
     x_rows, dout_rows = gather_rows(x, lay)[:n], gather_rows(dout, lay)[:n]
@@ -145,7 +147,8 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
     g1, g3 = wgrad_w13(dgu, x, lay, impl="grouped_mm")
     g2 = wgrad_w2(dout, dgu, torch.rand(T, K, device="cuda"), lay, hs_NF=hs, impl="grouped_mm")
     assert rel_err(dw1, g1) < 1e-2 and rel_err(dw3, g3) < 1e-2 and rel_err(dw2, g2) < 1e-2
-    # trim_k (opt-in) ends each expert at its last row rounded up to 64: bitwise the padded end's sums, and
+    # trim_k (the default, WGRAD_TRIM_K) ends each expert at its last row rounded up to 64: bitwise the padded
+    # end's sums, and
     # rows past that end are not read (poisoned, the results stay the same)
     trim = dataclasses.replace(cfg, trim_k=True)
     assert torch.equal(ws_wgrad_w13(dgu, x, lay, cfg=trim)[0], dw1)

@@ -71,7 +71,8 @@ class WgradConfig:
         split_n: each consumer's 64 x BN accumulator as two BN / 2-column halves (two MMAs per step, on B tiles
             loaded as two halves), stored through one staging tile of half the size, so the epilogue takes half
             the shared memory and the ring a fourth stage (as ``ws_gemm.WsConfig.split_n``).
-        trim_k: opt-in (or ``SKIP_PAD_BLOCKS`` / ``WGRAD_TRIM_K``): end each expert's reduction at its last row rounded up to BK
+        trim_k: also on through ``WGRAD_TRIM_K`` (the default) or ``SKIP_PAD_BLOCKS``: end each expert's reduction
+            at its last row rounded up to BK
             (``counts[e]``), not at its padded end ``offsets[e + 1]``: the layout pads experts to block_m = 128
             rows, so about half of them end in a BK = 64 step of padding rows only, zeros that add nothing
             (skipping them leaves the sums bitwise the same). ~2.9 % of the steps at 1,024 rows per expert.
@@ -95,9 +96,10 @@ class WgradConfig:
 WGRAD_CONFIG = WgradConfig()
 #: TITAN_MEGAMOE_SKIP_PAD_BLOCKS=1 (read at import): ``trim_k`` on in every launch (as ``ws_gemm.SKIP_PAD_BLOCKS``).
 SKIP_PAD_BLOCKS = env_flag("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", False)
-#: TITAN_MEGAMOE_WGRAD_TRIM_K=1 (read at import): ``trim_k`` alone, without the GEMM1 kernels' ``skip_empty`` (whose
-#: forward lost 16 % at 235B in session 32's A/B while the trims gained ~2 %). Opt-in until measured in a layer.
-TRIM_K = env_flag("TITAN_MEGAMOE_WGRAD_TRIM_K", False)
+#: TITAN_MEGAMOE_WGRAD_TRIM_K (read at import): ``trim_k`` alone, without the GEMM1 kernels' ``skip_empty`` (whose
+#: forward lost 9-16 % at 235B in sessions 32-33's A/Bs while the trims gained 2-3 %). On by default since session 33
+#: (one H100, bitwise: 235B layer 25.66 -> 25.46 ms fwd+bwd in one process); ``=0`` reduces over every padded row.
+TRIM_K = env_flag("TITAN_MEGAMOE_WGRAD_TRIM_K", True)
 #: The split-accumulator config (``split_n``, 4 stages): the default from model dim 4096 (faster at 235B, slower at
 #: 30B on one H100; ``grouped_gemm_wgrad.WS_WGRAD_SPLIT``, "auto").
 SPLIT_CONFIG = WgradConfig(stages=4, split_n=True)
