@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU calls planned in session 33 (after its first call, scripts/gpu_s32.sh PART a on an H100): the wgrad trim as the
+# new default (its GPU tests, with the untrimmed rows now forced through WGRAD_TRIM_K=0), the 235B FP8 rows beside stock
+# bf16 and fp8 at today's defaults (README's 235B fp8 row is session 26's), where the 30B fp8 and bf16 steps go per
+# kernel (issue 6's 1.3x), and a bisection of the counter schedule's hang (one launch per process, killed at 25 s).
+# Call as: REV=<hash> PART=a [BUDGET=seconds] bash scripts/gpu_s33.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
+probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, killed at 25 s
+  timeout -s KILL 25 python3 scripts/probe_dynamic.py "${@:2}" > "$OUT/keep/probe_dynamic_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] probe $1 rc $?: $(tail -1 "$OUT/keep/probe_dynamic_$1.log" | cut -c1-220)"
+}
+prof() {  # prof TAG SHAPE PRECISION
+  timeout $(left 100) python3 -m compare.profile --shape "$2" --impl megamoe-triton --precision "$3" --iters 5 \
+    --top 22 --out "$OUT/keep/profile_$1.json" > "$OUT/keep/profile_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile $1 rc $?"; tail -26 "$OUT/keep/profile_$1.log" | cut -c1-150
+}
+if [ "$PART" = a ]; then
+  gpu_tests wgrad_a tests/test_ws_wgrad.py tests/test_switches.py -k "on_gpu or gpu"
+  probe p1 --programs 1
+  probe p1e --programs 1 --expert-order
+  probe p2 --programs 2
+  probe pall
+  [ "$(left 300)" -ge 150 ] && layer_ab 235b_fp8_a "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
+  [ "$(left 100)" -ge 70 ] && prof 30b_fp8_a qwen3-30b-a3b fp8
+  [ "$(left 100)" -ge 70 ] && prof 30b_bf16_a qwen3-30b-a3b bf16
+fi
+session_pack "s33$PART"
