@@ -26,4 +26,18 @@ if [ "$PART" = a ]; then
   [ "$(left 100)" -ge 70 ] && prof 30b_fp8_a qwen3-30b-a3b fp8
   [ "$(left 100)" -ge 70 ] && prof 30b_bf16_a qwen3-30b-a3b bf16
 fi
+# PART=b (~450 s): today's defaults (expert-order GEMM1 tiles, Gluon GEMM2 forward, wgrad trim) through the single-GPU
+# tests of the op, the fused layer and the Gluon kernels, then the GPU CI check (scripts/gpu_ci.sh: the 30B layer and
+# the debug model's training against the committed baselines; its early-loss check is the numerics check).
+if [ "$PART" = b ]; then
+  timeout -s KILL $(left 230) python3 -m pytest -q -rfE -s tests/test_gpu.py tests/test_ws_gemm.py \
+    tests/test_ws_gemm2.py tests/test_ws_wgrad.py -k "gpu and not dynamic" \
+    -p no:cacheprovider > "$OUT/keep/tests_gpu_defaults_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_defaults_b.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_defaults_b.log" | head -20
+  OUT=$OUT/keep/ci timeout $(left 330) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu_ci rc $?"; tail -30 "$OUT/keep/gpu_ci_b.log" | cut -c1-200
+  (cd "$OUT/keep" && tar czf ci_b.tgz ci && rm -rf ci)
+fi
+(cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s33$PART"
