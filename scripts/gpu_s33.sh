@@ -30,11 +30,13 @@ fi
 # tests of the op, the fused layer and the Gluon kernels, then the GPU CI check (scripts/gpu_ci.sh: the 30B layer and
 # the debug model's training against the committed baselines; its early-loss check is the numerics check).
 if [ "$PART" = b ]; then
-  timeout -s KILL $(left 230) python3 -m pytest -q -rfE -s tests/test_gpu.py tests/test_ws_gemm.py \
-    tests/test_ws_gemm2.py tests/test_ws_wgrad.py -k "gpu and not dynamic" \
-    -p no:cacheprovider > "$OUT/keep/tests_gpu_defaults_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_defaults_b.log")"
-  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_defaults_b.log" | head -20
+  for grp in "op tests/test_gpu.py 110" "ws tests/test_ws_gemm.py tests/test_ws_gemm2.py tests/test_ws_wgrad.py 130"; do
+    set -- $grp; tag=$1; cap=${@: -1}; files=("${@:2:$#-2}")
+    timeout -s KILL $(left $cap) python3 -m pytest -q -rfE -s "${files[@]}" -k "gpu and not dynamic" \
+      -p no:cacheprovider > "$OUT/keep/tests_gpu_${tag}_b.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] gpu tests $tag: $(tail -1 "$OUT/keep/tests_gpu_${tag}_b.log")"
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_${tag}_b.log" | head -12
+  done
   OUT=$OUT/keep/ci timeout $(left 330) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_b.log" 2>&1
   echo "[t=$((SECONDS - t0))s] gpu_ci rc $?"; tail -30 "$OUT/keep/gpu_ci_b.log" | cut -c1-200
   (cd "$OUT/keep" && tar czf ci_b.tgz ci && rm -rf ci)
