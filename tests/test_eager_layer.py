@@ -164,35 +164,6 @@ def test_fused_fp8_bwd_layer_runs_the_bf16_forward_launches_then_takes_its_weigh
     _assert_fused_fp8_matches(ref, got)
 
 
-def test_fused_fp8_layer_quantizes_x_in_the_router(monkeypatch):
-    """ROUTER_QUANT_X: "fp8"'s node takes x's 1x128 quantization from the fused router's kernel (one launch and one
-    read of x fewer, no separate x pass): the output, counts and every gradient bit for bit as with the pass."""
-    from titan_megamoe.kernels import fp8_quant
-    from titan_megamoe.ops import eager_layer_fp8
-
-    layer = _layer(256, 128, 4, 2, precision="fp8")  # D = 256: two scale groups per row
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(1, 37, 256, generator=g).bfloat16().to(DEV)
-    dy = torch.randn(1, 37, 256, generator=g).bfloat16().to(DEV)
-    names = []
-    real = fp8_quant.quantize_act_1x128
-    monkeypatch.setattr(fp8_quant, "quantize_act_1x128", lambda *a, **k: names.append(k.get("name")) or real(*a, **k))
-    assert eager_layer.route_quantizes_x(layer.router.gate.weight)
-    monkeypatch.setattr(eager_layer_fp8, "ROUTER_QUANT_X", False)
-    ref = _step(layer, x, dy)
-    assert any(n and n.endswith(" x") for n in names), names  # the separate x pass ran
-    names.clear()
-    monkeypatch.setattr(eager_layer_fp8, "ROUTER_QUANT_X", True)
-    got = _step(layer, x, dy)
-    assert names and not any(n and n.endswith(" x") for n in names), names  # h and dout only
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and torch.equal(got[3], ref[3])
-    assert got[2].keys() == ref[2].keys() and all(torch.equal(got[2][n], ref[2][n]) for n in got[2])
-    with pytest.raises(ValueError, match="x_quant"):  # asked where the gate is not inside the router's kernel
-        monkeypatch.setattr(eager_layer, "FUSED_GATE", False)
-        eager_layer.route(x[0], layer.router.gate.weight, None, torch.zeros(4, device=DEV), 2, "softmax", True, 1.0,
-                          x_quant=(x[0], x[0], x[0]))
-
-
 def test_fused_fp8_layer_leaves_dims_it_cannot_take_to_the_modular_path():
     """D not a multiple of 128: no fused node; the modular path raises the FP8 configuration error."""
     from titan_megamoe.errors import MegaMoEConfigError

@@ -433,43 +433,6 @@ def test_gate_topk_route_is_topk_route_of_its_logits(monkeypatch, case):
     assert torch.equal(again[0], logits) and torch.equal(again[1], top) and torch.equal(again[2], ids)
 
 
-QUANT_X_CASES = [  # (T, D, E, K): the FP8 layer's router with x quantized in the same kernel (D % 128 == 0)
-    (37, 256, 8, 2),  # E < 16, T not a multiple of BLOCK_T, two scale groups
-    (70, 128, 128, 8),  # the Qwen3 router width, one group
-    (5, 384, 127, 3),  # odd E (half BLOCK_T), three groups
-]
-
-
-@pytest.mark.parametrize("case", QUANT_X_CASES, ids=[f"T{c[0]}-D{c[1]}-E{c[2]}-K{c[3]}" for c in QUANT_X_CASES])
-def test_gate_topk_route_quantizes_x_as_the_1x128_pass(monkeypatch, case):
-    """launch_gate_topk_route(x_quant=...): x quantized 1x128 bitwise as fp8_quant.quantize_act_1x128 (values,
-    scales, rows past T untouched), non-finite groups counted, and the routing outputs bitwise those without it."""
-    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
-
-    T, D, E, K = case
-    gen = torch.Generator().manual_seed(T + D + E)
-    x = (torch.randn(T, D, generator=gen) * torch.exp2(torch.randint(-6, 6, (T, D // 128), generator=gen))
-         .repeat_interleave(128, 1)).bfloat16().to(DEV)
-    x[T // 2, 130 % D] = float("inf")  # one non-finite group: counted, as the 1x128 pass counts it
-    w = (torch.randn(E, D, generator=gen) / D**0.5).bfloat16().to(DEV)
-    kw = dict(score_func="softmax", expert_bias=None, route_norm=True, route_scale=1.0)
-    c1, c2 = torch.zeros(E, device=DEV), torch.zeros(E, device=DEV)
-    plain = router.launch_gate_topk_route(x, w, K, kw["score_func"], None, True, 1.0, c1)
-    xq = torch.full((T + 3, D), 0x7F, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)  # NaN-poisoned
-    xs = torch.full((T + 3, D // 128), float("nan"), device=DEV)
-    count = torch.zeros(1, dtype=torch.int32, device=DEV)
-    fused = router.launch_gate_topk_route(x, w, K, kw["score_func"], None, True, 1.0, c2, x_quant=(xq, xs, count))
-    for a, b in zip(plain, fused):  # the inf row's logits and scores are NaN in both
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg="x_quant changed the routing outputs")
-    assert torch.equal(c1, c2)
-    ref_count = torch.zeros(1, dtype=torch.int32, device=DEV)
-    rq, rs = quantize_act_1x128(x, nonfinite_count=ref_count)
-    assert torch.equal(xq[:T].view(torch.uint8), rq.view(torch.uint8))
-    torch.testing.assert_close(xs[:T], rs, rtol=0, atol=0, equal_nan=True)
-    assert torch.isnan(xs[T:]).all() and (xq[T:].view(torch.uint8) == 0x7F).all(), "rows past T were written"
-    assert int(count) == int(ref_count) == 1
-
-
 def test_gate_topk_route_errors():
     x = torch.randn(4, 32, device=DEV).bfloat16()
     kw = dict(score_func="softmax", route_norm=False, route_scale=1.0)
@@ -562,8 +525,6 @@ GATE_COMPILE_CASES = [
     ("gate_e256_d7168_k8_sigmoid_bias", 256, 7168, 8, False, True, True),  # DeepSeek-V3 sized
     ("gate_e127_d2048_k8_softmax", 127, 2048, 8, True, False, True),  # odd E
     ("gate_e8_d1000_k2_softmax", 8, 1000, 2, True, False, True),  # E < 16, D not a multiple of 64
-    ("gate_quant_x_e128_d2048_k8_softmax_norm", 128, 2048, 8, True, False, True),  # the FP8 layer's (QUANT_X)
-    ("gate_quant_x_e128_d4096_k8_softmax_norm", 128, 4096, 8, True, False, True),
 ]
 
 
@@ -594,14 +555,11 @@ def _compile_sm90_all() -> list[dict]:
                          num_stages=1)
         results.append(dict(label=label, **r))
     for label, E, D, K, softmax, bias, norm in GATE_COMPILE_CASES:
-        quant = "quant_x" in label
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*bf16", "bias_ptr": "*fp32", "scores_ptr": "*fp32",
-               "ids_ptr": "*i64", "counts_ptr": "*fp32", "xq_ptr": "*fp8e4nv" if quant else "*bf16",
-               "xs_ptr": "*fp32" if quant else "*bf16", "xcount_ptr": "*i32" if quant else "*fp32", "T": "i32",
-               "route_scale": "fp32"}
+               "ids_ptr": "*i64", "counts_ptr": "*fp32", "T": "i32", "route_scale": "fp32"}
         cx = dict(D=D, E=E, K=K, K_PAD=next_pow2(K), E_PAD=max(16, next_pow2(E)), BLOCK_T=router.gate_block_t(E),
                   BLOCK_D=router._GATE_BLOCK_D, SOFTMAX=softmax, HAS_BIAS=bias, ROUTE_NORM=norm,
-                  UNROLL_K=router.UNROLL_K, UPCAST_FP32=False, QUANT_X=quant, EPS=1e-12)
+                  UNROLL_K=router.UNROLL_K, UPCAST_FP32=False)
         r = compile_sm90(flavor(router._gate_topk_route_kernel, False), sig, cx, num_warps=router._NUM_WARPS,
                          num_stages=3)
         results.append(dict(label=label, **r))

@@ -62,7 +62,6 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_SKIP_PAD_BLOCKS", "0", attrs=(("titan_megamoe.kernels.ws_gemm", "SKIP_PAD_BLOCKS"),
                                                          ("titan_megamoe.kernels.ws_wgrad", "SKIP_PAD_BLOCKS"))),
     Switch("TITAN_MEGAMOE_WGRAD_TRIM_K", "1", attrs=(("titan_megamoe.kernels.ws_wgrad", "TRIM_K"),)),
-    Switch("TITAN_MEGAMOE_ROUTER_QUANT_X", "0", attrs=(("titan_megamoe.ops.eager_layer_fp8", "ROUTER_QUANT_X"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_GRID", "0", attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_GRID"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", "1",
            attrs=(("titan_megamoe.kernels.ws_gemm", "GEMM1_EXPERT_ORDER"),)),

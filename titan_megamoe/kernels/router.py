@@ -44,13 +44,10 @@ from torch import Tensor
 
 from titan_megamoe.kernels import jit
 from titan_megamoe.kernels.launch import launch
-from titan_megamoe.ops.fp8_reference import AMAX_EPS
 
 try:  # triton is a Linux-only dependency: elsewhere the layer keeps its torch router
     import triton
     import triton.language as tl
-
-    from titan_megamoe.kernels.fp8_quant import _scale_of, _to_e4m3
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
 
@@ -178,25 +175,6 @@ if triton is not None:
         tl.atomic_add(counts_ptr + cols, hist, mask=cmask & (hist > 0))
 
     @triton.jit
-    def _quant_x_group(x0, x1, rows64, rmask, g0, xq_ptr, xs_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EXACT_ROUND: tl.constexpr, EPS: tl.constexpr):
-        """1x128 quantization of one scale group given as two (BLOCK_T, 64) fp32 halves (``_gate_topk_route_kernel``
-        with QUANT_X): the amax over both halves' int32 bits (``fp8_quant._amax``'s NaN-keeping max), then
-        ``fp8_quant._scale_of`` and ``_to_e4m3``, stored at columns [g0, g0 + 128); returns the number of rows whose
-        scale is not finite."""
-        amax = tl.maximum(tl.max(tl.abs(x0).to(tl.int32, bitcast=True), 1, keep_dims=True),
-                          tl.max(tl.abs(x1).to(tl.int32, bitcast=True), 1, keep_dims=True)).to(tl.float32,
-                                                                                               bitcast=True)
-        scale = _scale_of(amax, EPS)  # (BLOCK_T, 1)
-        ks = tl.arange(0, BLOCK_D)
-        base = xq_ptr + rows64[:, None] * D + g0
-        tl.store(base + ks[None, :], _to_e4m3(x0, scale, EXACT_ROUND), mask=rmask[:, None])
-        tl.store(base + BLOCK_D + ks[None, :], _to_e4m3(x1, scale, EXACT_ROUND), mask=rmask[:, None])
-        scale = tl.reshape(scale, (rmask.shape[0],))
-        tl.store(xs_ptr + rows64 * (D // (2 * BLOCK_D)) + g0 // (2 * BLOCK_D), scale, mask=rmask)
-        return tl.sum((rmask & ~(scale < float("inf"))).to(tl.int32))  # NaN < inf is False
-
-    @triton.jit
     def _gate_topk_route_kernel(
         x_ptr,  # (T, D) bf16 / fp16 / fp32 token rows, contiguous
         w_ptr,  # (E, D) gate weight, x's dtype, contiguous
@@ -205,9 +183,6 @@ if triton is not None:
         scores_ptr,  # (T, K) fp32 out
         ids_ptr,  # (T, K) int64 out
         counts_ptr,  # (E,) fp32; += selections per expert
-        xq_ptr,  # (T, D) float8_e4m3fn out, x quantized 1x128 (QUANT_X only)
-        xs_ptr,  # (T, D // 128) fp32 out, its scales (QUANT_X only)
-        xcount_ptr,  # (1,) int32, += x's groups with a non-finite scale (QUANT_X only)
         T,  # i32, tokens
         route_scale,  # fp32
         D: tl.constexpr,  # model dim (one build per model, as E)
@@ -222,15 +197,11 @@ if triton is not None:
         ROUTE_NORM: tl.constexpr,
         UNROLL_K: tl.constexpr,
         UPCAST_FP32: tl.constexpr,  # interpreter: fp32 operands for tl.dot (DESIGN 7)
-        QUANT_X: tl.constexpr = False,  # also write x quantized 1x128 (precision "fp8"; D % 128 == 0, BLOCK_D 64)
-        EPS: tl.constexpr = 1e-12,  # QUANT_X: the amax floor (fp8_reference.AMAX_EPS, passed by the launcher)
     ):
         """Grid (cdiv(T, BLOCK_T),): the gate linear of BLOCK_T tokens (a (BLOCK_T, E_PAD) fp32 tile, the
         gate weight read from L2 by every program), rounded to x's dtype as F.linear's output is, stored
         for the backward, then routed by ``_route_tile`` exactly as ``_topk_route_kernel`` routes the
-        logits it loads. QUANT_X: the x rows it reads for the gate are also quantized 1x128 as
-        ``fp8_quant.quantize_act_1x128`` does (the same helpers: bitwise its output), two BLOCK_D steps per
-        128-column group, with the same tl.dot sequence (bitwise the same logits)."""
+        logits it loads."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_PAD)
         ks = tl.arange(0, BLOCK_D)
@@ -238,36 +209,16 @@ if triton is not None:
         cmask = cols < E
         rows64 = rows.to(tl.int64)
         acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
-        if QUANT_X:
-            n_bad = 0
-            for g0 in range(0, D, 2 * BLOCK_D):  # one 128-column scale group: two BLOCK_D = 64 steps
-                a0 = tl.load(x_ptr + rows64[:, None] * D + (g0 + ks)[None, :], mask=rmask[:, None], other=0.0)
-                a1 = tl.load(x_ptr + rows64[:, None] * D + (g0 + BLOCK_D + ks)[None, :], mask=rmask[:, None],
-                             other=0.0)
-                b0 = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + (g0 + ks)[:, None], mask=cmask[None, :],
-                             other=0.0)
-                b1 = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + (g0 + BLOCK_D + ks)[:, None],
-                             mask=cmask[None, :], other=0.0)
-                if UPCAST_FP32:
-                    acc = tl.dot(a0.to(tl.float32), b0.to(tl.float32), acc, input_precision="ieee")
-                    acc = tl.dot(a1.to(tl.float32), b1.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a0, b0, acc)
-                    acc = tl.dot(a1, b1, acc)
-                n_bad += _quant_x_group(a0.to(tl.float32), a1.to(tl.float32), rows64, rmask, g0, xq_ptr, xs_ptr,
-                                        D, BLOCK_D, UPCAST_FP32, EPS)
-            tl.atomic_add(xcount_ptr, n_bad, mask=n_bad > 0)
-        else:
-            for d0 in range(0, D, BLOCK_D):
-                kmask = (d0 + ks) < D
-                a = tl.load(x_ptr + rows64[:, None] * D + (d0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :],
-                            other=0.0)
-                b = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + (d0 + ks)[:, None],
-                            mask=cmask[None, :] & kmask[:, None], other=0.0)
-                if UPCAST_FP32:
-                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
+        for d0 in range(0, D, BLOCK_D):
+            kmask = (d0 + ks) < D
+            a = tl.load(x_ptr + rows64[:, None] * D + (d0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + (d0 + ks)[:, None],
+                        mask=cmask[None, :] & kmask[:, None], other=0.0)
+            if UPCAST_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         if UPCAST_FP32 and logits_ptr.dtype.element_ty == tl.bfloat16:
             # the interpreter truncates fp32 -> bf16; round to nearest even first, as cvt.rn does compiled
             bits = acc.to(tl.int32, bitcast=True)
@@ -448,7 +399,7 @@ def topk_route(logits_TE: Tensor, top_k: int, *, score_func: str, expert_bias: T
     return top, ids, (counts if counts_into is None else None)
 
 
-#: Gate dim step of ``_gate_topk_route_kernel`` (with QUANT_X two steps make one 128-column scale group).
+#: Gate dim step of ``_gate_topk_route_kernel``.
 _GATE_BLOCK_D = 64
 
 
@@ -516,16 +467,10 @@ def gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, *, score_func: 
 
 
 def launch_gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, score_func: str, expert_bias: Tensor | None,
-                           route_norm: bool, route_scale: float, counts: Tensor,
-                           x_quant: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                           route_norm: bool, route_scale: float, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`gate_topk_route` without its checks, for a caller that has made them (the fused eager layer,
     ``layer.MegaMoE._fused_layer_ok``): the forward is host-bound until GEMM1 is enqueued. ``counts``: the
-    (E,) fp32 tensor the counts are added into. Returns (logits, top_scores, selected).
-
-    ``x_quant``: optional (xq (T, D) float8_e4m3fn, xs (T, D // 128) fp32, count (1,) int32), contiguous on x's
-    device, D a multiple of 128 (unchecked here): the kernel also writes x quantized 1x128, bitwise
-    ``fp8_quant.quantize_act_1x128(x)``, and adds its groups with a non-finite scale into ``count`` (the FP8
-    layer's forward: one launch and one read of x fewer before GEMM1)."""
+    (E,) fp32 tensor the counts are added into. Returns (logits, top_scores, selected)."""
     T, D = x_TD.shape
     E = gate_w_ED.shape[0]
     dev = x_TD.device
@@ -536,15 +481,13 @@ def launch_gate_topk_route(x_TD: Tensor, gate_w_ED: Tensor, top_k: int, score_fu
         return logits, top, ids
     block_t = gate_block_t(E)
     bias = x_TD if expert_bias is None else expert_bias.contiguous()  # unread without a bias
-    xq, xs, xcount = x_quant if x_quant is not None else (x_TD, x_TD, counts)  # unread without x_quant
     interp = jit.interpreting()
     opts = _GATE_OPTS_INTERP if interp else _GATE_OPTS
     launch(_gate_topk_route_kernel, (-(-T // block_t),),
-           x_TD, gate_w_ED, logits, bias, top, ids, counts, xq, xs, xcount, T, float(route_scale),
+           x_TD, gate_w_ED, logits, bias, top, ids, counts, T, float(route_scale),
            D=D, E=E, K=top_k, K_PAD=jit.next_pow2(top_k), E_PAD=max(16, jit.next_pow2(E)), BLOCK_T=block_t,
            BLOCK_D=_GATE_BLOCK_D, SOFTMAX=score_func == "softmax", HAS_BIAS=expert_bias is not None,
-           ROUTE_NORM=bool(route_norm), UNROLL_K=UNROLL_K, UPCAST_FP32=interp, QUANT_X=x_quant is not None,
-           EPS=AMAX_EPS, **opts)
+           ROUTE_NORM=bool(route_norm), UNROLL_K=UNROLL_K, UPCAST_FP32=interp, **opts)
     return logits, top, ids
 
 

@@ -33,7 +33,7 @@ from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import triton_backend as tb
 
 __all__ = ["ENABLED", "FUSED_GATE", "ROUTER_DX_IN_SCATTER", "FusedLayerFunction", "fused_forward", "route",
-           "route_quantizes_x", "router_backward"]
+           "router_backward"]
 
 #: Run MegaMoE's eager forward through :class:`FusedLayerFunction` where it applies (``MegaMoE._fused_layer_ok``).
 ENABLED = env_flag("TITAN_MEGAMOE_FUSED_LAYER", True)
@@ -45,27 +45,14 @@ FUSED_GATE = env_flag("TITAN_MEGAMOE_FUSED_GATE", True)
 ROUTER_DX_IN_SCATTER = env_flag("TITAN_MEGAMOE_ROUTER_DX_IN_SCATTER", True)
 
 
-def route_quantizes_x(gate_w: Tensor) -> bool:
-    """Whether :func:`route` can also quantize x 1x128 (``x_quant``): the gate runs inside the router's kernel."""
-    return FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None
-
-
 def route(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, top_k: int, score_func: str,
-          route_norm: bool, route_scale: float,
-          x_quant: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          route_norm: bool, route_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The gate linear and the fused top-k router, outside autograd: (logits (T, E) bf16, top scores (T, K) fp32,
     expert ids (T, K) int64); the per-expert counts are added into ``counts_into``. The gate inside the router's
-    kernel with ``FUSED_GATE`` where it applies, else ``torch.mm`` then the router kernel. ``x_quant`` (only where
-    :func:`route_quantizes_x`; D a multiple of 128): (xq, xs, count) buffers the router's kernel writes x quantized
-    1x128 into (``router.launch_gate_topk_route``).
-
-    Raises:
-        ValueError: ``x_quant`` where the gate is not inside the router's kernel."""
-    if route_quantizes_x(gate_w):
+    kernel with ``FUSED_GATE`` where it applies, else ``torch.mm`` then the router kernel."""
+    if FUSED_GATE and fused_router.gate_block_t(gate_w.shape[0]) is not None:
         return fused_router.launch_gate_topk_route(x_TD, gate_w, top_k, score_func, expert_bias, route_norm,
-                                                   route_scale, counts_into, x_quant=x_quant)
-    if x_quant is not None:
-        raise ValueError("route: x_quant needs the gate inside the router's kernel (route_quantizes_x)")
+                                                   route_scale, counts_into)
     with torch.no_grad():  # outside the node, x may require grad: no graph for these
         logits = torch.mm(x_TD, gate_w.t())  # F.linear's call without a bias: the same cuBLAS GEMM
         top, ids, _ = fused_router.topk_route(logits, top_k, score_func=score_func, expert_bias=expert_bias,

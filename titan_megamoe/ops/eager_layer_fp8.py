@@ -20,20 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import eager_layer
 from titan_megamoe.ops import fp8_backend as fb
 from titan_megamoe.ops import triton_backend as tb
-from titan_megamoe.ops.fp8_reference import FP8_DTYPE, GROUP
 
-__all__ = ["ROUTER_QUANT_X", "FusedFp8LayerFunction", "fused_forward_fp8"]
-
-#: TITAN_MEGAMOE_ROUTER_QUANT_X (read at import; a same-process switch, ``switches.py``): precision "fp8" quantizes
-#: x 1x128 inside the fused router's kernel, which reads every x row for the gate linear anyway
-#: (``router.launch_gate_topk_route``'s ``x_quant``), instead of a separate pass after the routing layout: one
-#: launch fewer before GEMM1 and one read of x fewer. Bitwise the same outputs (tests/test_router_kernel.py,
-#: tests/test_eager_layer.py).
-ROUTER_QUANT_X = env_flag("TITAN_MEGAMOE_ROUTER_QUANT_X", False)
+__all__ = ["FusedFp8LayerFunction", "fused_forward_fp8"]
 
 
 def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, w1: Tensor,
@@ -48,8 +39,7 @@ def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, 
       and configs as ``fp8_backend.fp8_experts_fwd``'s bf16 branch, without the per-kernel checks) wherever the
       bf16 layout's block is the FP8 one (128: off the interpreter), and takes its FP8 weights from the cache
       (``cache``: ``fp8_backend.prepare_weights_eager``) after the forward is enqueued: only the backward reads them.
-    * "fp8" takes its FP8 weights after the router's launch, then the FP8 experts' forward; with
-      :data:`ROUTER_QUANT_X` the router's kernel also quantizes x (no separate x pass).
+    * "fp8" takes its FP8 weights after the router's launch, then the FP8 experts' forward.
     * "fp8_bwd" checks the non-finite records of earlier calls (``fp8_backend.NONFINITE``) after its launches; "fp8"
       before its experts' launches, in ``fp8_backend.fp8_fwd`` (after them it would also see this call's own).
 
@@ -59,22 +49,15 @@ def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, 
     Raises:
         NonFiniteError: an earlier call's FP8 scales held inf / nan.
     """
-    xq = count = None
-    if fp8_forward and ROUTER_QUANT_X and eager_layer.route_quantizes_x(gate_w):
-        T, D = x_TD.shape
-        xq = (torch.empty((T, D), dtype=FP8_DTYPE, device=x_TD.device),
-              torch.empty((T, D // GROUP), dtype=torch.float32, device=x_TD.device))
-        count = torch.zeros(1, dtype=torch.int32, device=x_TD.device)
     logits, top, ids = eager_layer.route(x_TD, gate_w, expert_bias, counts_into, top_k, score_func, route_norm,
-                                         route_scale, x_quant=None if xq is None else (*xq, count))
+                                         route_scale)
     if not fp8_forward and tb._block_m() == fb.FP8_BLOCK_M:
         out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=False, cache=cache, layer_name=layer_name)
         fb.NONFINITE.check()  # records of earlier calls that have landed (this forward records none)
     else:  # fp8_fwd checks the earlier calls' records before its launches, as the op does
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
-        out, gate_up, L = fb.fp8_fwd(x_TD, ids, top, w1, w2, w3, wq, fp8_forward, layer_name, one_allocation=True,
-                                     x_quantized=xq, nonfinite_count=count)
+        out, gate_up, L = fb.fp8_fwd(x_TD, ids, top, w1, w2, w3, wq, fp8_forward, layer_name, one_allocation=True)
     # the transposed FP8 weights are the cache's tensors: keeping them costs no memory
     saved = (x_TD, gate_w, logits, ids, top, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert,
              *wq[:6])

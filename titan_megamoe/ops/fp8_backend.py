@@ -324,7 +324,6 @@ def placed_token_rows(layout: RoutingLayout) -> Tensor:
 def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout, w1: Tensor, w2: Tensor, w3: Tensor,
                     wq: list[Tensor], fp8_forward: bool, layer_name: str, *, by_row: bool = False,
                     x_rows_index: Tensor | None = None, x_quantized: tuple[Tensor, Tensor] | None = None,
-                    nonfinite_count: Tensor | None = None,
                     mark: Callable[[str], None] = _no_mark) -> tuple[Tensor, Tensor]:
     """Local expert compute of the forward on the rows of ``layout``: GEMM1 (+ SwiGLU) and GEMM2 (+ score),
     FP8 ("fp8") or bf16 ("fp8_bwd": ``fp8_forward`` False). Shared by EP = 1 (:func:`fp8_fwd`) and the
@@ -352,9 +351,6 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
             are (only the rows of placed pairs: the others may hold anything) and the x quantization
             is skipped (no ``quant_x`` mark); ``x_rows`` and ``x_rows_index`` are then not read (x_rows
             may be None). Bitwise the same results as quantizing the bf16 rows here.
-        nonfinite_count: optional (1,) int32 device counter ("fp8") that the forward's non-finite x / h groups are
-            added into and that is recorded in :data:`NONFINITE` (e.g. the one the fused router's x quantization
-            already counted into, ``ops/eager_layer_fp8.py``); default a fresh zeroed one.
         mark: called on the host after each pass is launched, with ``quant_x, gemm1, gemm2`` ("fp8";
             ``quant_h`` after gemm1 when ``FUSE_H_QUANT`` is off or the Gluon GEMM1 ran (``WS_GEMM1_FP8``); no ``quant_x`` with ``x_quantized``) or
             ``gemm1, gemm2`` ("fp8_bwd"): the per-phase CUDA events of ``compare/ep_overlap.py``.
@@ -393,7 +389,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         raise ValueError(f"{layer_name}: x_quantized is for the FP8 forward (precision 'fp8') only")
     if fp8_forward:
         w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
-        count = torch.zeros(1, dtype=torch.int32, device=scores.device) if nonfinite_count is None else nonfinite_count
+        count = torch.zeros(1, dtype=torch.int32, device=scores.device)
         if x_quantized is not None:  # quantized where it was dispatched (EP FP8 payload)
             xq, xs = x_quantized
         elif x_rows_index is None:
@@ -442,14 +438,11 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
 
 
 def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-            wq: list[Tensor], fp8_forward: bool, layer_name: str, *, one_allocation: bool = False,
-            x_quantized: tuple[Tensor, Tensor] | None = None, nonfinite_count: Tensor | None = None):
+            wq: list[Tensor], fp8_forward: bool, layer_name: str, *, one_allocation: bool = False):
     """Forward at EP = 1: returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout). ``wq`` from
     :func:`prepare_weights`; w1..w3 (any float dtype) are read only by the bf16 forward (fp8_bwd).
     Routing layout (BM = 128) -> :func:`fp8_experts_fwd` -> fp32 top-k sum. ``one_allocation``: the layout's arrays
     as views of one allocation (``routing.build_routing_layout``; not for a custom op's outputs).
-    ``x_quantized``, ``nonfinite_count``: as :func:`fp8_experts_fwd`'s ("fp8" only; x quantized 1x128 by the fused
-    router, ``ops/eager_layer_fp8.py``).
 
     Raises:
         NonFiniteError: an earlier call's FP8 scales held inf / nan (:data:`NONFINITE`, checked first)."""
@@ -458,8 +451,7 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
     NONFINITE.check()  # records of earlier calls that have landed (no wait)
     T, K = topk_ids_TK.shape
     layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M, one_allocation=one_allocation)
-    y, gate_up = fp8_experts_fwd(x_TD, topk_scores_TK, layout, w1, w2, w3, wq, fp8_forward, layer_name,
-                                 x_quantized=x_quantized, nonfinite_count=nonfinite_count)
+    y, gate_up = fp8_experts_fwd(x_TD, topk_scores_TK, layout, w1, w2, w3, wq, fp8_forward, layer_name)
     return combine_topk(y, T, K), gate_up, layout
 
 
