@@ -99,10 +99,9 @@ def test_ws_gemm1_fwd_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     assert r["wgmma"] == 16, r  # two consumers x (gate, up) x 4 k16 steps of m64n128
     assert r["cp_async"] > 0 and r["tma"] > 0, "gathered rows by cp.async, weights by TMA"
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
-    # 216 / 72 registers: no spills, except the counter schedule in the expert order: 8 bytes, one register saved
-    # across the partitions' setmaxnreg at the kernel's start (nvdisasm: an STL / LDL pair before the dispatch)
-    stack = "STACK:8" if label == "fwd_235b_dynamic_expert" else "STACK:0"
-    assert stack in r["usage"] and "REG:168" in r["usage"], r["usage"]
+    # 216 / 72 registers: no spills (the counter schedule in the expert order had 8 bytes with session 31's scalar
+    # ticket atomic; none with the partition-wide one of session 33)
+    assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
     assert (r["atomics"] > 0) == ("dynamic" in label), r["atomics"]
 

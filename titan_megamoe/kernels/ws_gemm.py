@@ -210,8 +210,18 @@ if HAVE_GLUON:
     def _take_tile(counter_ptr, total):
         """The launch's next linear tile index, in order (``GEMM1_DYNAMIC``); >= total: none left. Every program takes
         exactly one index >= total, so the one that takes total + programs - 1 is the counter's last user: it zeroes
-        the counter for the next launch (no memset launch, CUDA-graph safe)."""
-        t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        the counter for the next launch (no memset launch, CUDA-graph safe).
+
+        Every thread of the partition issues the atomic (thread 0 adds 1, the others 0) and the ticket is thread 0's
+        old value, summed across the partition: no predicated atomic and no shared-memory broadcast. A scalar
+        ``atomic_add`` (session 31's form) is issued by lane 0 alone and broadcast through shared memory; ptxas
+        expanded that predicated atomic into a branch with no reconvergence before the broadcast's load (the
+        ``bar.warp.sync`` between became a NOP; sm_90a SASS of the first take, docs/NOTES.md session 33), so the
+        other lanes could read the slot before lane 0 wrote its ticket: the likely cause of the hang."""
+        NW: gl.constexpr = gl.num_warps()
+        i = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+        old = gl.atomic_add(counter_ptr + i * 0, (i == 0).to(gl.int32), sem="relaxed")
+        t = gl.sum(gl.where(i == 0, old, 0), axis=0)
         if t == total + gl.num_programs(0) - 1:
             gl.store(counter_ptr, 0)
         return t
