@@ -228,7 +228,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--unfence-dynamic", action="store_true",
+                   help="allow the counter schedule (ws_gemm.DYNAMIC_FENCED) for the *_dynamic groups: debugging only")
     a = p.parse_args(argv)
+    if a.unfence_dynamic:
+        from titan_megamoe.kernels import ws_gemm
+
+        ws_gemm.DYNAMIC_FENCED = False
     if not torch.cuda.is_available():
         print("ab_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -974,8 +974,10 @@ def _tile_counter(dev: torch.device, kernel: str) -> Tensor:
 
 
 #: The counter schedule (``GEMM1_DYNAMIC``, ``WsConfig.dynamic``) never returned from its first GPU test (an H100,
-#: session 32: the GEMM1 dgrad, uniform routing, cooperative config; killed after 100 s), so a launch that asks for it
-#: raises instead of hanging the GPU. Set False only to debug the kernel on a GPU (docs/NOTES.md session 32).
+#: session 32: the GEMM1 dgrad, uniform routing, cooperative config; killed after 100 s; session 33: also with one
+#: program), so a launch that asks for it raises instead of hanging the GPU. Session 33 changed how ``_take_tile``
+#: takes its ticket (the likely cause, found in the SASS); not yet run on a GPU. Set False only to debug the kernel on
+#: a GPU (docs/NOTES.md sessions 32-33, ``scripts/probe_dynamic.py``).
 DYNAMIC_FENCED = True
 
 
