@@ -1,7 +1,7 @@
 """Where the counter schedule (``WS_GEMM1_DYNAMIC``, fenced since session 32) hangs: one GEMM1 dgrad launch with a
 given grid, in its own process, so the caller can kill it after a few seconds (``timeout -s KILL 25``).
 
-    python scripts/probe_dynamic.py --programs 1 [--expert-order] [--tiles-only]
+    python scripts/probe_dynamic.py --programs 1 [--expert-order] [--shape T,E,K,D,F]
 
 Prints one JSON line: the grid, the live tiles, whether the launch returned, the counter after it, and whether the
 output has the static schedule's bits. ``--programs 1`` isolates the hand-off inside one program (no other program

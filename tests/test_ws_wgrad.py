@@ -148,8 +148,7 @@ def test_ws_wgrad_matches_fp32_and_grouped_mm_on_gpu(case, split):
     g2 = wgrad_w2(dout, dgu, torch.rand(T, K, device="cuda"), lay, hs_NF=hs, impl="grouped_mm")
     assert rel_err(dw1, g1) < 1e-2 and rel_err(dw3, g3) < 1e-2 and rel_err(dw2, g2) < 1e-2
     # trim_k (the default, WGRAD_TRIM_K) ends each expert at its last row rounded up to 64: bitwise the padded
-    # end's sums, and
-    # rows past that end are not read (poisoned, the results stay the same)
+    # end's sums, and rows past that end are not read (poisoned, the results stay the same)
     trim = dataclasses.replace(cfg, trim_k=True)
     assert torch.equal(ws_wgrad_w13(dgu, x, lay, cfg=trim)[0], dw1)
     assert torch.equal(ws_wgrad_w2(dout, hs, lay, cfg=trim), dw2)
