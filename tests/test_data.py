@@ -344,14 +344,26 @@ def test_launch_refuses_more_ranks_than_gpus_before_any_work(tmp_path, capsys, m
     ('backend = "tritn"', "megamoe.backend = 'tritn' is not valid; allowed values: 'reference', 'triton'"),
     ("capacity_factor = 0.5", "megamoe.capacity_factor must be a finite number >= 1.0"),
     ("capacity_fator = 2.0", "unknown [megamoe] key(s) capacity_fator"),
+    ('backend = "reference"\nprecision = "fp8"', "backend='reference' with precision='fp8' is not available"),
 ])
 def test_launch_rejects_a_bad_megamoe_table_before_anything_runs(tmp_path, capsys, table, message):
     """A typo in [megamoe] stops the launcher, a dry run too, naming the key and the allowed values."""
     cfg = _write_toml(tmp_path / "job.toml", "c4_test", "./tests/assets/tokenizer")
-    cfg.write_text(cfg.read_text() + f"\n[megamoe]\n{table}\n")
+    cfg.write_text(cfg.read_text() + f'\n[job]\ncustom_config_module = "titan_megamoe.config"\n\n[megamoe]\n{table}\n')
     with pytest.raises(SystemExit) as e:
         launch.main(["--config", str(cfg), "--ngpu", "1", "--dry-run"])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     cfg.write_text(cfg.read_text().replace(table, 'backend = "triton"'))
     assert launch.main(["--config", str(cfg), "--ngpu", "1", "--dry-run"]) == 0
+
+
+def test_launch_rejects_a_megamoe_table_without_its_config_module(tmp_path, capsys):
+    """[megamoe] without [job] custom_config_module = "titan_megamoe.config": TorchTitan would refuse the table at
+    start-up; the launcher says so first, naming the setting to add."""
+    cfg = _write_toml(tmp_path / "job.toml", "c4_test", "./tests/assets/tokenizer")
+    cfg.write_text(cfg.read_text() + '\n[megamoe]\nbackend = "triton"\n')
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--config", str(cfg), "--ngpu", "1", "--dry-run"])
+    assert e.value.code == 2
+    assert 'custom_config_module = "titan_megamoe.config"' in capsys.readouterr().err

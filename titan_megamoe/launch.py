@@ -105,11 +105,12 @@ def build_command(
 
 
 def check_megamoe_table(toml: dict) -> str | None:
-    """The error in the config's ``[megamoe]`` table (unknown key, bad value), or None when it is valid or
-    absent; checked before anything runs (a dry run included), so a typo does not wait for a GPU machine.
+    """The error in the config's ``[megamoe]`` table (unknown key, bad value, a backend / precision pair not
+    built), or in how the config reaches it (``[job] custom_config_module``), or None when it is valid or absent;
+    checked before anything runs (a dry run included), so a typo does not wait for a GPU machine.
 
-    Same checks as the trainer's (``titan_megamoe.config.MegaMoEConfig``); model converters and parallelism
-    are checked by TorchTitan and the converter at start-up.
+    Same checks as the trainer's (``titan_megamoe.config.MegaMoEConfig`` and its ``check_available``); model
+    converters and parallelism are checked by TorchTitan and the converter at start-up.
     """
     import dataclasses
 
@@ -120,13 +121,17 @@ def check_megamoe_table(toml: dict) -> str | None:
         return None
     if not isinstance(table, dict):
         return f"[megamoe] must be a table, got {table!r}"
+    job = toml.get("job") if isinstance(toml.get("job"), dict) else {}
+    if job.get("custom_config_module") != "titan_megamoe.config":
+        return ("a [megamoe] table needs [job] custom_config_module = \"titan_megamoe.config\" (TorchTitan refuses "
+                f"tables it does not know; got custom_config_module = {job.get('custom_config_module')!r})")
     known = {f.name for f in dataclasses.fields(MegaMoEConfig)}
     unknown = sorted(set(table) - known)
     if unknown:
         return f"unknown [megamoe] key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
     try:
-        MegaMoEConfig(**table)
-    except MegaMoEConfigError as e:
+        MegaMoEConfig(**table).check_available()
+    except (MegaMoEConfigError, NotImplementedError) as e:
         return str(e)
     return None
 
