@@ -115,10 +115,13 @@ def _tail(text: str, n: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
-def _last_line(text: str) -> str:
-    """The log's last non-empty line (a launcher's error message: the launcher exits with it), cut to 300 chars."""
+def _last_line(text: str, limit: int = 600) -> str:
+    """The log's last non-empty line (a launcher's error message: the launcher exits with it), cut to ``limit``
+    characters with "..." where longer (its full text is in the run's log and the JSON's log tail)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "(empty log)"
+    if not lines:
+        return "(empty log)"
+    return lines[-1] if len(lines[-1]) <= limit else lines[-1][:limit - 3] + "..."
 
 
 def _slug(label: str) -> str:

@@ -649,3 +649,14 @@ def test_gpu_ci_script_missing_result(tmp_path):
     res, out = _gpu_ci(tmp_path, FAKE_NO_TRAIN="1")
     assert res.returncode == 2, res.stdout + res.stderr
     assert "train_ci.json was not written" in res.stdout and (out / "regress_layer.txt").is_file()
+
+
+def test_failed_run_message_keeps_a_launcher_error_whole():
+    """The table's message of a failed run: the log's last line, whole up to 600 characters (the launcher's GPU
+    message is ~420), marked with "..." where cut."""
+    from compare.train import _last_line
+
+    msg = "error: --ngpu 2 but this machine has 0 CUDA GPU(s) visible: " + "x" * 360
+    assert _last_line(f"starting\n{msg}\n\n") == msg
+    long = "y" * 700
+    assert _last_line(long) == "y" * 597 + "..." and _last_line("") == "(empty log)"
