@@ -2,7 +2,7 @@
 # GPU calls planned in session 33 for the next session: (1) the counter schedule with session 33's ticket fix (every
 # thread of the producer partition issues the atomic; the scalar form's broadcast lacked reconvergence in the SASS):
 # one launch per process, killed at 25 s, then its GPU tests and its A/B if the probes return; (2) issue 4 on an H200
-# if one comes (both shapes beside stock at today's defaults). Say in the results which card ran.
+# if one comes (both shapes beside stock at today's defaults, run first). Say in the results which card ran.
 # Call as: REV=<hash> PART=a [BUDGET=seconds] bash scripts/gpu_s34.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -13,6 +13,10 @@ probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, 
   return $rc
 }
 if [ "$PART" = a ]; then
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 4 names an H200: first
+    layer_ab 30b_h200 "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton 4
+    layer_ab 235b_h200 "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 4
+  fi
   if probe p1 --programs 1 && probe pall && probe p30b --shape 16384,128,8,2048,768; then
     TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
       -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
@@ -23,8 +27,6 @@ if [ "$PART" = a ]; then
       > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
     echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
   fi
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "$(left 200)" -ge 150 ] && \
-    layer_ab 235b_30b_a "" qwen3-235b-a22b,qwen3-30b-a3b bf16 tt-compile,megamoe-triton 8
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s34$PART"
