@@ -27,6 +27,9 @@ if [ "$PART" = a ]; then
       > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
     echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
   fi
+  # session 34: the FP8 forward through the launch halves (FP8_FAST_FWD): its GPU tests, then the 30B layer A/B
+  gpu_tests fp8_fast_a tests/test_eager_layer.py -k "fp8"
+  [ "$(left 200)" -ge 100 ] && layer_ab 30b_fp8_fast_a "FP8_FAST_FWD=0" qwen3-30b-a3b bf16,fp8 megamoe-triton 8
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s34$PART"

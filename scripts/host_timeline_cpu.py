@@ -70,7 +70,7 @@ if precision != "bf16":  # the FP8 platform check and the Gluon FP8 kernels (eac
             importlib.import_module("titan_megamoe.kernels." + name)._platform_reason = lambda t: None
         except ImportError:  # a baseline tree without that kernel
             pass
-iters = int(sys.argv[3])
+iters, warmup = int(sys.argv[3]), int(sys.argv[5])
 T, K, E, D, F = 64, 8, 8, 2048, 768
 from titan_megamoe.kernels import router as fr
 _route_bwd = fr.topk_route_backward  # nothing runs, so the ids hold whatever was in memory: the backward's
@@ -94,7 +94,7 @@ with hd.host_only_driver(record=False):
     def stamped(kernel, grid, *a, **k):
         stamps.append((getattr(getattr(kernel, "fn", kernel), "__name__", "?"), time.perf_counter()))
         return real(kernel, grid, *a, **k)
-    for _ in range(50):
+    for _ in range(warmup):
         layer(x).backward(dy)
     mods = [m for m in list(sys.modules.values())
             if getattr(m, "__name__", "").startswith("titan_megamoe.") and getattr(m, "launch", None) is real]
@@ -113,20 +113,43 @@ with hd.host_only_driver(record=False):
         for i, (n, t) in enumerate(stamps):
             per.setdefault(f"{i}:{n}", []).append((t - t0) * 1e6)
         y.backward(dy)
+    seen = []  # one more forward, untimed: what each launch gets (tensors as dtype and shape)
+    def sig(v):
+        if isinstance(v, torch.Tensor):
+            return [str(v.dtype), list(v.shape)]
+        if isinstance(v, (int, float, bool, str, type(None))):
+            return v
+        return [type(v).__name__, list(getattr(v, "block_shape", []))]
+    def described(kernel, grid, *a, **k):
+        seen.append([getattr(getattr(kernel, "fn", kernel), "__name__", "?"), list(grid), [sig(v) for v in a],
+                     {n: sig(v) for n, v in sorted(k.items())}])
+        return real(kernel, grid, *a, **k)
+    for m in mods:
+        m.launch = described
+    paths = {}  # which FP8 forward ran (the checked one or the launch halves)
+    if precision != "bf16":
+        for name in ("fp8_fwd", "fp8_fwd_unchecked"):
+            fn = getattr(fp8_backend, name, None)
+            if fn is not None:
+                setattr(fp8_backend, name, lambda *a, _fn=fn, _n=name, **k: paths.update({_n: 1}) or _fn(*a, **k))
+    layer(x).backward(dy)
     for m in mods:
         m.launch = real
 print(json.dumps({"package": os.path.dirname(titan_megamoe.__file__), "fwd_us": statistics.median(fwd),
-                  "launch_at_us": {k: statistics.median(v) for k, v in per.items()}}))
+                  "launch_at_us": {k: statistics.median(v) for k, v in per.items()}, "launches": seen,
+                  "paths": sorted(paths)}))
 """
 
 
-def _run(tree: str, iters: int, precision: str = "bf16") -> dict:
+def _run(tree: str, iters: int, precision: str = "bf16", warmup: int = 50, env: dict | None = None) -> dict:
+    """One subprocess of ``_TIMER`` on ``tree``: its median forward, launch times and the launches of one more step
+    (``launches``: [kernel, grid, positional args, keyword args], tensors as [dtype, shape]). ``env``: more
+    environment variables (switches) for the subprocess."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     drv = os.path.join(here, "titan_megamoe", "kernels", "host_driver.py")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", _TIMER, tree, drv, str(iters), precision], capture_output=True,
-                         text=True,
-                         env=env)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **(env or {})}
+    out = subprocess.run([sys.executable, "-c", _TIMER, tree, drv, str(iters), precision, str(warmup)],
+                         capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"timeline of {tree} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])

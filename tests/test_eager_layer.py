@@ -291,3 +291,32 @@ def test_kernels_launch_before_the_node_and_record_one_node(fused_gate, monkeypa
     assert logits.shape == (24, 4) and logits.grad_fn is None and not logits.requires_grad
     out.backward(torch.randn_like(out))
     assert x.grad is not None and torch.isfinite(x.grad.float()).all() and x.grad.abs().sum() > 0
+
+
+def test_fp8_fast_forward_makes_the_checked_forwards_launches():
+    """FAST_FWD (``fp8_backend.fp8_fwd_unchecked``): the "fp8" node's forward through the launch halves makes the
+    checked path's launches, in the same order: each kernel with the same grid, the same argument dtypes and shapes
+    and the same constexprs (the Gluon FP8 GEMMs as on an sm_90 GPU: sm_90a builds on the host-only driver, no GPU;
+    the results are compared on the GPU by ``test_fused_fp8_layer_matches_the_modular_path``). And the switch
+    reaches the path: with it on, ``fp8_backend.fp8_fwd`` is not called."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "host_timeline_cpu.py"
+    spec = importlib.util.spec_from_file_location("host_timeline_cpu", script)
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    root = str(script.parents[1])
+    fast = ht._run(root, 1, "fp8", warmup=1, env={"TITAN_MEGAMOE_FP8_FAST_FWD": "1"})
+    checked = ht._run(root, 1, "fp8", warmup=1, env={"TITAN_MEGAMOE_FP8_FAST_FWD": "0"})
+    assert fast["paths"] == ["fp8_fwd_unchecked"] and checked["paths"] == ["fp8_fwd"], (fast["paths"], checked["paths"])
+    names = [c[0] for c in checked["launches"]]
+    assert names[:8] == ["_gate_topk_route_kernel", "_count_kernel", "_layout_kernel", "_quant_act_1x128_kernel",
+                         "_gemm1_fwd_fp8_ws_kernel", "_quant_act_1x128_kernel", "_gemm2_fwd_fp8_ws_kernel",
+                         "_combine_topk_fwd_kernel"], names
+    assert len(fast["launches"]) == len(checked["launches"])
+    for i, (a, b) in enumerate(zip(fast["launches"], checked["launches"])):
+        assert a == b, f"launch {i}: fast {a} vs checked {b}"
+    # the fast path's launch times differ: GEMM1 is reached sooner (the point of the switch), not asserted here
+    assert set(fast["launch_at_us"]) == set(checked["launch_at_us"])

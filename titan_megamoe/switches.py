@@ -70,6 +70,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM2", "1", attrs=(("titan_megamoe.kernels.grouped_gemm", "WS_GEMM2"),)),
     Switch("TITAN_MEGAMOE_FUSED_LAYER", "1", attrs=(("titan_megamoe.ops.eager_layer", "ENABLED"),)),
     Switch("TITAN_MEGAMOE_FUSED_GATE", "1", attrs=(("titan_megamoe.ops.eager_layer", "FUSED_GATE"),)),
+    Switch("TITAN_MEGAMOE_FP8_FAST_FWD", "1", attrs=(("titan_megamoe.ops.eager_layer_fp8", "FAST_FWD"),)),
     Switch("TITAN_MEGAMOE_ROUTER_BWD_KERNEL", "1", attrs=(("titan_megamoe.kernels.router", "BWD_KERNEL"),)),
     Switch("TITAN_MEGAMOE_ROUTER_DX_IN_SCATTER", "1",
            attrs=(("titan_megamoe.ops.eager_layer", "ROUTER_DX_IN_SCATTER"),)),

@@ -65,6 +65,7 @@ from titan_megamoe.ops.fp8_reference import (
 )
 
 __all__ = [
+    "launch_quant_act_1x128",
     "quantize_act_1x128",
     "quantize_act_128x1",
     "quantize_weight_128x128",
@@ -444,17 +445,37 @@ def quantize_act_1x128(
     count, check = _count_arg(fn, nonfinite_count, dev)
     out = _out_buffer(fn, "out", out, (M, D), FP8_DTYPE, dev)
     scale_out = _out_buffer(fn, "scale_out", scale_out, (M, D // GROUP), torch.float32, dev)
+    _launch_act_1x128(x, row_index if gather else None, top_k, count if check else None, out, scale_out,
+                      row_valid is not None)
+    return out, scale_out
+
+
+def launch_quant_act_1x128(x: Tensor, nonfinite_count: Tensor, row_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_act_1x128` of every row of ``x`` (or, with ``row_valid``, in place by it) into new buffers,
+    without its checks, for a caller that has made them: x (M, D) bf16 contiguous with D a multiple of 128,
+    ``nonfinite_count`` a (1,) int32 counter and ``row_valid`` (M,) int32 contiguous, all on x's device
+    (``ops/fp8_backend.fp8_fwd_unchecked``: the from-idle FP8 forward is host-bound until GEMM1 is enqueued).
+    Same launch, same results. Returns (x_fp8 (M, D) float8_e4m3fn, scale (M, D // 128) fp32)."""
+    M, D = x.shape
+    out = torch.empty((M, D), dtype=FP8_DTYPE, device=x.device)
+    scale_out = torch.empty((M, D // GROUP), dtype=torch.float32, device=x.device)
+    _launch_act_1x128(x, row_valid, 1, nonfinite_count, out, scale_out, row_valid is not None)
+    return out, scale_out
+
+
+def _launch_act_1x128(x, row_index, top_k, count, out, scale_out, self_rows) -> None:
+    """The launch half of :func:`quantize_act_1x128` (row_index None: no gather; count None: no check)."""
+    M, D = out.shape
     if M == 0:
-        return out, scale_out
+        return
     interpret = interpret_mode()
     bm = _ACT_BLOCK_M[interpret]
-    grid = (cdiv(M, bm), D // GROUP)
-    launch(_quant_act_1x128_kernel, grid,
-        x, row_index if gather else x, out, scale_out, count if check else scale_out, M,
-        D=D, TOP_K=top_k if gather else 1, GATHER=gather, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS,
-        BLOCK_M=bm, SELF_ROWS=row_valid is not None, num_warps=_ACT_WARPS,
+    gather = row_index is not None
+    launch(_quant_act_1x128_kernel, (cdiv(M, bm), D // GROUP),
+        x, row_index if gather else x, out, scale_out, count if count is not None else scale_out, M,
+        D=D, TOP_K=top_k if gather else 1, GATHER=gather, CHECK=count is not None, EXACT_ROUND=interpret,
+        EPS=AMAX_EPS, BLOCK_M=bm, SELF_ROWS=self_rows, num_warps=_ACT_WARPS,
     )
-    return out, scale_out
 
 
 def quantize_act_128x1(

@@ -20,11 +20,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.ops import eager_layer
 from titan_megamoe.ops import fp8_backend as fb
 from titan_megamoe.ops import triton_backend as tb
 
-__all__ = ["FusedFp8LayerFunction", "fused_forward_fp8"]
+__all__ = ["FAST_FWD", "FusedFp8LayerFunction", "fused_forward_fp8"]
+
+#: The "fp8" forward through the kernels' launch halves (``fp8_backend.fp8_fwd_unchecked``: the checks made once
+#: here, the earlier calls' non-finite records read after the launches) where it applies; same launches and results
+#: as ``fp8_backend.fp8_fwd``. ``TITAN_MEGAMOE_FP8_FAST_FWD=0``: the checked launches.
+FAST_FWD = env_flag("TITAN_MEGAMOE_FP8_FAST_FWD", True)
 
 
 def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, counts_into: Tensor, w1: Tensor,
@@ -39,9 +45,11 @@ def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, 
       and configs as ``fp8_backend.fp8_experts_fwd``'s bf16 branch, without the per-kernel checks) wherever the
       bf16 layout's block is the FP8 one (128: off the interpreter), and takes its FP8 weights from the cache
       (``cache``: ``fp8_backend.prepare_weights_eager``) after the forward is enqueued: only the backward reads them.
-    * "fp8" takes its FP8 weights after the router's launch, then the FP8 experts' forward.
-    * "fp8_bwd" checks the non-finite records of earlier calls (``fp8_backend.NONFINITE``) after its launches; "fp8"
-      before its experts' launches, in ``fp8_backend.fp8_fwd`` (after them it would also see this call's own).
+    * "fp8" takes its FP8 weights after the router's launch, then the FP8 experts' forward, through the launch
+      halves (``FAST_FWD``: ``fp8_backend.fp8_fwd_unchecked``) where they apply.
+    * The non-finite records of earlier calls (``fp8_backend.NONFINITE``) are checked after the launches ("fp8_bwd",
+      and "fp8" with ``FAST_FWD``: before this call's own is queued), else before the experts' launches in
+      ``fp8_backend.fp8_fwd``.
 
     Shapes as :class:`FusedFp8LayerFunction`. Returns (out (T, D) bf16, the tensors the backward keeps, its
     constants).
@@ -57,7 +65,11 @@ def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, 
         fb.NONFINITE.check()  # records of earlier calls that have landed (this forward records none)
     else:  # fp8_fwd checks the earlier calls' records before its launches, as the op does
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
-        out, gate_up, L = fb.fp8_fwd(x_TD, ids, top, w1, w2, w3, wq, fp8_forward, layer_name, one_allocation=True)
+        if fp8_forward and FAST_FWD and fb.fp8_fwd_unchecked_ok(x_TD, wq):
+            out, gate_up, L = fb.fp8_fwd_unchecked(x_TD, ids, top, wq, layer_name)
+        else:
+            out, gate_up, L = fb.fp8_fwd(x_TD, ids, top, w1, w2, w3, wq, fp8_forward, layer_name,
+                                         one_allocation=True)
     # the transposed FP8 weights are the cache's tensors: keeping them costs no memory
     saved = (x_TD, gate_w, logits, ids, top, gate_up, L.counts, L.offsets, L.row_pair, L.pair_row, L.tile_expert,
              *wq[:6])

@@ -46,7 +46,7 @@ from titan_megamoe.kernels.jit import env_flag
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "check_fp8_supported",
-           "fp8_fwd", "fp8_bwd", "fp8_experts_fwd", "fp8_experts_bwd", "placed_token_rows", "prepare_weights",
+           "fp8_fwd", "fp8_fwd_unchecked", "fp8_fwd_unchecked_ok", "fp8_bwd", "fp8_experts_fwd", "fp8_experts_bwd", "placed_token_rows", "prepare_weights",
            "prepare_weights_eager", "quantize_weights"]
 
 #: Row block of the FP8 path's routing layout: one 128-row scale group (module docstring).
@@ -453,6 +453,57 @@ def fp8_fwd(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, w1: Tenso
     layout = build_routing_layout(topk_ids_TK, w1.shape[0], FP8_BLOCK_M, one_allocation=one_allocation)
     y, gate_up = fp8_experts_fwd(x_TD, topk_scores_TK, layout, w1, w2, w3, wq, fp8_forward, layer_name)
     return combine_topk(y, T, K), gate_up, layout
+
+
+def fp8_fwd_unchecked_ok(x_TD: Tensor, wq: list[Tensor]) -> bool:
+    """Whether :func:`fp8_fwd_unchecked` applies to x (T, D) and the FP8 weights ``wq`` (:func:`prepare_weights_eager`
+    with ``fp8_forward``): the Gluon FP8 GEMM1 and GEMM2 are on and can take them (sm_90, D and F multiples of 128),
+    off the interpreter. Otherwise :func:`fp8_fwd`."""
+    from titan_megamoe.kernels import ws_gemm_fp8
+
+    return (WS_GEMM1_FP8 and WS_GEMM2_FP8 and not _interp()
+            and ws_gemm_fp8.ws_gemm1_fwd_fp8_supported(x_TD, wq[6]) is None
+            and ws_gemm_fp8.ws_gemm2_fwd_fp8_supported(x_TD, wq[10]) is None)
+
+
+def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor, wq: list[Tensor],
+                      layer_name: str):
+    """The "fp8" forward at EP = 1 (:func:`fp8_fwd` with ``fp8_forward=True``) through the kernels' launch halves,
+    which skip the per-kernel checks, for a caller that has made them (``ops/eager_layer_fp8.py``, after
+    ``layer.MegaMoE._fused_layer_operands`` and :func:`fp8_fwd_unchecked_ok`): x (T, D) bf16 contiguous, ids (T, K)
+    int64 in [0, E) and scores (T, K) fp32 contiguous as the fused router writes them, ``wq`` from
+    :func:`prepare_weights_eager`. Same launches and results as :func:`fp8_fwd`; the earlier calls' non-finite
+    records are checked after the launches (before this call's is queued), so the host reaches GEMM1 sooner: the
+    from-idle FP8 forward waits on the host until then (docs/NOTES.md, session 34).
+
+    Returns (out (T, D) bf16, gate_up (N_cap, 2F) bf16, layout).
+
+    Raises:
+        NonFiniteError: an earlier call's FP8 scales held inf / nan (:data:`NONFINITE`).
+    """
+    from titan_megamoe.kernels.fp8_quant import launch_quant_act_1x128
+    from titan_megamoe.kernels.grouped_gemm import launch_combine_topk
+    from titan_megamoe.kernels.ws_gemm_fp8 import launch_gemm1_fwd_fp8, launch_gemm2_fwd_fp8
+
+    w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
+    T, K = topk_ids_TK.shape
+    E, F, D = w1q.shape
+    dev = x_TD.device
+    layout = build_routing_layout(topk_ids_TK, E, FP8_BLOCK_M, one_allocation=True)
+    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    xq, xs = launch_quant_act_1x128(x_TD, count)
+    gate_up = torch.empty((layout.n_cap, 2 * F), dtype=torch.bfloat16, device=dev)
+    h = torch.empty((layout.n_cap, F), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((T * K, D), dtype=torch.bfloat16, device=dev)
+    if layout.n_tiles_cap:
+        launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h)
+        hq, hs = launch_quant_act_1x128(h, count, row_valid=layout.row_pair)
+        if T * K:
+            launch_gemm2_fwd_fp8(hq, hs, w2q, w2s, topk_scores_TK, layout, y)
+    out = launch_combine_topk(y, T, K)
+    NONFINITE.check()  # the earlier calls' records that have landed (this call's is not queued yet)
+    NONFINITE.record(f"{layer_name} forward activations", count)
+    return out, gate_up, layout
 
 
 def fp8_experts_bwd(dout_rows: Tensor, x_rows: Tensor, scores: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
