@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU CI check (one GPU; the committed baselines are from one H200). See docs/CI.md.
+# GPU CI check (one GPU; committed baselines from an H200 and from an H100, chosen by the GPU's name). See docs/CI.md.
 #
 #   REV=$(git rev-parse --short HEAD) OUT=/tmp/ci bash scripts/gpu_ci.sh
 #
@@ -22,7 +22,7 @@
 #              only (divergence, NaN); see the comment at its default below
 #   EARLY_STEPS, EARLY_LOSS_TOL  the loss of each of steps 1..EARLY_STEPS must be within EARLY_LOSS_TOL
 #              (absolute) of the baseline's same step (defaults 15 and 0.002): the numerics check
-#   LAYER_BASELINE, TRAIN_BASELINE  baseline files (defaults: the committed ones below)
+#   LAYER_BASELINE, TRAIN_BASELINE  baseline files (defaults: the committed ones below, by GPU model)
 #   STEPS      training steps (default 100; the baseline has 200, compared over the same steps)
 #   PYTHON     interpreter (default python3)
 #   GPU_CI_ENV "plain": do not source scripts/gpu_env.sh (this project's device set-up, used
@@ -55,13 +55,23 @@ LOSS_TOL=${LOSS_TOL:-0.25}
 EARLY_STEPS=${EARLY_STEPS:-15}
 EARLY_LOSS_TOL=${EARLY_LOSS_TOL:-0.002}
 STEPS=${STEPS:-100}
-LAYER_BASELINE=${LAYER_BASELINE:-benchmarks/results/layer_1xh200_ep1_triton_gmm_wgrad_20261130.json}
-TRAIN_BASELINE=${TRAIN_BASELINE:-benchmarks/results/train_debug_1xh200_triton_20261130.json}
+# Default baselines: the committed results of this GPU model (times do not carry across models: stock TorchTitan
+# ran 12 % slower on an H100 than on the H200 baseline's card), else the H200 ones.
+GPU_NAME=$({ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true; } | head -1)
+case "$GPU_NAME" in
+  *H100*) DEF_LAYER=benchmarks/results/gpu_ci_layer_1xh100_s33c_20261207.json
+          DEF_TRAIN=benchmarks/results/gpu_ci_train_1xh100_s33c_20261207.json ;;
+  *)      DEF_LAYER=benchmarks/results/layer_1xh200_ep1_triton_gmm_wgrad_20261130.json
+          DEF_TRAIN=benchmarks/results/train_debug_1xh200_triton_20261130.json ;;
+esac
+LAYER_BASELINE=${LAYER_BASELINE:-$DEF_LAYER}
+TRAIN_BASELINE=${TRAIN_BASELINE:-$DEF_TRAIN}
 status=0
 note() { echo "[gpu_ci] $*"; }
 
 note "rev ${REV:-unknown}; out $OUT; tolerances: layer $LAYER_TOL, train $TRAIN_TOL, loss $LOSS_TOL," \
   "early loss $EARLY_LOSS_TOL (steps 1-$EARLY_STEPS)"
+note "GPU ${GPU_NAME:-unknown}; baselines $LAYER_BASELINE, $TRAIN_BASELINE"
 
 # 1. one MoE layer (exit code ignored here: a failed record is caught by compare.regress as NOT OK)
 timeout 900 "$PY" -m compare.layer --shapes qwen3-30b-a3b --impls tt-compile,megamoe-triton --precisions bf16 \

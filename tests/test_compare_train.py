@@ -637,6 +637,26 @@ def test_gpu_ci_script_wiring(tmp_path):
     assert str(tmp_path / "prev" / "train_ci.json") in (out / "regress_train.txt").read_text()
 
 
+def test_gpu_ci_script_takes_the_baselines_of_its_gpu(tmp_path):
+    """The default baselines follow the GPU's name: an H100 gets the committed H100 results (times do not carry
+    across GPU models), anything else the H200 ones; a baseline given in the environment wins."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    res, out = _gpu_ci(tmp_path, PATH=path)
+    assert "[gpu_ci] GPU NVIDIA H100 80GB HBM3; baselines benchmarks/results/gpu_ci_layer_1xh100_s33c" in res.stdout
+    assert "baseline: benchmarks/results/gpu_ci_train_1xh100_s33c_20261207.json (NVIDIA H100 80GB HBM3" in (
+        out / "regress_train.txt").read_text()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    res, out = _gpu_ci(tmp_path, PATH=path)
+    assert "baselines benchmarks/results/layer_1xh200_ep1_triton_gmm_wgrad_20261130.json" in res.stdout
+    res, out = _gpu_ci(tmp_path, PATH=path, TRAIN_BASELINE="benchmarks/results/gpu_ci_train_1xh100_s33c_20261207.json")
+    assert "benchmarks/results/train_debug_1xh200" not in res.stdout and "gpu_ci_train_1xh100" in res.stdout
+
+
 def test_gpu_ci_script_fails_on_regression(tmp_path):
     res, out = _gpu_ci(tmp_path, FAKE_SLOW="1.2")
     assert res.returncode == 1, res.stdout + res.stderr
