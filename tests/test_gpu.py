@@ -36,12 +36,21 @@ def test_layer_matches_stock_on_gpu(dim, hidden, tokens):
         assert_close_rel(a, b, torch.bfloat16, name)
 
 
+def _ep_nproc() -> int:
+    """GPUs (= EP size) of the multi-GPU tests: ``TITAN_MEGAMOE_TEST_EP`` (default 2; scripts/gpu_ep8.sh passes 8),
+    skipped when fewer are visible. The workers take any EP size that divides their 128 experts."""
+    n = int(os.environ.get("TITAN_MEGAMOE_TEST_EP", "2"))
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"TITAN_MEGAMOE_TEST_EP={n} needs {n} CUDA GPUs (visible: {torch.cuda.device_count()})")
+    return n
+
+
 @pytest.mark.multigpu
 def test_reference_ep2_nccl_matches_single_gpu():
     worker = Path(__file__).with_name("ep_check_worker.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(worker.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(_ep_nproc()), str(worker)], env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0 and "EP_CHECK\nPASS" in proc.stdout, tail
 
@@ -140,8 +149,8 @@ def test_ep_triton_two_gpus():
     cases, bitwise repeatable, workspace reuse; see tests/ep_triton_worker.py."""
     worker = Path(__file__).with_name("ep_triton_worker.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(worker.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(_ep_nproc()), str(worker)], env=env, capture_output=True, text=True, timeout=600)
     # the worker prints its failures on stdout; stderr's tail is mostly torchrun's own traceback
     tail = proc.stdout[-5000:] + "\n--- stderr ---\n" + proc.stderr[-1500:]
     assert proc.returncode == 0 and "EP_TRITON\nPASS" in proc.stdout, tail
