@@ -383,8 +383,17 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank, sample
                 device_samples = timed("device", warmup=1, head_start_ms=DEVICE_HEAD_START_MS)
             if plan.cooldown_ms > 0 and device.type == "cuda":
                 cool_samples = timed("cool", warmup=1, cooldown_ms=plan.cooldown_ms)
+            kernels = None
+            if spec.family == "megamoe":  # one more step, untimed: the kernels and configs it launched
+                from titan_megamoe.kernels.launch import kernel_configs, record_launches
+
+                with record_launches() as launched:
+                    before_step()
+                    bwd(fwd())
+                kernels = kernel_configs(launched)
         return {"status": "ok", "samples": samples, "peak": peak, "counts": tpe, "notes": built.notes,
-                "device_samples": device_samples, "cool_samples": cool_samples, "power": power or None}
+                "device_samples": device_samples, "cool_samples": cool_samples, "power": power or None,
+                "kernels": kernels}
     except Exception as err:  # recorded as status "error"; all ranks still reach the gather
         traceback.print_exc()
         msg = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
@@ -434,6 +443,7 @@ def _fill_measurements(rec: dict, results: list[dict], shape: LayerShape, T: int
         rec["power"] = [r.get("power") for r in results]
     peaks = [r["peak"] for r in results if r["peak"] is not None]
     rec["peak_gib"] = max(peaks) if peaks else None
+    rec["kernel_configs"] = results[0].get("kernels")  # rank 0's: every rank runs the same configs
     counts = [sum(c) for c in zip(*[r["counts"] for r in results])]
     mean = sum(counts) / len(counts)
     rec["load_imbalance"] = max(counts) / mean if mean > 0 else None

@@ -49,6 +49,8 @@ Record fields (times in ms, median over timed steps of the per-step max over ran
                      sm_mhz_median, sm_mhz_min, power_w_median, power_w_max, temp_c_max, reasons}} for
                      each timing pass (compare/power.py; reasons e.g. ["sw_power_cap"]); null otherwise
     peak_gib         max over ranks of torch.cuda.max_memory_allocated (weights included) | null on CPU
+    kernel_configs   megamoe rows: {kernel: [{constexprs, options (num_warps, num_stages, maxnreg), grids}]} of
+                     one more fwd+bwd step after the timing (rank 0; kernels/launch.record_launches) | null
     flops            {"fwd", "bwd", "fwdbwd"} per rank (compare/flops.py)
     tflops           effective fwd+bwd TFLOP/s per rank;  tflops_fwd, tflops_bwd
     floor_ms         fwd+bwd FLOPs / GEMM rate of this precision measured in this run; floor_fwd_ms
@@ -111,7 +113,7 @@ def new_record(*, implementation: str, family: str, backend: str | None, compile
     rec.update(host_fwd_ms=None, host_fwdbwd_ms=None, fwd_device_ms=None, bwd_device_ms=None,
                fwdbwd_device_ms=None, device_time_head_start_ms=None, fwd_cool_ms=None, bwd_cool_ms=None,
                fwdbwd_cool_ms=None, cooldown_ms=None, power=None)
-    rec.update(peak_gib=None, flops=None, tflops=None, tflops_fwd=None, tflops_bwd=None,
+    rec.update(peak_gib=None, kernel_configs=None, flops=None, tflops=None, tflops_fwd=None, tflops_bwd=None,
                floor_ms=None, floor_fwd_ms=None, floor_ratio=None, floor_ratio_fwd=None,
                speedup_vs={}, status="pending", reason=None, notes=[])
     return rec

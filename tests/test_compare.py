@@ -74,6 +74,11 @@ def test_tiny_run_all_routings(tmp_path, capsys):
             assert r["load_imbalance"] >= 1.0
         ref = by[(routing, "megamoe-reference", "bf16")]
         stock = by[(routing, "tt-eager", "bf16")]
+        # megamoe rows record the kernels one more step launched, stock rows none. The reference backend launches
+        # only the fused router's two (interpreted here), and a fixed routing replaces the router: none at all
+        router = {"_topk_route_kernel", "_topk_route_bwd_kernel"} if routing == "random" else set()
+        assert set(ref["kernel_configs"]) == router, (routing, ref["kernel_configs"])
+        assert stock["kernel_configs"] is None
         sp = ref["speedup_vs"]["tt-eager/bf16"]["fwdbwd"]
         assert sp == pytest.approx(stock["fwdbwd_ms"] / ref["fwdbwd_ms"])
         # every combination that cannot run is recorded with its reason

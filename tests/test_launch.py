@@ -229,3 +229,40 @@ if __name__ == "__main__":
         print(json.dumps(_check_all()))
     else:
         raise SystemExit("usage: python tests/test_launch.py host-launch-check")
+
+
+def test_record_launches_names_each_kernel_with_its_config():
+    """record_launches / kernel_configs (compare.layer's ``kernel_configs``): the routing layout and GEMM1 through
+    the interpreter, recorded with their constexprs (by parameter name, positional or keyword), launch options and
+    grids; tensors and runtime scalars left out; a second launch with the same config adds only its grid; nothing
+    is recorded outside the context."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from titan_megamoe.kernels import grouped_gemm as gg
+    from titan_megamoe.kernels.launch import kernel_configs, record_launches
+    from titan_megamoe.kernels.routing import build_routing_layout_triton
+
+    if os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("the interpreter path (CPU machines)")
+    g = torch.Generator().manual_seed(0)
+    T, K, E, D = 8, 2, 4, 64
+    ids = torch.randint(0, E, (T, K), generator=g)
+    y = torch.randn(T * K, D, generator=g).bfloat16()
+    with record_launches() as launched:
+        build_routing_layout_triton(ids, E, 16)
+        gg.combine_topk(y, T, K)
+        gg.combine_topk(y[: 4 * K], 4, K)
+    gg.combine_topk(y, T, K)  # outside: not recorded
+    names = [d["kernel"] for d in launched]
+    assert names == ["_count_kernel", "_layout_kernel", "_combine_topk_fwd_kernel", "_combine_topk_fwd_kernel"], names
+    cfg = kernel_configs(launched)
+    (combine,) = cfg["_combine_topk_fwd_kernel"]  # one config, two grids
+    assert combine["constexprs"] == {"K": K, "BLOCK_D": 64} and combine["options"] == {"num_warps": 1}
+    assert combine["grids"] == [[T, 1], [4, 1]]
+    layout = cfg["_layout_kernel"][0]
+    assert layout["constexprs"]["BM"] == 16 and "ids_ptr" not in layout["constexprs"] and "P" not in layout["constexprs"]
+    assert all(isinstance(v, (bool, int, float, str, type(None))) for c in cfg.values() for x in c
+               for v in x["constexprs"].values())

@@ -42,12 +42,15 @@ packed metadata and the two hooks, hooks as ``HookChain``); any other release go
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import Tensor as _Tensor
 
 from titan_megamoe.kernels.jit import env_flag, flavor, interpreting
 from titan_megamoe.kernels.sm90_check import VERIFIED_TRITON
 
-__all__ = ["FAST_LAUNCH", "POINTER_ARGS", "launch", "fast_launch_supported", "cached_kernels"]
+__all__ = ["FAST_LAUNCH", "POINTER_ARGS", "launch", "fast_launch_supported", "cached_kernels", "record_launches",
+           "kernel_configs"]
 
 #: Launch compiled kernels through the cache of this module (module docstring); False: Triton's path.
 FAST_LAUNCH = env_flag("TITAN_MEGAMOE_FAST_LAUNCH", True)
@@ -58,6 +61,7 @@ POINTER_ARGS = env_flag("TITAN_MEGAMOE_POINTER_ARGS", True)
 POINTER_DEVICE_TYPE = "cuda"
 
 _SUPPORTED: bool | None = None
+_RECORD: list | None = None  # record_launches(): the launches' descriptions while active
 _CACHES: dict = {}  # id(JITFunction) -> {(device, specialization, options): CompiledKernel}; the
 # JITFunctions live as long as the process (jit.flavor keeps them), so their ids stay theirs
 _driver = _runtime = None  # triton's driver config and knobs.runtime, bound once (an import statement
@@ -92,6 +96,8 @@ def launch(kernel, grid, *args, **kwargs):
     Returns:
         What Triton's launch returns (the compiled kernel; None in the interpreter).
     """
+    if _RECORD is not None:
+        _RECORD.append(_describe(kernel, grid, args, kwargs))
     if interpreting():
         return flavor(kernel, True)[grid](*args, **kwargs)
     fn = flavor(kernel, False)
@@ -157,3 +163,60 @@ def cached_kernels(kernel) -> int:
     """How many compiled variants of ``kernel`` the fast path holds (tests)."""
     fn = flavor(kernel, False)
     return len(_CACHES.get(id(fn), {}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Which configs ran (compare.layer records them with each megamoe row)
+# --------------------------------------------------------------------------------------------------
+
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+@contextlib.contextmanager
+def record_launches():
+    """While active, every :func:`launch` appends a description of itself to the yielded list: {"kernel": name,
+    "grid": [..] (or "callable"), "constexprs": {name: value}, "options": {num_warps, num_stages, maxnreg: ...}}.
+    Tensors and runtime scalars are left out (what the config chose, not the data). Nests (the inner one
+    records alone). Host-side only: one global read per launch when inactive."""
+    global _RECORD
+    prev, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = prev
+
+
+def _plain(v):
+    """A constexpr's value as JSON can hold it (Triton dtypes and layouts by their text)."""
+    return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+
+
+def _describe(kernel, grid, args, kwargs) -> dict:
+    params = getattr(kernel, "params", None) or []
+    constexpr = {p.name: p.is_constexpr for p in params}
+    cx = {p.name: _plain(v) for p, v in zip(params, args) if p.is_constexpr}
+    opts = {}
+    for name, v in kwargs.items():
+        if name in _OPTIONS:
+            opts[name] = _plain(v)
+        elif constexpr.get(name, not params and isinstance(v, (bool, int, float, str))):
+            cx[name] = _plain(v)
+    fn = getattr(kernel, "fn", kernel)
+    return {"kernel": getattr(fn, "__name__", str(fn)), "grid": "callable" if callable(grid) else list(grid),
+            "constexprs": cx, "options": opts}
+
+
+def kernel_configs(launches: list[dict]) -> dict[str, list[dict]]:
+    """{kernel name: its distinct configs, in launch order} from :func:`record_launches`'s list: each config its
+    constexprs, launch options and grids (a kernel launched twice with one config lists both grids)."""
+    out: dict[str, list[dict]] = {}
+    for d in launches:
+        configs = out.setdefault(d["kernel"], [])
+        for c in configs:
+            if c["constexprs"] == d["constexprs"] and c["options"] == d["options"]:
+                if d["grid"] not in c["grids"]:
+                    c["grids"].append(d["grid"])
+                break
+        else:
+            configs.append({"constexprs": d["constexprs"], "options": d["options"], "grids": [d["grid"]]})
+    return out
