@@ -367,3 +367,34 @@ def test_launch_rejects_a_megamoe_table_without_its_config_module(tmp_path, caps
         launch.main(["--config", str(cfg), "--ngpu", "1", "--dry-run"])
     assert e.value.code == 2
     assert 'custom_config_module = "titan_megamoe.config"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, ngpu, extra, message", [
+    ("expert_parallel_degree = 3", 2, [], "expert_parallel_degree = 3 does not divide the 2 rank(s)"),
+    ("expert_parallel_degree = 3", 3, [], "expert_parallel_degree = 3 does not divide the 64 routed experts of qwen3 "
+                                          "debugmodel_moe"),
+    ("tensor_parallel_degree = 2", 2, [], "megamoe cannot run with tensor_parallel_degree=2"),
+    ("expert_tensor_parallel_degree = 2", 2, [], "expert_tensor_parallel_degree=2 (set it to 1"),
+    ("expert_parallel_degree = 2", 2, ["--parallelism.expert_parallel_degree", "3"], "= 3 does not divide the 2"),
+    ('expert_parallel_degree = "two"', 2, [], "parallelism.expert_parallel_degree must be an integer, got 'two'"),
+])
+def test_launch_rejects_parallelism_megamoe_cannot_run(capsys, tmp_path, edit, ngpu, extra, message):
+    """A megamoe config whose [parallelism] the fused operator cannot run (tensor / expert tensor parallelism, an EP
+    degree that divides neither the ranks nor the experts; CLI overrides count) stops the launcher, a dry run too,
+    with what to change; the unedited config and a stock one with the same edit pass."""
+    src = REPO_ROOT / "train_configs" / "qwen3_debugmoe_megamoe_bf16.toml"
+    key = edit.split(" = ")[0]
+    text = src.read_text()
+    assert f"\n{key} = " in text
+    bad = tmp_path / "bad.toml"
+    bad.write_text("\n".join(edit if line.startswith(f"{key} = ") else line for line in text.splitlines()))
+    argv = ["--config", str(bad), "--ngpu", str(ngpu), "--dry-run", "--", *extra]
+    with pytest.raises(SystemExit) as e:
+        launch.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert launch.main(["--config", str(src), "--ngpu", "2", "--dry-run"]) == 0
+    stock = tmp_path / "stock.toml"
+    stock.write_text(bad.read_text().replace('converters = ["megamoe"]', "converters = []"))
+    if "two" not in edit:
+        assert launch.main(["--config", str(stock), "--ngpu", str(ngpu), "--dry-run", "--", *extra]) == 0

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from titan_megamoe.data import DATASET_NAME, DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR
 
-__all__ = ["LAUNCH_ENV", "build_command", "main", "plan_prepare"]
+__all__ = ["LAUNCH_ENV", "build_command", "check_megamoe_table", "check_parallelism_table", "main", "plan_prepare"]
 
 # Set for every launch, overriding the caller's values.
 LAUNCH_ENV = {
@@ -136,6 +136,75 @@ def check_megamoe_table(toml: dict) -> str | None:
     return None
 
 
+def check_parallelism_table(toml: dict, ngpu: int, extra: list[str]) -> str | None:
+    """The error in a megamoe config's ``[parallelism]`` for ``ngpu`` ranks, or None (also when ``[model] converters``
+    has no "megamoe"); checked before anything runs, a dry run included. CLI overrides in ``extra``
+    (``--parallelism.<key> N``) win over the TOML.
+
+    Refused: tensor, expert tensor and pipeline parallelism (the converter's ``check_parallelism``, same message), an
+    ``expert_parallel_degree`` that does not divide the ranks, and one that does not divide the model flavor's expert
+    count (each rank holds whole experts). TorchTitan checks the rest of the mesh at start-up.
+    """
+    import types
+
+    model = toml.get("model") if isinstance(toml.get("model"), dict) else {}
+    converters = _cli_override(extra, "--model.converters") or model.get("converters", [])
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",")]
+    if "megamoe" not in converters:
+        return None
+    par = toml.get("parallelism") if isinstance(toml.get("parallelism"), dict) else {}
+
+    def degree(key: str) -> int:
+        value = _cli_override(extra, f"--parallelism.{key}")
+        value = par.get(key, 1) if value is None else value
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"parallelism.{key} must be an integer, got {value!r}") from None
+
+    try:
+        dims = types.SimpleNamespace(tp=degree("tensor_parallel_degree"), etp=degree("expert_tensor_parallel_degree"),
+                                     pp=degree("pipeline_parallel_degree"))
+        ep = degree("expert_parallel_degree")
+    except ValueError as e:
+        return str(e)
+    from titan_megamoe.converter import check_parallelism
+    from titan_megamoe.errors import UnsupportedModelError
+
+    try:
+        check_parallelism(dims)
+    except UnsupportedModelError as e:
+        return str(e)
+    if ep < 1 or ngpu % ep:
+        return (f"parallelism.expert_parallel_degree = {ep} does not divide the {ngpu} rank(s) of this launch "
+                f"(--ngpu): use a divisor of {ngpu}")
+    if ep > 1:
+        experts = _flavor_experts(_cli_override(extra, "--model.name") or model.get("name"),
+                                  _cli_override(extra, "--model.flavor") or model.get("flavor"))
+        if experts is not None and experts % ep:
+            return (f"parallelism.expert_parallel_degree = {ep} does not divide the {experts} routed experts of "
+                    f"{model.get('name')} {model.get('flavor')} (megamoe keeps whole experts per rank): use a "
+                    f"divisor of {experts}")
+    return None
+
+
+def _flavor_experts(name: str | None, flavor: str | None) -> int | None:
+    """The routed expert count of TorchTitan model ``name`` / ``flavor`` (our reduced flavors included), None when
+    unknown (TorchTitan then names the model or flavor problem itself at start-up)."""
+    if not name or not flavor:
+        return None
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        import titan_megamoe  # noqa: F401  (registers the reduced flavors)
+
+        args = get_train_spec(name).model_args[flavor]
+        return int(args.moe_args.num_experts)
+    except Exception:  # noqa: BLE001 - an unknown model / flavor, or a dense model
+        return None
+
+
 def _visible_gpus() -> int:
     import torch
 
@@ -189,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ngpu is not None and args.ngpu < 1:
         parser.error(f"--ngpu must be >= 1, got {args.ngpu}")
     ngpu = args.ngpu if args.ngpu is not None else _default_ngpu()
+    bad = check_parallelism_table(toml, ngpu, extra)
+    if bad:
+        parser.error(f"config file {config}: {bad}")
     corpus_dir, want_tokenizer = plan_prepare(toml, extra)
     cmd = build_command(config, ngpu, args.steps, extra)
 
