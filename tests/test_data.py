@@ -377,11 +377,14 @@ def test_launch_rejects_a_megamoe_table_without_its_config_module(tmp_path, caps
     ("expert_tensor_parallel_degree = 2", 2, [], "expert_tensor_parallel_degree=2 (set it to 1"),
     ("expert_parallel_degree = 2", 2, ["--parallelism.expert_parallel_degree", "3"], "= 3 does not divide the 2"),
     ('expert_parallel_degree = "two"', 2, [], "parallelism.expert_parallel_degree must be an integer, got 'two'"),
+    ('converters = ["megamoe", "quantize.grouped_mm.float8"]', 2, [],
+     "converters ['quantize.grouped_mm.float8'] quantize the MoE grouped GEMMs, which megamoe replaces"),
 ])
 def test_launch_rejects_parallelism_megamoe_cannot_run(capsys, tmp_path, edit, ngpu, extra, message):
     """A megamoe config whose [parallelism] the fused operator cannot run (tensor / expert tensor parallelism, an EP
-    degree that divides neither the ranks nor the experts; CLI overrides count) stops the launcher, a dry run too,
-    with what to change; the unedited config and a stock one with the same edit pass."""
+    degree that divides neither the ranks nor the experts; CLI overrides count), or with a converter of the expert
+    GEMMs beside it, stops the launcher, a dry run too, with what to change; the unedited config and a stock one with
+    the same edit pass."""
     src = REPO_ROOT / "train_configs" / "qwen3_debugmoe_megamoe_bf16.toml"
     key = edit.split(" = ")[0]
     text = src.read_text()
@@ -395,6 +398,7 @@ def test_launch_rejects_parallelism_megamoe_cannot_run(capsys, tmp_path, edit, n
     assert message in capsys.readouterr().err
     assert launch.main(["--config", str(src), "--ngpu", "2", "--dry-run"]) == 0
     stock = tmp_path / "stock.toml"
-    stock.write_text(bad.read_text().replace('converters = ["megamoe"]', "converters = []"))
+    stock.write_text(bad.read_text().replace('converters = ["megamoe"]', "converters = []").replace(
+        '"megamoe", ', ""))
     if "two" not in edit:
         assert launch.main(["--config", str(stock), "--ngpu", str(ngpu), "--dry-run", "--", *extra]) == 0

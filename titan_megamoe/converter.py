@@ -20,7 +20,8 @@ from titan_megamoe.errors import UnsupportedModelError
 from titan_megamoe.layer import MegaMoE
 from titan_megamoe.parallelize import register_sac_save_ops
 
-__all__ = ["MegaMoEConverter", "convert_moe_layers", "check_parallelism", "check_fp8_setup", "check_fp8_dims"]
+__all__ = ["MegaMoEConverter", "convert_moe_layers", "check_converters", "check_parallelism", "check_fp8_setup",
+           "check_fp8_dims"]
 
 
 def check_parallelism(parallel_dims) -> None:
@@ -45,6 +46,21 @@ def check_parallelism(parallel_dims) -> None:
         )
     if problems:
         raise UnsupportedModelError("megamoe cannot run with " + "; ".join(problems))
+
+
+def check_converters(converters) -> None:
+    """Refuse model converters that cannot run beside megamoe.
+
+    Raises:
+        UnsupportedModelError: a converter that quantizes the MoE grouped GEMMs (``quantize.grouped_mm.*``:
+            TorchTitan's float8 / mx expert GEMMs), which megamoe replaces.
+    """
+    grouped = [c for c in converters if c != "megamoe" and "grouped_mm" in c]
+    if grouped:
+        raise UnsupportedModelError(
+            f"converters {grouped} quantize the MoE grouped GEMMs, which megamoe replaces; use "
+            "[megamoe] precision instead and remove them from [model] converters"
+        )
 
 
 def convert_moe_layers(
@@ -144,13 +160,7 @@ class MegaMoEConverter:
         config.check_available()
         check_parallelism(parallel_dims)
         check_fp8_setup(config, getattr(parallel_dims, "ep", 1))
-        others = [c for c in job_config.model.converters if c != "megamoe"]
-        grouped = [c for c in others if "grouped_mm" in c]
-        if grouped:
-            raise UnsupportedModelError(
-                f"converters {grouped} quantize the MoE grouped GEMMs, which megamoe replaces; use "
-                "[megamoe] precision instead and remove them from [model] converters"
-            )
+        check_converters(job_config.model.converters)
         self.config = config
         tokens = job_config.training.local_batch_size * job_config.training.seq_len
         cp = getattr(parallel_dims, "cp", 1)

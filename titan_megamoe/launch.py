@@ -25,7 +25,7 @@ from pathlib import Path
 
 from titan_megamoe.data import DATASET_NAME, DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR
 
-__all__ = ["LAUNCH_ENV", "build_command", "check_megamoe_table", "check_parallelism_table", "main", "plan_prepare"]
+__all__ = ["LAUNCH_ENV", "build_command", "check_megamoe_table", "check_megamoe_job", "main", "plan_prepare"]
 
 # Set for every launch, overriding the caller's values.
 LAUNCH_ENV = {
@@ -136,14 +136,15 @@ def check_megamoe_table(toml: dict) -> str | None:
     return None
 
 
-def check_parallelism_table(toml: dict, ngpu: int, extra: list[str]) -> str | None:
-    """The error in a megamoe config's ``[parallelism]`` for ``ngpu`` ranks, or None (also when ``[model] converters``
-    has no "megamoe"); checked before anything runs, a dry run included. CLI overrides in ``extra``
-    (``--parallelism.<key> N``) win over the TOML.
+def check_megamoe_job(toml: dict, ngpu: int, extra: list[str]) -> str | None:
+    """The error in a megamoe config's converters or ``[parallelism]`` for ``ngpu`` ranks, or None (also when
+    ``[model] converters`` has no "megamoe"); checked before anything runs, a dry run included. CLI overrides in
+    ``extra`` (``--model.converters``, ``--parallelism.<key> N``) win over the TOML.
 
-    Refused: tensor, expert tensor and pipeline parallelism (the converter's ``check_parallelism``, same message), an
-    ``expert_parallel_degree`` that does not divide the ranks, and one that does not divide the model flavor's expert
-    count (each rank holds whole experts). TorchTitan checks the rest of the mesh at start-up.
+    Refused, with the converter's own messages where it has them (``converter.check_converters``,
+    ``check_parallelism``): a converter of the MoE grouped GEMMs beside megamoe; tensor, expert tensor and pipeline
+    parallelism; an ``expert_parallel_degree`` that does not divide the ranks, or the model flavor's expert count (each
+    rank holds whole experts). TorchTitan checks the rest of the mesh at start-up.
     """
     import types
 
@@ -169,10 +170,11 @@ def check_parallelism_table(toml: dict, ngpu: int, extra: list[str]) -> str | No
         ep = degree("expert_parallel_degree")
     except ValueError as e:
         return str(e)
-    from titan_megamoe.converter import check_parallelism
+    from titan_megamoe.converter import check_converters, check_parallelism
     from titan_megamoe.errors import UnsupportedModelError
 
     try:
+        check_converters(converters)
         check_parallelism(dims)
     except UnsupportedModelError as e:
         return str(e)
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ngpu is not None and args.ngpu < 1:
         parser.error(f"--ngpu must be >= 1, got {args.ngpu}")
     ngpu = args.ngpu if args.ngpu is not None else _default_ngpu()
-    bad = check_parallelism_table(toml, ngpu, extra)
+    bad = check_megamoe_job(toml, ngpu, extra)
     if bad:
         parser.error(f"config file {config}: {bad}")
     corpus_dir, want_tokenizer = plan_prepare(toml, extra)
