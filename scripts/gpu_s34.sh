@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU calls planned in session 33 for the next session: (1) the counter schedule with session 33's ticket fix (every
+# GPU calls of session 34 (planned in session 33; the FP8 forward's launch halves added and run first): (1) the counter schedule with session 33's ticket fix (every
 # thread of the producer partition issues the atomic; the scalar form's broadcast lacked reconvergence in the SASS):
 # one launch per process, killed at 25 s, then its GPU tests and its A/B if the probes return; (2) issue 4 on an H200
 # if one comes (both shapes beside stock at today's defaults, run first). Say in the results which card ran.
@@ -17,7 +17,15 @@ if [ "$PART" = a ]; then
     layer_ab 30b_h200 "" qwen3-30b-a3b bf16 tt-compile,megamoe-triton 4
     layer_ab 235b_h200 "" qwen3-235b-a22b bf16 tt-compile,megamoe-triton 4
   fi
-  if probe p1 --programs 1 && probe pall && probe p30b --shape 16384,128,8,2048,768; then
+  # session 34's default first: the FP8 forward through the launch halves (FP8_FAST_FWD): the fused FP8 node's GPU
+  # tests (bitwise the modular path), then the 30B layer with the switch on and off in one process
+  TITAN_MEGAMOE_TEST_DYNAMIC=0 timeout -s KILL $(left 150) python3 -m pytest -q -rfE tests/test_eager_layer.py \
+    -k "fp8 and not fast_forward" -p no:cacheprovider > "$OUT/keep/tests_gpu_fp8_fast_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] fp8 node GPU tests: $(tail -1 "$OUT/keep/tests_gpu_fp8_fast_a.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_fp8_fast_a.log" | head -12
+  [ "$(left 200)" -ge 100 ] && layer_ab 30b_fp8_fast_a "FP8_FAST_FWD=0" qwen3-30b-a3b bf16,fp8 megamoe-triton 8
+  # then the counter schedule with session 33's ticket fix: the probes, and its tests and A/B if they return
+  if [ "$(left 200)" -ge 80 ] && probe p1 --programs 1 && probe pall && probe p30b --shape 16384,128,8,2048,768; then
     TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
       -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
     echo "[t=$((SECONDS - t0))s] dynamic GPU tests: $(tail -1 "$OUT/keep/tests_gpu_dynamic_a.log")"
@@ -27,9 +35,6 @@ if [ "$PART" = a ]; then
       > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
     echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
   fi
-  # session 34: the FP8 forward through the launch halves (FP8_FAST_FWD): its GPU tests, then the 30B layer A/B
-  gpu_tests fp8_fast_a tests/test_eager_layer.py -k "fp8"
-  [ "$(left 200)" -ge 100 ] && layer_ab 30b_fp8_fast_a "FP8_FAST_FWD=0" qwen3-30b-a3b bf16,fp8 megamoe-triton 8
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s34$PART"
