@@ -114,12 +114,14 @@ with hd.host_only_driver(record=False):
             per.setdefault(f"{i}:{n}", []).append((t - t0) * 1e6)
         y.backward(dy)
     seen = []  # one more forward, untimed: what each launch gets (tensors as dtype and shape)
-    def sig(v):
+    def sig(v):  # tensors (and a TMA descriptor's base tensor) with their address: which buffer a launch reads
         if isinstance(v, torch.Tensor):
-            return [str(v.dtype), list(v.shape)]
+            return [str(v.dtype), list(v.shape), v.data_ptr()]
         if isinstance(v, (int, float, bool, str, type(None))):
             return v
-        return [type(v).__name__, list(getattr(v, "block_shape", []))]
+        base = getattr(v, "base", None)
+        return [type(v).__name__, list(getattr(v, "block_shape", [])),
+                base.data_ptr() if isinstance(base, torch.Tensor) else None]
     def described(kernel, grid, *a, **k):
         seen.append([getattr(getattr(kernel, "fn", kernel), "__name__", "?"), list(grid), [sig(v) for v in a],
                      {n: sig(v) for n, v in sorted(k.items())}])
@@ -135,15 +137,20 @@ with hd.host_only_driver(record=False):
     layer(x).backward(dy)
     for m in mods:
         m.launch = real
+    named = {x.data_ptr(): "x", dy.data_ptr(): "dy"}  # buffers that outlive a step, by name (the rest are new)
+    named.update({q.data_ptr(): n for n, q in layer.named_parameters()})
+    for n, (_, val) in getattr(getattr(layer.experts, "fp8_cache", None), "_entries", {}).items():
+        named.update({t.data_ptr(): f"{n}.{part}" for part, t in zip(("q", "s", "qT", "sT"), val) if t is not None})
 print(json.dumps({"package": os.path.dirname(titan_megamoe.__file__), "fwd_us": statistics.median(fwd),
                   "launch_at_us": {k: statistics.median(v) for k, v in per.items()}, "launches": seen,
-                  "paths": sorted(paths)}))
+                  "paths": sorted(paths), "named": {str(k): v for k, v in named.items()}}))
 """
 
 
 def _run(tree: str, iters: int, precision: str = "bf16", warmup: int = 50, env: dict | None = None) -> dict:
     """One subprocess of ``_TIMER`` on ``tree``: its median forward, launch times and the launches of one more step
-    (``launches``: [kernel, grid, positional args, keyword args], tensors as [dtype, shape]). ``env``: more
+    (``launches``: [kernel, grid, positional args, keyword args], tensors as [dtype, shape, address]; ``named``: the
+    addresses of the buffers that outlive a step, x, dy, the parameters and the FP8 weight cache, by name). ``env``: more
     environment variables (switches) for the subprocess."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     drv = os.path.join(here, "titan_megamoe", "kernels", "host_driver.py")
