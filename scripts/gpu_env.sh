@@ -35,6 +35,13 @@ gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line an
   echo "[t=$((SECONDS - t0))s] gpu tests: $(tail -1 "$OUT/keep/tests_gpu_$tag.log")"
   grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
 }
+ep_layer() {  # ep_layer TAG SHAPES PRECISIONS ROUTINGS CAP, at EP = $EP_GPUS (gpu_ep2.sh / gpu_ep8.sh set it)
+  local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$5" ] && l=$5; [ "$l" -lt 5 ] && l=5
+  timeout $l python3 -m torch.distributed.run --standalone --nproc_per_node "$EP_GPUS" -m compare.layer \
+    --shapes "$2" --impls tt-compile,megamoe-triton --precisions "$3" --routings "$4" --iters 10 --warmup 3 \
+    --device-time --no-plot --out "$OUT/keep/layer_ep${EP_GPUS}_$1.json" > "$OUT/keep/layer_ep${EP_GPUS}_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] layer ep$EP_GPUS $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_ep${EP_GPUS}_$1.log" | head -16
+}
 layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer rows, default and with each switch set
   local lim=$((${BUDGET:-570} - 5 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \

@@ -11,13 +11,8 @@
 # Call as: REV=<hash> PART=a [BUDGET=seconds] bash scripts/gpu_ep2.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
+EP_GPUS=2
 left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
-ep_layer() {  # ep_layer TAG SHAPES PRECISIONS ROUTINGS CAP
-  timeout $(left $5) python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m compare.layer \
-    --shapes "$2" --impls tt-compile,megamoe-triton --precisions "$3" --routings "$4" --iters 10 --warmup 3 \
-    --device-time --no-plot --out "$OUT/keep/layer_ep2_$1.json" > "$OUT/keep/layer_ep2_$1.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] layer ep2 $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_ep2_$1.log" | head -16
-}
 if [ "$PART" = a ]; then
   nvidia-smi topo -m | tee "$OUT/topo.txt"
   timeout -s KILL $(left 240) python3 -m pytest -q -rfE -s tests/test_gpu.py -k "ep2 or ep_triton" -p no:cacheprovider \
