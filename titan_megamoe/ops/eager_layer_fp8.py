@@ -63,7 +63,7 @@ def fused_forward_fp8(x_TD: Tensor, gate_w: Tensor, expert_bias: Tensor | None, 
         out, gate_up, L = tb.triton_fwd_unchecked(x_TD, ids, top, w1, w2, w3)
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=False, cache=cache, layer_name=layer_name)
         fb.NONFINITE.check()  # records of earlier calls that have landed (this forward records none)
-    else:  # fp8_fwd checks the earlier calls' records before its launches, as the op does
+    else:  # the earlier calls' records: fp8_fwd_unchecked reads them after its launches, fp8_fwd before, as the op
         wq = fb.prepare_weights_eager(w1, w2, w3, fp8_forward=fp8_forward, cache=cache, layer_name=layer_name)
         if fp8_forward and FAST_FWD and fb.fp8_fwd_unchecked_ok(x_TD, wq):
             out, gate_up, L = fb.fp8_fwd_unchecked(x_TD, ids, top, wq, layer_name)
