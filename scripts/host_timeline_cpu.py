@@ -114,12 +114,16 @@ with hd.host_only_driver(record=False):
             per.setdefault(f"{i}:{n}", []).append((t - t0) * 1e6)
         y.backward(dy)
     seen = []  # one more forward, untimed: what each launch gets (tensors as dtype and shape)
+    kept = []  # every tensor a launch got, alive to the end: no address is reused, so an address names one buffer
     def sig(v):  # tensors (and a TMA descriptor's base tensor) with their address: which buffer a launch reads
         if isinstance(v, torch.Tensor):
+            kept.append(v)
             return [str(v.dtype), list(v.shape), v.data_ptr()]
         if isinstance(v, (int, float, bool, str, type(None))):
             return v
         base = getattr(v, "base", None)
+        if isinstance(base, torch.Tensor):
+            kept.append(base)
         return [type(v).__name__, list(getattr(v, "block_shape", [])),
                 base.data_ptr() if isinstance(base, torch.Tensor) else None]
     def described(kernel, grid, *a, **k):
