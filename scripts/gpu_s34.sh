@@ -3,7 +3,7 @@
 # thread of the producer partition issues the atomic; the scalar form's broadcast lacked reconvergence in the SASS):
 # one launch per process, killed at 25 s, then its GPU tests and its A/B if the probes return; (2) issue 4 on an H200
 # if one comes (both shapes beside stock at today's defaults, run first). Say in the results which card ran.
-# Call as: REV=<hash> PART=a [BUDGET=seconds] bash scripts/gpu_s34.sh   (carry .whl; see scripts/gpu_env.sh)
+# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s34.sh   (b: the counter schedule alone)   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
 left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
@@ -11,6 +11,18 @@ probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, 
   timeout -s KILL 25 python3 scripts/probe_dynamic.py "${@:2}" > "$OUT/keep/probe_dynamic_$1.log" 2>&1
   local rc=$?; echo "[t=$((SECONDS - t0))s] probe $1 rc $rc: $(tail -1 "$OUT/keep/probe_dynamic_$1.log" | cut -c1-220)"
   return $rc
+}
+counter_schedule() {  # the counter schedule with session 33's ticket fix: the probes, then its tests and A/B if they return
+  if [ "$(left 200)" -ge 80 ] && probe p1 --programs 1 && probe pall && probe p30b --shape 16384,128,8,2048,768; then
+    TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
+      -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] dynamic GPU tests: $(tail -1 "$OUT/keep/tests_gpu_dynamic_a.log")"
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_dynamic_a.log" | head -12
+    timeout $(left 150) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 --unfence-dynamic \
+      --groups gemm1_dgrad_dynamic,gemm1_fwd_dynamic --out "$OUT/keep/ab_kernels_dynamic_a.json" \
+      > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
+  fi
 }
 if [ "$PART" = a ]; then
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 4 names an H200: first
@@ -24,17 +36,8 @@ if [ "$PART" = a ]; then
   echo "[t=$((SECONDS - t0))s] fp8 node GPU tests: $(tail -1 "$OUT/keep/tests_gpu_fp8_fast_a.log")"
   grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_fp8_fast_a.log" | head -12
   [ "$(left 200)" -ge 100 ] && layer_ab 30b_fp8_fast_a "FP8_FAST_FWD=0" qwen3-30b-a3b bf16,fp8 megamoe-triton 8
-  # then the counter schedule with session 33's ticket fix: the probes, and its tests and A/B if they return
-  if [ "$(left 200)" -ge 80 ] && probe p1 --programs 1 && probe pall && probe p30b --shape 16384,128,8,2048,768; then
-    TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
-      -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] dynamic GPU tests: $(tail -1 "$OUT/keep/tests_gpu_dynamic_a.log")"
-    grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_dynamic_a.log" | head -12
-    timeout $(left 150) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 --unfence-dynamic \
-      --groups gemm1_dgrad_dynamic,gemm1_fwd_dynamic --out "$OUT/keep/ab_kernels_dynamic_a.json" \
-      > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
-  fi
+  counter_schedule
 fi
+[ "$PART" = b ] && counter_schedule  # the counter schedule alone (a short call)
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s34$PART"
