@@ -28,6 +28,9 @@ session_pack() {
 }
 
 # Helpers of the session scripts (gpu_s24.sh on):
+left() {  # left CAP: the seconds a step may take, at most CAP, within the call's BUDGET (default 575); at least 5
+  local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l
+}
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
 gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line and failures
   local tag=$1; shift
@@ -36,8 +39,7 @@ gpu_tests() {  # gpu_tests TAG FILES... : pytest on the GPU, the summary line an
   grep -E "^(FAILED|ERROR)|^E  |bitwise" "$OUT/keep/tests_gpu_$tag.log" | head -24 || true
 }
 ep_layer() {  # ep_layer TAG SHAPES PRECISIONS ROUTINGS CAP, at EP = $EP_GPUS (gpu_ep2.sh / gpu_ep8.sh set it)
-  local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$5" ] && l=$5; [ "$l" -lt 5 ] && l=5
-  timeout $l python3 -m torch.distributed.run --standalone --nproc_per_node "$EP_GPUS" -m compare.layer \
+  timeout $(left "$5") python3 -m torch.distributed.run --standalone --nproc_per_node "$EP_GPUS" -m compare.layer \
     --shapes "$2" --impls tt-compile,megamoe-triton --precisions "$3" --routings "$4" --iters 10 --warmup 3 \
     --device-time --no-plot --out "$OUT/keep/layer_ep${EP_GPUS}_$1.json" > "$OUT/keep/layer_ep${EP_GPUS}_$1.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer ep$EP_GPUS $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_ep${EP_GPUS}_$1.log" | head -16

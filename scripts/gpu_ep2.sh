@@ -12,7 +12,6 @@
 source scripts/gpu_env.sh
 session_start
 EP_GPUS=2
-left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
 if [ "$PART" = a ]; then
   nvidia-smi topo -m | tee "$OUT/topo.txt"
   timeout -s KILL $(left 240) python3 -m pytest -q -rfE -s tests/test_gpu.py -k "ep2 or ep_triton" -p no:cacheprovider \

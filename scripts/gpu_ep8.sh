@@ -12,7 +12,6 @@
 source scripts/gpu_env.sh
 session_start
 EP_GPUS=8
-left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
 train() {  # train TAG CONFIG_A CONFIG_B LABEL_A LABEL_B
   local s=train_configs/qwen3_30b_a3b
   timeout $(left 570) python3 -m compare.train --ngpu 8 --steps 25 --skip 5 \

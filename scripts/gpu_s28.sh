@@ -4,7 +4,6 @@
 source scripts/gpu_env.sh
 session_start
 NCU_METRICS="gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,launch__grid_size"
-left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
 ncu_rows() { grep -E "^  [a-zA-Z_]|duration|per_second|pct_of_peak|bytes_read|bytes_write|registers|grid_size|Stall|Warp Cycles|Issued" "$1" | cut -c1-120 | head -${2:-80}; }
 # PART=a: (1) GPU tests of the Gluon GEMM1 / GEMM2 dgrads (session 27's _store_halves refactor never ran on a GPU;
 #   the GEMM2 dgrad's v3: one m64n128 accumulator per consumer, two staging tiles); (2) the bf16 GEMM2 dgrad (~455 TF/s

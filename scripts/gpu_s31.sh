@@ -6,7 +6,6 @@
 # Call as: REV=<hash> PART=a [BUDGET=seconds] bash scripts/gpu_s31.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
-left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
 # The new kernels' GPU tests run apart, after the rest (a hang would stall a run): the counter schedule
 # (test_ws_gemm.py -k dynamic) and the Gluon GEMM2 (test_ws_gemm2.py); each one's A/B and layer rows run only if its
 # tests passed.

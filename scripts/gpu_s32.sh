@@ -7,7 +7,6 @@
 # Call as: REV=<hash> PART=a [BUDGET=seconds] bash scripts/gpu_s32.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
-left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
 ab() {  # ab TAG SHAPES ROUNDS CAP GROUPS
   timeout $(left $4) python3 scripts/ab_kernels.py --shapes "$2" --rounds "$3" --groups "$5" \
     --out "$OUT/keep/ab_kernels_$1.json" > "$OUT/ab_kernels_$1.log" 2>&1

@@ -6,7 +6,6 @@
 # Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s34.sh   (b: the counter schedule alone)   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
-left() { local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }  # left CAP: seconds
 probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, killed at 25 s
   timeout -s KILL 25 python3 scripts/probe_dynamic.py "${@:2}" > "$OUT/keep/probe_dynamic_$1.log" 2>&1
   local rc=$?; echo "[t=$((SECONDS - t0))s] probe $1 rc $rc: $(tail -1 "$OUT/keep/probe_dynamic_$1.log" | cut -c1-220)"
