@@ -274,3 +274,15 @@ def test_fp8_refuses_dims_not_multiple_of_128_naming_the_layer():
     check_fp8_dims(model, MegaMoEConfig(backend="triton", precision="bf16"))  # bf16: any dims
     with pytest.raises(MegaMoEConfigError, match=r"layers\.0.*precision = 'fp8'.*moe hidden dim=96.*'bf16'"):
         check_fp8_dims(model, MegaMoEConfig(backend="triton", precision="fp8"))
+
+
+def test_reference_backend_is_named_slow_at_conversion(caplog):
+    """The default backend is the oracle: the converter says so (and what to set), the fused backend is quiet."""
+    with caplog.at_level("WARNING"):
+        MegaMoEConverter(job_config(), dims())
+    assert 'backend "reference" is the pure-PyTorch oracle' in caplog.text
+    assert 'set [megamoe] backend = "triton"' in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        MegaMoEConverter(job_config("--megamoe.backend", "triton"), dims())
+    assert "oracle" not in caplog.text

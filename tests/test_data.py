@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -400,5 +401,38 @@ def test_launch_rejects_parallelism_megamoe_cannot_run(capsys, tmp_path, edit, n
     stock = tmp_path / "stock.toml"
     stock.write_text(bad.read_text().replace('converters = ["megamoe"]', "converters = []").replace(
         '"megamoe", ', ""))
-    if "two" not in edit:
-        assert launch.main(["--config", str(stock), "--ngpu", str(ngpu), "--dry-run", "--", *extra]) == 0
+    stock_argv = ["--config", str(stock), "--ngpu", str(ngpu), "--dry-run", "--", *extra]
+    if "does not divide the 2" in message or "must be an integer" in message:  # TorchTitan's mesh needs these too
+        with pytest.raises(SystemExit):
+            launch.main(stock_argv)
+        assert message in capsys.readouterr().err
+    else:
+        assert launch.main(stock_argv) == 0
+
+
+def test_launch_says_what_it_will_run_and_warns_of_likely_mistakes(tmp_path, capsys):
+    """The dry run's "moe:" line names the implementation (megamoe's backend / precision / EP, or stock), and valid
+    configs that are likely not what was meant get a warning: the slow reference backend, a [megamoe] table without
+    the converter, its defaults without a table, more ranks than one host has."""
+    def run(text: str, *argv: str) -> list[str]:
+        cfg = tmp_path / "job.toml"
+        cfg.write_text(text)
+        assert launch.main(["--config", str(cfg), "--dry-run", *argv]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.split(":")[0] in ("moe", "warning",
+                                                                                                 "note")]
+
+    src = (REPO_ROOT / "train_configs" / "qwen3_debugmoe_megamoe_bf16.toml").read_text()
+    lines = run(src, "--ngpu", "2")
+    assert "moe: megamoe, backend triton, precision bf16, EP 2 of 2 rank(s)" in lines
+    assert not any(line.startswith(("warning: [megamoe]", "warning: the [megamoe]", "note")) for line in lines), lines
+    lines = run(src.replace('backend = "triton"', 'backend = "reference"'), "--ngpu", "2")
+    assert 'warning: [megamoe] backend "reference" is the pure-PyTorch oracle' in "\n".join(lines)
+    no_table = re.sub(r"\[megamoe\]\n(?:[^\[\n].*\n|\n)*", "", src)  # the table, up to the next one
+    assert "[megamoe]" not in no_table and "[optimizer]" in no_table
+    lines = run(no_table.replace('custom_config_module = "titan_megamoe.config"', ""), "--ngpu", "2")
+    assert any(line.endswith("(no [megamoe] table: its defaults)") and "backend reference" in line for line in lines)
+    lines = run(src.replace('converters = ["megamoe"]', "converters = []"), "--ngpu", "2")
+    assert 'moe: stock TorchTitan (no "megamoe" in [model] converters), EP 2 of 2 rank(s)' in lines
+    assert any(line.startswith("warning: the [megamoe] table has no effect") for line in lines), lines
+    lines = run(src, "--ngpu", "16")
+    assert any(line.startswith("note: --ngpu 16 starts 16 ranks on this host") for line in lines), lines

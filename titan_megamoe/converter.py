@@ -161,6 +161,11 @@ class MegaMoEConverter:
         check_parallelism(parallel_dims)
         check_fp8_setup(config, getattr(parallel_dims, "ep", 1))
         check_converters(job_config.model.converters)
+        if config.backend == "reference":
+            logger.warning(
+                "megamoe: backend \"reference\" is the pure-PyTorch oracle (correct, but 0.2-0.4x stock TorchTitan); "
+                "set [megamoe] backend = \"triton\" for the fused kernels"
+            )
         self.config = config
         tokens = job_config.training.local_batch_size * job_config.training.seq_len
         cp = getattr(parallel_dims, "cp", 1)

@@ -136,38 +136,58 @@ def check_megamoe_table(toml: dict) -> str | None:
     return None
 
 
-def check_megamoe_job(toml: dict, ngpu: int, extra: list[str]) -> str | None:
-    """The error in a megamoe config's converters or ``[parallelism]`` for ``ngpu`` ranks, or None (also when
-    ``[model] converters`` has no "megamoe"); checked before anything runs, a dry run included. CLI overrides in
-    ``extra`` (``--model.converters``, ``--parallelism.<key> N``) win over the TOML.
+def _converters(toml: dict, extra: list[str]) -> list[str]:
+    """``[model] converters``, the CLI's ``--model.converters`` winning."""
+    model = toml.get("model") if isinstance(toml.get("model"), dict) else {}
+    converters = _cli_override(extra, "--model.converters") or model.get("converters", [])
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",") if c.strip()]
+    return list(converters)
 
-    Refused, with the converter's own messages where it has them (``converter.check_converters``,
-    ``check_parallelism``): a converter of the MoE grouped GEMMs beside megamoe; tensor, expert tensor and pipeline
-    parallelism; an ``expert_parallel_degree`` that does not divide the ranks, or the model flavor's expert count (each
-    rank holds whole experts). TorchTitan checks the rest of the mesh at start-up.
+
+def _degree(toml: dict, extra: list[str], key: str) -> int:
+    """``[parallelism] key`` (default 1), the CLI's ``--parallelism.key`` winning.
+
+    Raises:
+        ValueError: the value is not an integer.
+    """
+    par = toml.get("parallelism") if isinstance(toml.get("parallelism"), dict) else {}
+    value = _cli_override(extra, f"--parallelism.{key}")
+    value = par.get(key, 1) if value is None else value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"parallelism.{key} must be an integer, got {value!r}") from None
+
+
+def check_megamoe_job(toml: dict, ngpu: int, extra: list[str]) -> str | None:
+    """The error in a config's converters or ``[parallelism]`` for ``ngpu`` ranks, or None; checked before anything
+    runs, a dry run included. CLI overrides in ``extra`` (``--model.converters``, ``--parallelism.<key> N``) win over
+    the TOML.
+
+    Refused for every config: an ``expert_parallel_degree`` that does not divide the ranks (TorchTitan's mesh needs
+    it too). Refused for a megamoe config (``[model] converters`` with "megamoe"), with the converter's own messages
+    where it has them (``converter.check_converters``, ``check_parallelism``): a converter of the MoE grouped GEMMs
+    beside megamoe; tensor, expert tensor and pipeline parallelism; an EP degree that does not divide the model
+    flavor's expert count (each rank holds whole experts). TorchTitan checks the rest of the mesh at start-up.
     """
     import types
 
     model = toml.get("model") if isinstance(toml.get("model"), dict) else {}
-    converters = _cli_override(extra, "--model.converters") or model.get("converters", [])
-    if isinstance(converters, str):
-        converters = [c.strip() for c in converters.split(",")]
+    converters = _converters(toml, extra)
+    try:
+        ep = _degree(toml, extra, "expert_parallel_degree")
+    except ValueError as e:
+        return str(e)
+    if ep < 1 or ngpu % ep:  # TorchTitan's mesh needs it too, so stock configs are checked as well
+        return (f"parallelism.expert_parallel_degree = {ep} does not divide the {ngpu} rank(s) of this launch "
+                f"(--ngpu {ngpu}): launch with --ngpu a multiple of {ep} on a machine with that many GPUs, or "
+                f"set an expert_parallel_degree dividing {ngpu}")
     if "megamoe" not in converters:
         return None
-    par = toml.get("parallelism") if isinstance(toml.get("parallelism"), dict) else {}
-
-    def degree(key: str) -> int:
-        value = _cli_override(extra, f"--parallelism.{key}")
-        value = par.get(key, 1) if value is None else value
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"parallelism.{key} must be an integer, got {value!r}") from None
-
     try:
-        dims = types.SimpleNamespace(tp=degree("tensor_parallel_degree"), etp=degree("expert_tensor_parallel_degree"),
-                                     pp=degree("pipeline_parallel_degree"))
-        ep = degree("expert_parallel_degree")
+        dims = types.SimpleNamespace(**{k: _degree(toml, extra, f"{name}_parallel_degree") for k, name in
+                                        (("tp", "tensor"), ("etp", "expert_tensor"), ("pp", "pipeline"))})
     except ValueError as e:
         return str(e)
     from titan_megamoe.converter import check_converters, check_parallelism
@@ -178,9 +198,6 @@ def check_megamoe_job(toml: dict, ngpu: int, extra: list[str]) -> str | None:
         check_parallelism(dims)
     except UnsupportedModelError as e:
         return str(e)
-    if ep < 1 or ngpu % ep:
-        return (f"parallelism.expert_parallel_degree = {ep} does not divide the {ngpu} rank(s) of this launch "
-                f"(--ngpu): use a divisor of {ngpu}")
     if ep > 1:
         experts = _flavor_experts(_cli_override(extra, "--model.name") or model.get("name"),
                                   _cli_override(extra, "--model.flavor") or model.get("flavor"))
@@ -189,6 +206,34 @@ def check_megamoe_job(toml: dict, ngpu: int, extra: list[str]) -> str | None:
                     f"{model.get('name')} {model.get('flavor')} (megamoe keeps whole experts per rank): use a "
                     f"divisor of {experts}")
     return None
+
+
+def describe_job(toml: dict, ngpu: int, extra: list[str]) -> list[str]:
+    """What the launch will run, as lines for the user: the MoE implementation (megamoe's backend, precision and EP
+    degree, or stock TorchTitan), then warnings for a valid config that is likely not what was meant: megamoe's
+    slow ``reference`` backend, a ``[megamoe]`` table without the "megamoe" converter, more ranks than one host
+    has. Call after ``check_megamoe_table`` / ``check_megamoe_job`` passed."""
+    from titan_megamoe.config import MegaMoEConfig
+
+    converters, ep = _converters(toml, extra), _degree(toml, extra, "expert_parallel_degree")
+    table = toml.get("megamoe")
+    lines = []
+    if "megamoe" in converters:
+        cfg = MegaMoEConfig(**(table or {}))
+        lines.append(f"moe: megamoe, backend {cfg.backend}, precision {cfg.precision}, EP {ep} of {ngpu} rank(s)"
+                     + ("" if table else " (no [megamoe] table: its defaults)"))
+        if cfg.backend == "reference":
+            lines.append('warning: [megamoe] backend "reference" is the pure-PyTorch oracle (correct, but 0.2-0.4x '
+                         'stock TorchTitan): set backend = "triton" for the fused kernels')
+    else:
+        lines.append(f"moe: stock TorchTitan (no \"megamoe\" in [model] converters), EP {ep} of {ngpu} rank(s)")
+        if table is not None:
+            lines.append(f"warning: the [megamoe] table has no effect: [model] converters = {converters} has no "
+                         '"megamoe" (add it to run the fused operator)')
+    if ngpu > 8:
+        lines.append(f"note: --ngpu {ngpu} starts {ngpu} ranks on this host (torchrun --standalone); for several "
+                     "nodes run torchrun yourself, with the env lines this launcher sets")
+    return lines
 
 
 def _flavor_experts(name: str | None, flavor: str | None) -> int | None:
@@ -262,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ngpu = args.ngpu if args.ngpu is not None else _default_ngpu()
     bad = check_megamoe_job(toml, ngpu, extra)
     if bad:
-        parser.error(f"config file {config}: {bad}")
+        default = "" if args.ngpu is not None else " (--ngpu was not given: it defaults to the visible CUDA GPUs, or 1)"
+        parser.error(f"config file {config}: {bad}{default}")
     corpus_dir, want_tokenizer = plan_prepare(toml, extra)
     cmd = build_command(config, ngpu, args.steps, extra)
 
@@ -275,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             parser.error(msg)
         print(f"warning: {msg}")
+    for line in describe_job(toml, ngpu, extra):
+        print(line if args.dry_run else f"[launch] {line}", flush=True)
     if args.dry_run:
         print(f"prepare corpus: {corpus_dir or '-'}")
         print(f"prepare tokenizer: {DEFAULT_TOKENIZER_DIR if want_tokenizer else '-'}")
