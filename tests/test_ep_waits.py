@@ -82,3 +82,32 @@ def test_op_errors_when_a_rank_skips_the_layer():
     if torch.cuda.is_available():
         pytest.skip("CPU test (gloo + interpreter)")
     run_gloo(_op_worker, 2, timeout_s=120)
+
+
+def _hosts_worker(rank, R):
+    """The workspace of an EP group is made on one host; ranks that report other hosts are refused, by name."""
+    import socket
+
+    import torch.distributed as dist
+
+    from titan_megamoe.comm.peers import make_peers
+    from titan_megamoe.errors import UnsupportedModelError
+
+    group = dist.group.WORLD
+    peers = make_peers(group, 1024, tag="one_host")  # both ranks on this host: made
+    assert peers.world == R and peers.buffer().numel() == 1024
+    real = socket.gethostname
+    socket.gethostname = lambda: f"node{rank}"
+    try:
+        with pytest.raises(UnsupportedModelError, match="spans 2 hosts \\(node0, node1\\)") as e:
+            make_peers(group, 1024, tag="two_hosts")
+        assert "expert_parallel_degree to at most the GPUs of one node" in str(e.value)
+    finally:
+        socket.gethostname = real
+    dist.barrier(group)
+
+
+def test_an_ep_group_across_hosts_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("CPU test (gloo)")
+    run_gloo(_hosts_worker, 2, timeout_s=120)

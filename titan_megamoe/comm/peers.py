@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Peers", "EmulatedPeers", "emulated_group", "SharedMemPeers", "SymmMemPeers", "make_peers",
-           "sync_offset", "DEFAULT_TIMEOUT_MS"]
+__all__ = ["Peers", "EmulatedPeers", "emulated_group", "SharedMemPeers", "SymmMemPeers", "check_one_host",
+           "make_peers", "sync_offset", "DEFAULT_TIMEOUT_MS"]
 
 #: Bound of every cross-rank wait unless the caller passes another (first-call Triton compiles of a
 #: slow rank take tens of seconds; a training step is far shorter).
@@ -174,10 +174,40 @@ class SharedMemPeers:
         self.sync.barrier(site)
 
 
-def make_peers(group, nbytes: int, tag: str, timeout_ms: int = DEFAULT_TIMEOUT_MS):
-    """Symmetric memory for an NCCL group on GPUs; shared-memory files for a gloo group on CPU."""
+def check_one_host(group) -> None:
+    """Raise unless every rank of ``group`` runs on this host (collective: one all-gather of host names).
+
+    The workspace is one symmetric-memory allocation that every rank maps through NVLink (on CPU, a shared-memory
+    file), which only ranks of one node can do; across nodes the allocation would fail in CUDA's IPC, or hang.
+
+    Raises:
+        UnsupportedModelError: the ranks are on several hosts, with their names and what to set instead.
+    """
+    import socket
+
     import torch.distributed as dist
 
+    from titan_megamoe.errors import UnsupportedModelError
+
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        names = sorted(set(hosts))
+        raise UnsupportedModelError(
+            f"megamoe's expert parallelism runs over NVLink inside one node, but this EP group of {len(hosts)} ranks "
+            f"spans {len(names)} hosts ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): set "
+            "[parallelism] expert_parallel_degree to at most the GPUs of one node")
+
+
+def make_peers(group, nbytes: int, tag: str, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+    """Symmetric memory for an NCCL group on GPUs; shared-memory files for a gloo group on CPU.
+
+    Raises:
+        UnsupportedModelError: the group's ranks are on several hosts (``check_one_host``).
+    """
+    import torch.distributed as dist
+
+    check_one_host(group)
     if dist.get_backend(group) == "gloo":
         return SharedMemPeers(group, nbytes, tag, timeout_ms)
     return SymmMemPeers(group, nbytes, timeout_ms)
