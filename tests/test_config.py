@@ -96,3 +96,14 @@ def test_recv_capacity_formula():
     assert c.recv_capacity(16384, 8, 2, 64) == 2 * 16384 * 8  # balanced x 2
     assert c.recv_capacity(100, 8, 2, 2) == 100 * 2 * 2  # clamped to the worst case
     assert MegaMoEConfig(capacity_factor=1.5).recv_capacity(10, 3, 4, 8) == 45
+
+
+def test_default_backend_is_the_fused_kernels():
+    """A [megamoe] table (or none) that leaves the backend out gets the fused kernels, not the slow oracle."""
+    from torchtitan.config import ConfigManager
+
+    from titan_megamoe.config import MegaMoEConfig
+
+    assert MegaMoEConfig().backend == "triton"
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", "titan_megamoe.config"])
+    assert cfg.megamoe.backend == "triton" and cfg.megamoe.precision == "bf16"

@@ -24,9 +24,11 @@ SEQ = 32
 
 
 def job_config(*extra: str):
+    """A parsed job config with megamoe on the reference backend (these tests check the conversion against stock
+    TorchTitan on CPU; the fused kernels' own tests are elsewhere); ``extra`` overrides."""
     return ConfigManager().parse_args([
         "--job.custom_config_module", "titan_megamoe.config",
-        "--model.converters", "megamoe",
+        "--model.converters", "megamoe", "--megamoe.backend", "reference",
         "--training.local_batch_size", "2", "--training.seq_len", str(SEQ), *extra,
     ])
 
@@ -277,7 +279,7 @@ def test_fp8_refuses_dims_not_multiple_of_128_naming_the_layer():
 
 
 def test_reference_backend_is_named_slow_at_conversion(caplog):
-    """The default backend is the oracle: the converter says so (and what to set), the fused backend is quiet."""
+    """The reference backend is the oracle: the converter says so (and what to set), the fused backend is quiet."""
     with caplog.at_level("WARNING"):
         MegaMoEConverter(job_config(), dims())
     assert 'backend "reference" is the pure-PyTorch oracle' in caplog.text

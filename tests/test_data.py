@@ -430,7 +430,7 @@ def test_launch_says_what_it_will_run_and_warns_of_likely_mistakes(tmp_path, cap
     no_table = re.sub(r"\[megamoe\]\n(?:[^\[\n].*\n|\n)*", "", src)  # the table, up to the next one
     assert "[megamoe]" not in no_table and "[optimizer]" in no_table
     lines = run(no_table.replace('custom_config_module = "titan_megamoe.config"', ""), "--ngpu", "2")
-    assert any(line.endswith("(no [megamoe] table: its defaults)") and "backend reference" in line for line in lines)
+    assert any(line.endswith("(no [megamoe] table: its defaults)") and "backend triton" in line for line in lines)
     lines = run(src.replace('converters = ["megamoe"]', "converters = []"), "--ngpu", "2")
     assert 'moe: stock TorchTitan (no "megamoe" in [model] converters), EP 2 of 2 rank(s)' in lines
     assert any(line.startswith("warning: the [megamoe] table has no effect") for line in lines), lines

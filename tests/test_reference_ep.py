@@ -103,13 +103,14 @@ def _layer_worker(rank, R, use_deepep):
     from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
     from torchtitan.models.moe.moe import MoEArgs
 
+    from titan_megamoe.config import MegaMoEConfig
     from titan_megamoe.layer import MegaMoE
 
     T, D, F, E, K = 24, 16, 12, 8, 2
     args = MoEArgs(num_experts=E, top_k=K, score_func="softmax", route_norm=True,
                    score_before_experts=False, num_shared_experts=0, use_grouped_mm=False)
     torch.manual_seed(0)
-    single = MegaMoE(args, D, F)
+    single = MegaMoE(args, D, F, config=MegaMoEConfig(backend="reference"))
     with torch.no_grad():
         single.init_weights(0.02, torch.device("cpu"))
     ep_layer = copy.deepcopy(single)

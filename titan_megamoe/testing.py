@@ -193,13 +193,17 @@ def build_moe_pair(moe_args, dim: int, hidden_dim: int, *, dtype=torch.float32, 
     """A stock TorchTitan ``MoE`` and a ``MegaMoE`` holding equal (cloned) weights, on CPU.
 
     The stock layer runs TorchTitan's own code; the MegaMoE is built by the converter path
-    (``MegaMoE.from_moe`` on a deep copy), so both start from TorchTitan's init.
+    (``MegaMoE.from_moe`` on a deep copy), so both start from TorchTitan's init. ``config`` defaults to the
+    reference backend (the oracle; pass a config for the fused kernels).
     """
     import copy
 
     from torchtitan.models.moe.moe import MoE
 
+    from titan_megamoe.config import MegaMoEConfig
     from titan_megamoe.layer import MegaMoE
+
+    config = config if config is not None else MegaMoEConfig(backend="reference")
 
     torch.manual_seed(seed)
     stock = MoE(moe_args, dim=dim, hidden_dim=hidden_dim)
