@@ -3,7 +3,7 @@
 # thread of the producer partition issues the atomic; the scalar form's broadcast lacked reconvergence in the SASS):
 # one launch per process, killed at 25 s, then its GPU tests and its A/B if the probes return; (2) issue 4 on an H200
 # if one comes (both shapes beside stock at today's defaults, run first). Say in the results which card ran.
-# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s34.sh   (b: the counter schedule alone)   (carry .whl; see scripts/gpu_env.sh)
+# Call as: REV=<hash> PART=a|b|c [BUDGET=seconds] bash scripts/gpu_s34.sh   (b: the counter schedule alone; c: Nsight on the FP8 GEMMs)   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
 probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, killed at 25 s
@@ -38,5 +38,16 @@ if [ "$PART" = a ]; then
   counter_schedule
 fi
 [ "$PART" = b ] && counter_schedule  # the counter schedule alone (a short call)
+if [ "$PART" = c ]; then  # (session 35) the FP8 GEMMs' stall reasons at 30B beside a dense rowwise e4m3 GEMM
+  timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip 1 --launch-count 12 \
+    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90" --section SpeedOfLight --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second" \
+    python3 scripts/ncu_gemm_fp8.py --shape 30b > "$OUT/keep/ncu_gemm_fp8_c.txt" 2> "$OUT/keep/ncu_gemm_fp8_c.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  awk '/^  [_a-zA-Z]/{print; next} /Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes|gmma_cycles|per_second|Issued Warp|stalled/' \
+    "$OUT/keep/ncu_gemm_fp8_c.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -160
+  tail -3 "$OUT/keep/ncu_gemm_fp8_c.err" | cut -c1-200
+  timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
+fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s34$PART"
