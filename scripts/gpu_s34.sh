@@ -40,7 +40,7 @@ fi
 [ "$PART" = b ] && counter_schedule  # the counter schedule alone (a short call)
 if [ "$PART" = c ]; then  # (session 35) the FP8 GEMMs' stall reasons at 30B beside a dense rowwise e4m3 GEMM
   timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip 1 --launch-count 12 \
-    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90" --section SpeedOfLight --section SchedulerStats \
+    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" --section SpeedOfLight --section SchedulerStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second" \
     python3 scripts/ncu_gemm_fp8.py --shape 30b > "$OUT/keep/ncu_gemm_fp8_c.txt" 2> "$OUT/keep/ncu_gemm_fp8_c.err"
   echo "[t=$((SECONDS - t0))s] ncu rc $?"

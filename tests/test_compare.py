@@ -394,12 +394,13 @@ def _tiny_qwen3(E=8, K=2, layers=2):
 def test_capture_topk_tiny_model(tmp_path):
     from compare.capture_routing import capture_topk
     from compare.layer import _load_replay
+    from titan_megamoe.config import MegaMoEConfig
     from titan_megamoe.layer import MegaMoE
     from titan_megamoe.testing import stock_histc_on_cpu
 
     model = _tiny_qwen3(E=8, K=2, layers=2)
-    # layer 1 converted to MegaMoE: both kinds of MoE layer are captured
-    model.layers["1"].moe = MegaMoE.from_moe(model.layers["1"].moe)
+    # layer 1 converted to MegaMoE (the CPU oracle): both kinds of MoE layer are captured
+    model.layers["1"].moe = MegaMoE.from_moe(model.layers["1"].moe, config=MegaMoEConfig(backend="reference"))
     for blk in ("0", "1"):
         model.layers[blk].moe.tokens_per_expert.zero_()
     gen = torch.Generator().manual_seed(1)

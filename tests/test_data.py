@@ -436,3 +436,14 @@ def test_launch_says_what_it_will_run_and_warns_of_likely_mistakes(tmp_path, cap
     assert any(line.startswith("warning: the [megamoe] table has no effect") for line in lines), lines
     lines = run(src, "--ngpu", "16")
     assert any(line.startswith("note: --ngpu 16 starts 16 ranks on this host") for line in lines), lines
+    # TorchTitan's CLI overrides the TOML, here too; an empty table is a table
+    lines = run(src, "--ngpu", "2", "--", "--megamoe.backend", "reference")
+    assert "moe: megamoe, backend reference, precision bf16, EP 2 of 2 rank(s)" in lines
+    assert any(line.startswith('warning: [megamoe] backend "reference"') for line in lines), lines
+    lines = run(re.sub(r"(\[megamoe\]\n)(?:[^\[\n].*\n|\n)*", r"\1\n", src), "--ngpu", "2")
+    assert "moe: megamoe, backend triton, precision bf16, EP 2 of 2 rank(s)" in lines
+    bad = tmp_path / "job.toml"
+    with pytest.raises(SystemExit):
+        launch.main(["--config", str(bad), "--ngpu", "2", "--dry-run", "--", "--megamoe.precision", "fp8",
+                     "--megamoe.backend=reference"])
+    assert "backend='reference' with precision='fp8' is not available" in capsys.readouterr().err

@@ -104,10 +104,21 @@ def build_command(
     return cmd + list(extra)
 
 
-def check_megamoe_table(toml: dict) -> str | None:
+def _megamoe_settings(toml: dict, extra: list[str]) -> dict | None:
+    """The ``[megamoe]`` table with the CLI's ``--megamoe.backend`` / ``--megamoe.precision`` applied (TorchTitan's
+    CLI overrides the TOML), or None when there is neither; a non-table ``[megamoe]`` value is returned as is."""
+    table = toml.get("megamoe")
+    cli = {k: v for k in ("backend", "precision") if (v := _cli_override(extra, f"--megamoe.{k}")) is not None}
+    if not cli or (table is not None and not isinstance(table, dict)):
+        return table
+    return {**(table if isinstance(table, dict) else {}), **cli}
+
+
+def check_megamoe_table(toml: dict, extra: list[str] = ()) -> str | None:
     """The error in the config's ``[megamoe]`` table (unknown key, bad value, a backend / precision pair not
-    built), or in how the config reaches it (``[job] custom_config_module``), or None when it is valid or absent;
-    checked before anything runs (a dry run included), so a typo does not wait for a GPU machine.
+    built; the CLI's ``--megamoe.backend`` / ``--megamoe.precision`` in ``extra`` applied), or in how the config
+    reaches it (``[job] custom_config_module``), or None when it is valid or absent; checked before anything runs
+    (a dry run included), so a typo does not wait for a GPU machine.
 
     Same checks as the trainer's (``titan_megamoe.config.MegaMoEConfig`` and its ``check_available``); model
     converters and parallelism are checked by TorchTitan and the converter at start-up.
@@ -116,19 +127,20 @@ def check_megamoe_table(toml: dict) -> str | None:
 
     from titan_megamoe.config import MegaMoEConfig, MegaMoEConfigError
 
-    table = toml.get("megamoe")
+    table = _megamoe_settings(toml, list(extra))
     if table is None:
         return None
     if not isinstance(table, dict):
         return f"[megamoe] must be a table, got {table!r}"
-    job = toml.get("job") if isinstance(toml.get("job"), dict) else {}
-    if job.get("custom_config_module") != "titan_megamoe.config":
-        return ("a [megamoe] table needs [job] custom_config_module = \"titan_megamoe.config\" (TorchTitan refuses "
-                f"tables it does not know; got custom_config_module = {job.get('custom_config_module')!r})")
-    known = {f.name for f in dataclasses.fields(MegaMoEConfig)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        return f"unknown [megamoe] key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+    if toml.get("megamoe") is not None:  # CLI values alone: TorchTitan checks how they reach its config
+        job = toml.get("job") if isinstance(toml.get("job"), dict) else {}
+        if job.get("custom_config_module") != "titan_megamoe.config":
+            return ("a [megamoe] table needs [job] custom_config_module = \"titan_megamoe.config\" (TorchTitan "
+                    f"refuses tables it does not know; got custom_config_module = {job.get('custom_config_module')!r})")
+        known = {f.name for f in dataclasses.fields(MegaMoEConfig)}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            return f"unknown [megamoe] key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
     try:
         MegaMoEConfig(**table).check_available()
     except (MegaMoEConfigError, NotImplementedError) as e:
@@ -216,12 +228,12 @@ def describe_job(toml: dict, ngpu: int, extra: list[str]) -> list[str]:
     from titan_megamoe.config import MegaMoEConfig
 
     converters, ep = _converters(toml, extra), _degree(toml, extra, "expert_parallel_degree")
-    table = toml.get("megamoe")
+    table = _megamoe_settings(toml, extra)
     lines = []
     if "megamoe" in converters:
         cfg = MegaMoEConfig(**(table or {}))
         lines.append(f"moe: megamoe, backend {cfg.backend}, precision {cfg.precision}, EP {ep} of {ngpu} rank(s)"
-                     + ("" if table else " (no [megamoe] table: its defaults)"))
+                     + ("" if table is not None else " (no [megamoe] table: its defaults)"))
         if cfg.backend == "reference":
             lines.append('warning: [megamoe] backend "reference" is the pure-PyTorch oracle (correct, but 0.2-0.4x '
                          'stock TorchTitan): set backend = "triton" for the fused kernels')
@@ -299,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         toml = _read_toml(config)
     except Exception as e:  # tomllib.TOMLDecodeError or tomli's, whichever was imported
         parser.error(f"config file {config} is not valid TOML: {e}")
-    bad = check_megamoe_table(toml)
+    bad = check_megamoe_table(toml, extra)
     if bad:
         parser.error(f"config file {config}: {bad}")
     if args.ngpu is not None and args.ngpu < 1:
