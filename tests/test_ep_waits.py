@@ -86,24 +86,25 @@ def test_op_errors_when_a_rank_skips_the_layer():
 
 def _hosts_worker(rank, R):
     """The workspace of an EP group is made on one host; ranks that report other hosts are refused, by name."""
-    import socket
-
     import torch.distributed as dist
 
-    from titan_megamoe.comm.peers import make_peers
+    from titan_megamoe.comm import peers as peers_mod
     from titan_megamoe.errors import UnsupportedModelError
 
     group = dist.group.WORLD
-    peers = make_peers(group, 1024, tag="one_host")  # both ranks on this host: made
+    peers = peers_mod.make_peers(group, 1024, tag="one_host")  # both ranks on this machine: made
     assert peers.world == R and peers.buffer().numel() == 1024
-    real = socket.gethostname
-    socket.gethostname = lambda: f"node{rank}"
+    real = peers_mod._machine
+    # containers of one node may differ in host name (one machine); nodes may share one (two machines)
+    peers_mod._machine = lambda: (f"node{rank}", "boot-a")
     try:
-        with pytest.raises(UnsupportedModelError, match="spans 2 hosts \\(node0, node1\\)") as e:
-            make_peers(group, 1024, tag="two_hosts")
+        peers_mod.make_peers(group, 1024, tag="one_machine")
+        peers_mod._machine = lambda: ("node", f"boot-{rank}")
+        with pytest.raises(UnsupportedModelError, match="spans 2 machines \\(hosts node\\)") as e:
+            peers_mod.make_peers(group, 1024, tag="two_machines")
         assert "expert_parallel_degree to at most the GPUs of one node" in str(e.value)
     finally:
-        socket.gethostname = real
+        peers_mod._machine = real
     dist.barrier(group)
 
 

@@ -174,29 +174,41 @@ class SharedMemPeers:
         self.sync.barrier(site)
 
 
+def _machine() -> tuple[str, str]:
+    """(host name, machine id): the kernel's boot id where Linux gives one (containers on one node share it, nodes
+    with equal host names do not), else the host name."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return name, f.read().strip() or name
+    except OSError:
+        return name, name
+
+
 def check_one_host(group) -> None:
-    """Raise unless every rank of ``group`` runs on this host (collective: one all-gather of host names).
+    """Raise unless every rank of ``group`` runs on this machine (collective: one all-gather of machine ids).
 
     The workspace is one symmetric-memory allocation that every rank maps through NVLink (on CPU, a shared-memory
     file), which only ranks of one node can do; across nodes the allocation would fail in CUDA's IPC, or hang.
 
     Raises:
-        UnsupportedModelError: the ranks are on several hosts, with their names and what to set instead.
+        UnsupportedModelError: the ranks are on several machines, with their host names and what to set instead.
     """
-    import socket
-
     import torch.distributed as dist
 
     from titan_megamoe.errors import UnsupportedModelError
 
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) > 1:
-        names = sorted(set(hosts))
+    machines: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(machines, _machine(), group=group)
+    if len({mid for _, mid in machines}) > 1:
+        names = sorted({name for name, _ in machines})
         raise UnsupportedModelError(
-            f"megamoe's expert parallelism runs over NVLink inside one node, but this EP group of {len(hosts)} ranks "
-            f"spans {len(names)} hosts ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): set "
-            "[parallelism] expert_parallel_degree to at most the GPUs of one node")
+            f"megamoe's expert parallelism runs over NVLink inside one node, but this EP group of {len(machines)} "
+            f"ranks spans {len({mid for _, mid in machines})} machines (hosts {', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): set [parallelism] expert_parallel_degree to at most the GPUs of "
+            "one node")
 
 
 def make_peers(group, nbytes: int, tag: str, timeout_ms: int = DEFAULT_TIMEOUT_MS):
