@@ -17,7 +17,6 @@ scoreboard (scale loads), or math-pipe throttle (the promotion FMAs). ``--time``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -77,17 +76,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("ncu_gemm_fp8: needs a CUDA GPU", file=sys.stderr)
         return 2
-    runs, flops = _runs(a.shape)
-    for name, fn in runs.items():
-        if a.time:
-            import triton
+    from ncu_gemm_l2 import launch_or_time  # scripts/ on sys.path as the script's directory
 
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            print(json.dumps(dict(kernel=name, ms=ms, tflops=flops[name] / ms / 1e9)), flush=True)
-        else:
-            for _ in range(a.reps + 1):
-                fn()
-            torch.cuda.synchronize()
+    launch_or_time(*_runs(a.shape), a.time, a.reps)
     return 0
 
 

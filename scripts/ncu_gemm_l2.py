@@ -49,18 +49,23 @@ def main(argv=None) -> int:
             "gluon ws_gemm1_dgrad 235B": lambda: ws_gemm1_dgrad(dgu, w1, w3, lay),
             "gluon ws_gemm1_dgrad split_n 235B": lambda: ws_gemm1_dgrad(dgu, w1, w3, lay, cfg=CONFIGS["split"]),
             "gluon ws_gemm1_fwd 235B": lambda: ws_gemm1_fwd(x, w1, w3, lay_f)}
-    flops = 2 * P * 2 * F * D
+    launch_or_time(runs, dict.fromkeys(runs, 2 * P * 2 * F * D), a.time, a.reps)
+    return 0
+
+
+def launch_or_time(runs: dict, flops: dict, time: bool, reps: int) -> None:
+    """Each of ``runs`` (name: launch) ``reps`` + 1 times for Nsight Compute, or with ``time`` its do_bench median
+    printed as a JSON line with its TF/s (``flops``: name: FLOPs)."""
     for name, fn in runs.items():
-        if a.time:
+        if time:
             import triton
 
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            print(json.dumps(dict(kernel=name, ms=ms, tflops=flops / ms / 1e9)), flush=True)
+            print(json.dumps(dict(kernel=name, ms=ms, tflops=flops[name] / ms / 1e9)), flush=True)
         else:
-            for _ in range(a.reps + 1):
+            for _ in range(reps + 1):
                 fn()
             torch.cuda.synchronize()
-    return 0
 
 
 if __name__ == "__main__":
