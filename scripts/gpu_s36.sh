@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU calls of session 36. PART a: today's tree on the GPU first (GPU tests after the default backend became "triton";
+# the Gluon FP8 GEMM2 dgrad's tile timeline; the 30B layer in every precision beside stock TorchTitan compiled), then
+# the counter schedule's probes (session 33's ticket fix) if time is left. PART b: the ping-pong FP8 GEMM2 dgrad
+# (session 36): its GPU tests, the A/B against the Triton kernel and the cooperative Gluon one, the layer with it.
+# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s36.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, killed at 25 s
+  timeout -s KILL 25 python3 scripts/probe_dynamic.py "${@:2}" > "$OUT/keep/probe_dynamic_$1.log" 2>&1
+  local rc=$?; echo "[t=$((SECONDS - t0))s] probe $1 rc $rc: $(tail -1 "$OUT/keep/probe_dynamic_$1.log" | cut -c1-220)"
+  return $rc
+}
+if [ "$PART" = a ]; then
+  gpu_tests head_a tests/test_gpu.py tests/test_ws_gemm2_dgrad_fp8.py tests/test_eager_layer.py -k "gpu or fp8"
+  timeout $(left 90) python3 scripts/bench_ws_gemm.py trace-g2d-fp8 --out "$OUT/keep/trace_g2d_fp8_a.json" \
+    > "$OUT/keep/trace_g2d_fp8_a.log" 2>&1; echo "[t=$((SECONDS - t0))s] trace rc $?"; cat "$OUT/keep/trace_g2d_fp8_a.log" | head -30
+  [ "$(left 200)" -ge 120 ] && layer_ab 30b_a "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
+  if [ "$(left 100)" -ge 80 ] && probe p1 --programs 1 && probe pall && probe p30b --shape 16384,128,8,2048,768; then
+    echo "counter schedule: the probes returned"
+  fi
+fi
+(cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
+session_pack "s36$PART"
