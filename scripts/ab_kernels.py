@@ -2,7 +2,7 @@
 cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8 or expert-major; persistent or one
 program per tile), the bf16 GEMM1 forward's tile order and grid, the bf16 wgrads (Gluon default, split_n)
 and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
-m64n128 accumulator per consumer or two m64n64 ones).
+m64n128 accumulator per consumer or two m64n64 ones); the FP8 GEMM2 dgrad (Gluon cooperative, Gluon ping-pong, Triton).
 
 Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
 GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
@@ -218,6 +218,36 @@ def _groups(shape: str):
                      ("gluon split", lambda: ws_wgrad_w2(dout, hs, lay, out=o2, cfg=SPLIT_CONFIG))],
     }
     groups.update(skip_groups)
+    # the FP8 GEMM2 dgrad (session 36): the cooperative Gluon kernel first (the ping-pong one must equal it bit for bit),
+    # the ping-pong one at 6 and 5 stages, the Triton kernel with the backward's config (dgate_up equal to rounding
+    # only: "bitwise False" is expected there). Operands as bench_ws_gemm.py's, made on the group's first call.
+    g2d8_state = {}
+
+    def g2d8(cfg):
+        from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm2_dgrad_swiglu_bwd_fp8
+        from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import launch_gemm2_dgrad_fp8, ws_gemm2_dgrad_fp8
+
+        if not g2d8_state:
+            from bench_ws_gemm import _g2d_fp8_operands
+
+            ops, _ = _g2d_fp8_operands(shape)
+            g2d8_state.update(ops=ops, n=int(ops[-1].offsets[-1]), out=ws_gemm2_dgrad_fp8(*ops))
+        ops, n8, out = g2d8_state["ops"], g2d8_state["n"], g2d8_state["out"]
+        if cfg is None:
+            res = gemm2_dgrad_swiglu_bwd_fp8(*ops)
+        else:
+            launch_gemm2_dgrad_fp8(*ops, *out, None, cfg)
+            res = out
+        return res[0][:n8], res[3][: n8 // 128]
+
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_CONFIG, GEMM2_DGRAD_FP8_PINGPONG
+
+    groups["gemm2_dgrad_fp8"] = [("gluon coop", lambda: g2d8(GEMM2_DGRAD_FP8_CONFIG)),
+                                 ("gluon pingpong 6st", lambda: g2d8(GEMM2_DGRAD_FP8_PINGPONG)),
+                                 ("gluon pingpong 5st", lambda: g2d8(dataclasses.replace(GEMM2_DGRAD_FP8_PINGPONG,
+                                                                                          stages=5))),
+                                 ("triton", lambda: g2d8(None))]
+    flops["gemm2_dgrad_fp8"] = 2 * T * K * D * F
     return groups, flops
 
 

@@ -12,6 +12,7 @@ against the Triton ones (GPU only).
     python scripts/bench_ws_gemm.py bench-g2d-fp8 [--out f]  # FP8 GEMM2 dgrad (kernels/ws_gemm2_dgrad_fp8.py) vs the
                                                              # Triton one (checks: tests/test_ws_gemm2_dgrad_fp8.py)
     python scripts/bench_ws_gemm.py trace-g2d-fp8 [--out f]  # where its tiles' time goes (global-timer stamps)
+    python scripts/bench_ws_gemm.py trace-g2d-fp8-pingpong [--out f]  # the same for its ping-pong config
     python scripts/bench_ws_gemm.py bench-g2-fp8 [--out f]  # FP8 GEMM2 (ws_gemm_fp8.ws_gemm2_fwd_fp8) vs the Triton
                                                             # one (checks: tests/test_ws_gemm_fp8.py)
 
@@ -477,25 +478,27 @@ G2D_FP8_TRACE_POINTS = ("tile start", "store_wait done", "main loop done", "gate
                         "half 0 done", "half 1 done", "scale", "stores issued")
 
 
-def trace_g2d_fp8(out_path: str | None, shapes: list[str], tiles: int = 24) -> int:
+def trace_g2d_fp8(out_path: str | None, shapes: list[str], tiles: int = 24, pingpong: bool = False) -> int:
     """Where a tile's time goes in the Gluon FP8 GEMM2 dgrad: the global timer at each point of
     ``G2D_FP8_TRACE_POINTS`` for each consumer's first ``tiles`` tiles on every SM; median / mean microseconds from
     the tile's start to each point over tiles 1.. (tile 0 starts cold), tile to tile, and the kernel's time with and
-    without the stamps (do_bench). The outputs of the stamped launch are compared bitwise with the plain one's."""
+    without the stamps (do_bench). The outputs of the stamped launch are compared bitwise with the plain one's.
+    ``pingpong``: the ping-pong config (``GEMM2_DGRAD_FP8_PINGPONG``; a consumer's units are j = C, C + 2, ...)."""
     import triton
 
     from titan_megamoe.kernels.fp8_quant_bwd import empty_transposed
-    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_CONFIG, launch_gemm2_dgrad_fp8, \
-        ws_gemm2_dgrad_fp8
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_CONFIG, GEMM2_DGRAD_FP8_PINGPONG, \
+        launch_gemm2_dgrad_fp8, ws_gemm2_dgrad_fp8
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     rows = []
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = GEMM2_DGRAD_FP8_CONFIG
+    cfg = GEMM2_DGRAD_FP8_PINGPONG if pingpong else GEMM2_DGRAD_FP8_CONFIG
+    step = 2 if pingpong else 1  # a consumer's next unit
     for sh in shapes:
         ops, flops = _g2d_fp8_operands(sh)
         n = int(ops[-1].offsets[-1])
-        ref = ws_gemm2_dgrad_fp8(*ops)
+        ref = ws_gemm2_dgrad_fp8(*ops, cfg=cfg)
         hsT = empty_transposed(*ref[2].shape, ref[2].device)
         hsT.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
         out = (torch.full_like(ref[0], float("nan")), torch.full_like(ref[1], float("nan")), hsT,
@@ -512,7 +515,7 @@ def trace_g2d_fp8(out_path: str | None, shapes: list[str], tiles: int = 24) -> i
         torch.cuda.synchronize()
         t = tr.double()
         live = t[..., 0] > 0
-        live[:, 0] = False
+        live[:, :step] = False
         points = {}
         for i, name in enumerate(G2D_FP8_TRACE_POINTS):
             ok = live & (t[..., i] > 0)
@@ -520,11 +523,11 @@ def trace_g2d_fp8(out_path: str | None, shapes: list[str], tiles: int = 24) -> i
                 d = (t[..., i] - t[..., 0])[ok] / 1e3
                 points[name] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
                                     p90_us=float(d.quantile(0.9)))
-        nxt = live[:, 1:] & live[:, :-1]
-        d = (t[:, 1:, :, 0] - t[:, :-1, :, 0])[nxt] / 1e3
+        nxt = live[:, step:] & live[:, :-step]
+        d = (t[:, step:, :, 0] - t[:, :-step, :, 0])[nxt] / 1e3
         points["next tile start"] = dict(median_us=float(d.median()), mean_us=float(d.mean()),
                                          p90_us=float(d.quantile(0.9)))
-        rows.append(dict(shape=sh, ms=ms, ms_traced=ms_tr, tflops=flops / ms / 1e9, tiles=tiles,
+        rows.append(dict(shape=sh, cfg=repr(cfg), ms=ms, ms_traced=ms_tr, tflops=flops / ms / 1e9, tiles=tiles,
                          traced_bitwise_dgu_part_hsT_hsTs=same, points_from_tile_start=points))
         print(json.dumps(dict(shape=sh, ms=round(ms, 4), ms_traced=round(ms_tr, 4), bitwise=same)), flush=True)
         for k, v in sorted(points.items(), key=lambda kv: kv[1]["median_us"]):
@@ -575,7 +578,8 @@ def bench_g2d_fp8(out_path: str | None, shapes: list[str]) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["check", "bench", "check-fwd", "bench-fwd", "bench-g2d", "bench-fwd-fp8",
-                                      "bench-dgrad-fp8", "bench-g2d-fp8", "trace-g2d-fp8", "bench-g2-fp8"])
+                                      "bench-dgrad-fp8", "bench-g2d-fp8", "trace-g2d-fp8", "trace-g2d-fp8-pingpong",
+                                      "bench-g2-fp8"])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default="30b,235b")
     a = p.parse_args(argv)
@@ -594,8 +598,8 @@ def main(argv=None) -> int:
         return bench_dgrad_fp8(a.out, a.shapes.split(","))
     if a.what == "bench-g2d-fp8":
         return bench_g2d_fp8(a.out, a.shapes.split(","))
-    if a.what == "trace-g2d-fp8":
-        return trace_g2d_fp8(a.out, a.shapes.split(","))
+    if a.what in ("trace-g2d-fp8", "trace-g2d-fp8-pingpong"):
+        return trace_g2d_fp8(a.out, a.shapes.split(","), pingpong=a.what.endswith("pingpong"))
     if a.what == "bench-g2-fp8":
         return bench_g2_fp8(a.out, a.shapes.split(","))
     return check() if a.what == "check" else bench(a.out, a.shapes.split(","))

@@ -20,5 +20,20 @@ if [ "$PART" = a ]; then
     echo "counter schedule: the probes returned"
   fi
 fi
+if [ "$PART" = b ]; then  # the ping-pong FP8 GEMM2 dgrad: GPU tests (each case bitwise the cooperative kernel), then timings
+  timeout -s KILL $(left 170) python3 -m pytest -q -rfE tests/test_ws_gemm2_dgrad_fp8.py -p no:cacheprovider \
+    > "$OUT/keep/tests_gpu_pingpong_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ping-pong GPU tests: $(tail -1 "$OUT/keep/tests_gpu_pingpong_b.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_pingpong_b.log" | head -12
+  if grep -q " passed" "$OUT/keep/tests_gpu_pingpong_b.log" && ! grep -q "failed" "$OUT/keep/tests_gpu_pingpong_b.log"; then
+    timeout $(left 60) python3 scripts/bench_ws_gemm.py trace-g2d-fp8-pingpong --out "$OUT/keep/trace_g2d_fp8_pp_b.json" \
+      > "$OUT/keep/trace_g2d_fp8_pp_b.log" 2>&1; echo "[t=$((SECONDS - t0))s] trace rc $?"; head -24 "$OUT/keep/trace_g2d_fp8_pp_b.log"
+    timeout $(left 120) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 --groups gemm2_dgrad_fp8 \
+      --out "$OUT/keep/ab_kernels_g2d_fp8_b.json" > "$OUT/keep/ab_kernels_g2d_fp8_b.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_g2d_fp8_b.log"
+    [ "$(left 200)" -ge 90 ] && layer_ab 30b_pp_b "WS_GEMM2_DGRAD_FP8=pingpong" qwen3-30b-a3b bf16,fp8,fp8_bwd megamoe-triton 8
+    [ "$(left 200)" -ge 110 ] && layer_ab 235b_pp_b "WS_GEMM2_DGRAD_FP8=pingpong" qwen3-235b-a22b bf16,fp8 megamoe-triton 8
+  fi
+fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s36$PART"

@@ -159,6 +159,11 @@ def _run(tree: str, iters: int, precision: str = "bf16", warmup: int = 50, env: 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     drv = os.path.join(here, "titan_megamoe", "kernels", "host_driver.py")
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **(env or {})}
+    # keep the path entries that hold other packages (the GPU machine's wheels: torchtitan), not another tree's
+    keep = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if d and not os.path.isdir(os.path.join(d, "titan_megamoe"))]
+    if keep:
+        env["PYTHONPATH"] = os.pathsep.join(keep)
     out = subprocess.run([sys.executable, "-c", _TIMER, tree, drv, str(iters), precision, str(warmup)],
                          capture_output=True, text=True, env=env)
     if out.returncode:

@@ -21,25 +21,29 @@ def _compile_sm90_all() -> list[dict]:
 
     out = []
     for shape, (D, F) in SHAPES.items():
-        cfg = W.GEMM2_DGRAD_FP8_CONFIG
-        sig, cx = W.sm90_compile_args_gemm2_dgrad_fp8(cfg, D, F)
-        r = compile_sm90(W._gemm2_dgrad_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
-        out.append(dict(label=f"gemm2_dgrad_fp8_{shape}", **r))
+        for kind, cfg in (("", W.GEMM2_DGRAD_FP8_CONFIG), ("_pingpong", W.GEMM2_DGRAD_FP8_PINGPONG)):
+            sig, cx = W.sm90_compile_args_gemm2_dgrad_fp8(cfg, D, F)
+            r = compile_sm90(W._gemm2_dgrad_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+            out.append(dict(label=f"gemm2_dgrad_fp8{kind}_{shape}", **r))
     return out
 
 
-@pytest.mark.parametrize("label", ["gemm2_dgrad_fp8_30b", "gemm2_dgrad_fp8_235b"])
+@pytest.mark.parametrize("label", ["gemm2_dgrad_fp8_30b", "gemm2_dgrad_fp8_235b", "gemm2_dgrad_fp8_pingpong_30b",
+                                   "gemm2_dgrad_fp8_pingpong_235b"])
 def test_ws_gemm2_dgrad_fp8_builds_for_sm90a_with_bounded_spills_and_no_wgmma_serialization(label):
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
-    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_CONFIG, _smem_bytes
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import (GEMM2_DGRAD_FP8_CONFIG, GEMM2_DGRAD_FP8_PINGPONG,
+                                                          _smem_bytes)
 
+    cfg = GEMM2_DGRAD_FP8_PINGPONG if "pingpong" in label else GEMM2_DGRAD_FP8_CONFIG
     r = sm90_result(__file__, label)
     assert r["target"], "PTX not built for sm_90a"
     assert r["wgmma"] == 16, r  # two consumers x two 64-row halves x 4 k32 steps of m64n64 e4m3
     # per consumer and K block: the first half's partial scaled under the second half's MMA
     assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]
     assert r["cp_async"] > 0 and r["tma"] > 0, "gathered dout rows by cp.async, weights and gate / up by TMA"
-    assert _smem_bytes(GEMM2_DGRAD_FP8_CONFIG) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    # ping-pong: one w2 tile per stage and 6 stages (231,608 bytes): the largest ring that fits
+    assert _smem_bytes(cfg) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     # the cap; the one-pass epilogue keeps both halves' s * h live: a few spills, bounded (session 22: 52 bytes)
     stack = int(re.search(r"STACK:(\d+)", r["usage"]).group(1))
     assert "REG:168" in r["usage"] and stack <= 64, r["usage"]
@@ -115,14 +119,16 @@ def test_fp8_backward_takes_the_gluon_gemm2_dgrad_only_when_switched_on(monkeypa
     monkeypatch.setattr(fb, "_interp", lambda: False)
     w2tq = torch.empty(4, 128, 256, dtype=torch.float8_e4m3fn)
     count, hs = torch.zeros(1, dtype=torch.int32), torch.empty(8, 128)
-    for on, hs_out, want in (("1", None, "gluon"), ("0", None, "triton"), ("1", hs, "triton")):
+    for on, hs_out, want in (("1", None, "gluon"), ("pingpong", None, "gluon"), ("0", None, "triton"),
+                             ("1", hs, "triton"), ("pingpong", hs, "triton")):
         calls.clear()
         with switches.override({"TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8": on}):
-            assert fb.WS_GEMM2_DGRAD_FP8 is (on == "1")
+            assert fb.WS_GEMM2_DGRAD_FP8 == on
             got = fb._gemm2_dgrad_fp8("dq", "ds", w2tq, "w2ts", "gate_up", "scores", "layout", "cfg", count, hs_out)
         assert got == want and len(calls) == 1 and calls[0][0] == want
         if want == "gluon":
             assert calls[0][1]["nonfinite_count"] is count
+            assert calls[0][1]["cfg"] == (W.GEMM2_DGRAD_FP8_PINGPONG if on == "pingpong" else W.GEMM2_DGRAD_FP8_CONFIG)
         else:
             assert calls[0][1] == "cfg" and calls[0][2]["hs_out"] is hs_out and calls[0][2]["nonfinite_count"] is count
 
@@ -132,17 +138,20 @@ def test_fp8_backward_takes_the_gluon_gemm2_dgrad_only_when_switched_on(monkeypa
     (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 384, "zero_expert"),
     (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
 ], ids=["uniform", "top1-odd-T", "zero-expert", "one-expert", "30b"])
-def test_ws_gemm2_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
+@pytest.mark.parametrize("schedule", ["coop", "pingpong"])
+def test_ws_gemm2_dgrad_fp8_matches_triton_and_fp32_on_gpu(case, schedule):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     from titan_megamoe.kernels.fp8_quant_bwd import empty_transposed
     from titan_megamoe.kernels.grouped_gemm_bwd import reduce_dscore
     from titan_megamoe.kernels.grouped_gemm_fp8_bwd import gemm2_dgrad_swiglu_bwd_fp8
-    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import launch_gemm2_dgrad_fp8
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import (GEMM2_DGRAD_FP8_CONFIG, GEMM2_DGRAD_FP8_PINGPONG,
+                                                          launch_gemm2_dgrad_fp8, ws_gemm2_dgrad_fp8)
     from titan_megamoe.ops import fp8_reference as R
     from titan_megamoe.testing import rel_err
 
     T, E, K, D, F, routing = case
+    cfg = GEMM2_DGRAD_FP8_PINGPONG if schedule == "pingpong" else GEMM2_DGRAD_FP8_CONFIG
     lay, dq, ds, w2tq, w2ts, gu, sc = _operands(T, E, K, D, F, routing, 5, "cuda")
     N, nan = lay.n_cap, float("nan")
     dgu = torch.full((N, 2 * F), nan, device="cuda", dtype=torch.bfloat16)
@@ -151,10 +160,18 @@ def test_ws_gemm2_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
     hsT.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
     hsTs = torch.full((N // 128, F), nan, device="cuda")
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
-    launch_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gu, sc, lay, dgu, part, hsT, hsTs, count)
+    launch_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gu, sc, lay, dgu, part, hsT, hsTs, count, cfg)
+    n = int(lay.offsets[-1])
+    if schedule == "pingpong":  # each unit computed as the cooperative kernel computes that chunk: the same bits
+        coop = ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gu, sc, lay)
+        assert torch.equal(dgu[:n], coop[0][:n]) and torch.equal(part[:n], coop[1][:n])
+        assert torch.equal(hsT[:, :n].view(torch.uint8), coop[2][:, :n].view(torch.uint8))
+        assert torch.equal(hsTs[: n // 128], coop[3][: n // 128])
+        for programs in (1, 3):  # many units per program, an odd count: the order barriers' parities over many phases
+            pp = ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gu, sc, lay, cfg=cfg, programs=programs)
+            assert torch.equal(pp[0][:n], coop[0][:n]) and torch.equal(pp[1][:n], coop[1][:n]), programs
     tc = torch.zeros(1, dtype=torch.int32, device="cuda")
     tdgu, tpart, thsT, thsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gu, sc, lay, nonfinite_count=tc)
-    n = int(lay.offsets[-1])
     pair = lay.row_pair[:n].long()
     valid = pair >= 0
     assert not torch.isnan(dgu[:n]).any() and not torch.isnan(part[:n]).any(), "live rows left unwritten"
@@ -201,12 +218,15 @@ def test_ws_gemm2_dgrad_fp8_counts_nonfinite_columns_as_the_triton_kernel():
     r = int(torch.nonzero(lay.row_pair >= 0)[3])
     gu[r, 5] = float("inf")  # gate inf: s * h of column 5 inf in that row's 128-row group
     gu[r, 256 + 77] = float("nan")  # up NaN: column 77
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_PINGPONG
+
     counts = []
-    for fn in (ws_gemm2_dgrad_fp8, gemm2_dgrad_swiglu_bwd_fp8):
+    for fn in (ws_gemm2_dgrad_fp8, lambda *a, **k: ws_gemm2_dgrad_fp8(*a, **k, cfg=GEMM2_DGRAD_FP8_PINGPONG),
+               gemm2_dgrad_swiglu_bwd_fp8):
         c = torch.zeros(1, dtype=torch.int32, device="cuda")
         fn(dq, ds, w2tq, w2ts, gu, sc, lay, nonfinite_count=c)
         counts.append(int(c))
-    assert counts[0] == counts[1] == 2, counts
+    assert counts == [2, 2, 2], counts
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         tma,
@@ -66,10 +67,10 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _tile_of
+    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _gathered_rows, _num_tiles, _tile_of
 
-__all__ = ["GEMM2_DGRAD_FP8_CONFIG", "sm90_compile_args_gemm2_dgrad_fp8", "ws_gemm2_dgrad_fp8",
-           "ws_gemm2_dgrad_fp8_supported"]
+__all__ = ["GEMM2_DGRAD_FP8_CONFIG", "GEMM2_DGRAD_FP8_PINGPONG", "sm90_compile_args_gemm2_dgrad_fp8",
+           "ws_gemm2_dgrad_fp8", "ws_gemm2_dgrad_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -77,9 +78,17 @@ FP8 = torch.float8_e4m3fn
 #: consumer's gate / up tiles (2 x 16 KiB) and two 64 x 64 e4m3 s * h staging tiles fit 227 KiB; 5 stages do not.
 GEMM2_DGRAD_FP8_CONFIG = Fp8WsConfig(block_n=64, stages=4, group_m=8, producer_regs=72, consumer_regs=216)
 
+#: Ping-pong (session 36): each consumer takes whole 128 x 64 units (128 rows, one 64-column chunk of F) in turn, the
+#: main loops serialized by two ``order`` mbarriers, so one consumer's epilogue (~16 us of a 29 us cooperative tile at
+#: 30B on an H100: ``scripts/bench_ws_gemm.py trace-g2d-fp8``) runs under the other's main loop. A stage holds the
+#: 128 dout rows and one 64-row w2 tile (24 KiB): 6 stages and the two consumers' epilogue buffers fit 227 KiB. Each
+#: unit is computed as the cooperative kernel computes that chunk (same partials, same order): bitwise its outputs.
+GEMM2_DGRAD_FP8_PINGPONG = Fp8WsConfig(block_n=64, stages=6, group_m=8, producer_regs=72, consumer_regs=216,
+                                       pingpong=True)
+
 
 def _smem_bytes(cfg: Fp8WsConfig) -> int:
-    ring = cfg.stages * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k
+    ring = cfg.stages * (cfg.block_m + (1 if cfg.pingpong else 2) * cfg.block_n) * cfg.block_k
     epilogue = 2 * (2 * cfg.block_m * cfg.block_n * 2 + 2 * (cfg.block_m // 2) * cfg.block_n)
     return ring + epilogue
 
@@ -130,12 +139,41 @@ if HAVE_GLUON:
         return t * sr * vf
 
     @gluon.jit
+    def _g2d8_pp_producer(dout_ptr, w2_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a,
+                          ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """Ping-pong producer (4 warps): every unit of the program in order, D / BK ring steps each: the unit's 128
+        gathered e4m3 dout rows by cp.async (padding rows zero-filled), its 64-row w2t tile by TMA."""
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        BN: gl.constexpr = w2_desc.block_type.shape[0]
+        KT: gl.constexpr = D // BK
+        n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
+        idx = 0
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            e = gl.load(tile_expert_ptr + pid_m)
+            ptrs, mask = _gathered_rows(dout_ptr, row_pair_ptr, pid_m, D, TOPK, BM, BK)
+            w_row = e * F + pid_n * BN
+            for k in range(KT):
+                s = idx % STAGES
+                mbarrier.wait(empty.index(s), ((idx // STAGES) & 1) ^ 1)
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k * BK, mask=mask)
+                async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)  # one arrival per thread
+                bar = ready_b.index(s)
+                mbarrier.expect(bar, w2_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w2_desc, [w_row, k * BK], bar, b_bufs.index(s))
+                idx += 1
+
+    @gluon.jit
     def _g2d8_consumer(gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr, count_ptr,
                        row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a, ready_b, empty, g_smem,
-                       u_smem, q0_smem, q1_smem, epi_bar, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                       u_smem, q0_smem, q1_smem, epi_bar, order, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CHECK: gl.constexpr, EPS: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
-        # consumer C owns columns [C F/2 + BH pid_n, + BH) of g for all BM rows, as two BM / 2 row halves
+                       CHECK: gl.constexpr, EPS: gl.constexpr, PINGPONG: gl.constexpr, trace_ptr,
+                       TRACE: gl.constexpr):
+        # cooperative: consumer C owns columns [C F/2 + BH pid_n, + BH) of g for all BM rows, as two BM / 2 row halves;
+        # ping-pong: consumer C takes units C, C + 2, ..., columns [BH pid_n, + BH) for all BM rows, the same way
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BH: gl.constexpr = b_bufs.type.shape[1]
@@ -148,10 +186,12 @@ if HAVE_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(count):
+        first: gl.constexpr = C if PINGPONG else 0
+        step: gl.constexpr = 2 if PINGPONG else 1
+        for j in range(first, count, step):
             pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
             row0 = pid_m * BM
-            col0 = C * (F // 2) + pid_n * BH
+            col0 = pid_n * BH if PINGPONG else C * (F // 2) + pid_n * BH
             _stamp(trace_ptr, j, 0, C, TRACE)
             # this tile's gate / up under its main loop; the buffers staged the previous tile's stores
             tma.store_wait(pendings=0)
@@ -174,6 +214,9 @@ if HAVE_GLUON:
             p0 = gl.zeros((HM, BH), dtype=gl.float32, layout=mma_layout)
             p1 = gl.zeros((HM, BH), dtype=gl.float32, layout=mma_layout)
             idx0 = j * KT
+            if PINGPONG:
+                if j > 0:  # the other consumer has waited on every stage of unit j - 1: ours may start (this order also
+                    mbarrier.wait(order.index(C), ((j - 2 + C) // 2) & 1)  # keeps each parity wait within one phase)
             for k in range(KT):
                 idx = idx0 + k
                 s = idx % STAGES
@@ -193,11 +236,13 @@ if HAVE_GLUON:
                 p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 += p1 * gl.expand_dims(sc1, 1)
+            if PINGPONG:
+                mbarrier.arrive(order.index(1 - C), count=1)  # the other consumer's next main loop may start
             _stamp(trace_ptr, j, 2, C, TRACE)
 
             # epilogue. Padding rows: g = 0 (zero-filled rows), s = 0, gate = up = 0 (GEMM1 wrote zeros); the
             # multiplies by vf keep every padding output at zero without a select (see ws_gemm.py)
-            mbarrier.wait(epi_bar, j & 1)
+            mbarrier.wait(epi_bar, (j // step) & 1)
             _stamp(trace_ptr, j, 3, C, TRACE)
             s0 = gl.expand_dims(gl.load(scores_ptr + pair0, mask=ok0, other=0.0), 1)
             s1 = gl.expand_dims(gl.load(scores_ptr + pair1, mask=ok1, other=0.0), 1)
@@ -240,15 +285,18 @@ if HAVE_GLUON:
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                    BM: gl.constexpr, BK: gl.constexpr, CHECK: gl.constexpr, EPS: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   trace_ptr, TRACE: gl.constexpr):
+                                   trace_ptr, TRACE: gl.constexpr, PINGPONG: gl.constexpr = False):
         """Blockwise-FP8 dgate_up, d score partials and 128x1 s * h of every live row tile (module docstring).
         Grid: (programs,)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
         b0_bufs = gl.allocate_shared_memory(w2t_lo_desc.dtype, [STAGES] + w2t_lo_desc.block_type.shape,
                                             w2t_lo_desc.layout)
-        b1_bufs = gl.allocate_shared_memory(w2t_hi_desc.dtype, [STAGES] + w2t_hi_desc.block_type.shape,
-                                            w2t_hi_desc.layout)
+        if PINGPONG:  # one w2 tile per stage, read by the consumer of its unit
+            b1_bufs = b0_bufs
+        else:
+            b1_bufs = gl.allocate_shared_memory(w2t_hi_desc.dtype, [STAGES] + w2t_hi_desc.block_type.shape,
+                                                w2t_hi_desc.layout)
         g0 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
         u0 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
         g1 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
@@ -261,24 +309,40 @@ if HAVE_GLUON:
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         epi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_a.index(i), count=128)  # one cp.async arrival per producer thread (4 warps)
             mbarrier.init(ready_b.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumers read every buffer
-        mbarrier.init(epi.index(0), count=1)
-        mbarrier.init(epi.index(1), count=1)
-        gl.warp_specialize([
-            (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
-                              count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
-                              ready_b, empty, g0, u0, q00, q01, epi.index(0), 0, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS, trace_ptr, TRACE)),
-            (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
-                              count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
-                              ready_b, empty, g1, u1, q10, q11, epi.index(1), 1, D, F, TOPK, NUM_N, GROUP_M, STAGES,
-                              CHECK, EPS, trace_ptr, TRACE)),
-            (_g1f_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                             a_bufs, b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+            mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)  # cooperative: both consumers read every buffer
+        for i in gl.static_range(2):
+            mbarrier.init(epi.index(i), count=1)
+            mbarrier.init(order.index(i), count=1)
+        if PINGPONG:
+            gl.warp_specialize([
+                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
+                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
+                                  ready_b, empty, g0, u0, q00, q01, epi.index(0), order, 0, D, F, TOPK, NUM_N,
+                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
+                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
+                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
+                                  ready_b, empty, g1, u1, q10, q11, epi.index(1), order, 1, D, F, TOPK, NUM_N,
+                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
+                (_g2d8_pp_producer, (dout_ptr, w2t_lo_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                                     b0_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
+                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
+                                  ready_b, empty, g0, u0, q00, q01, epi.index(0), order, 0, D, F, TOPK, NUM_N,
+                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
+                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
+                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
+                                  ready_b, empty, g1, u1, q10, q11, epi.index(1), order, 1, D, F, TOPK, NUM_N,
+                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
+                (_g1f_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
+                                 a_bufs, b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_gemm2_dgrad_fp8_supported(dout_q: Tensor, w2t_q: Tensor, hs_out: Tensor | None = None,
@@ -387,7 +451,7 @@ def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, lay
     dgu_desc = _desc(dgu, (n_cap, 2 * F), (bm, bn))
     ld = hsT.stride(0)
     hsT_desc = _desc(hsT.as_strided((F, ld), (ld, 1)), (F, ld), (bn, bm // 2))
-    num_n = F // (2 * bn)
+    num_n = F // bn if cfg.pingpong else F // (2 * bn)  # units per row tile: one 64-column chunk, or two (cooperative)
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     if trace is not None:
         _check_trace(trace, programs, dev)
@@ -397,7 +461,7 @@ def launch_gemm2_dgrad_fp8(dout_q, dout_s, w2t_q, w2t_s, gate_up, scores_TK, lay
            nonfinite_count if check else hsTs, layout.row_pair, layout.tile_expert, layout.offsets, E, D, F,
            layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, check, AMAX_EPS, cfg.producer_regs,
            cfg.consumer_regs, trace if trace is not None else hsTs, 0 if trace is None else trace.shape[1],
-           num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.pingpong, num_warps=4, maxnreg=cfg.maxnreg)
 
 
 def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
@@ -415,6 +479,7 @@ def sm90_compile_args_gemm2_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: i
            "dgu_desc": desc([bm, bn], gl.bfloat16, "bf16"), "hsT_desc": fp8([bn, bm // 2]), "scores_ptr": "*fp32",
            "part_ptr": "*fp32", "hsTs_ptr": "*fp32", "count_ptr": "*i32", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32", "trace_ptr": "*i64"}
-    cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // (2 * bn), GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, TRACE=0)
+    cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn if cfg.pingpong else F // (2 * bn), GROUP_M=cfg.group_m,
+              STAGES=cfg.stages, BM=bm, BK=bk, CHECK=check, EPS=AMAX_EPS, PRODUCER_REGS=cfg.producer_regs,
+              CONSUMER_REGS=cfg.consumer_regs, TRACE=0, PINGPONG=cfg.pingpong)
     return sig, cx

@@ -88,6 +88,9 @@ class Fp8WsConfig:
         maxnreg, producer_regs, consumer_regs: the launch's register cap and ``setmaxnreg`` split.
         ordered: the two consumers issue each K step's MMAs in turn (consumer 0, then 1; :func:`_turn_wait`), so one
             scales its partials while the other's MMAs run; None: :data:`ORDERED_MMA` decides at launch.
+        pingpong: the Gluon FP8 GEMM2 dgrad only (``ws_gemm2_dgrad_fp8``): each consumer takes whole BM x BN units in
+            turn, main loops serialized, so one consumer's epilogue runs under the other's main loop; False there:
+            both consumers on every tile (one BN-column chunk each). The other kernels ignore it.
     """
 
     block_m: int = 128
@@ -99,6 +102,7 @@ class Fp8WsConfig:
     consumer_regs: int = 216
     block_k: int = 128  # = the scale block; not a tunable
     ordered: bool | None = None
+    pingpong: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two bf16 epilogue tiles."""

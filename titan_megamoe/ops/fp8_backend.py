@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from titan_megamoe.config import MegaMoEConfigError
-from titan_megamoe.kernels.jit import env_flag
+from titan_megamoe.kernels.jit import env_choice, env_flag
 from titan_megamoe.kernels.routing import RoutingLayout, build_routing_layout
 
 __all__ = ["FP8_BLOCK_M", "Fp8WeightCache", "NonfiniteMonitor", "NONFINITE", "check_fp8_supported",
@@ -73,10 +73,12 @@ WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
 WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", True)
 #: The FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h) by the warp-specialized Gluon kernel
 #: (``kernels/ws_gemm2_dgrad_fp8.py``) instead of the Triton one: the same dgate_up and s * h, d score partials per 64
-#: columns instead of 128 (so d score is summed in another order). Opt-in: correct on an H100 but 2x slower than the
-#: Triton kernel (its epilogue, docs/NOTES.md session 21); ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=1``. Read at import; a
+#: columns instead of 128 (so d score is summed in another order). ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8``: "0" (default)
+#: the Triton kernel; "1" the cooperative Gluon kernel (correct on an H100 but slower than the Triton one: its epilogue
+#: is exposed, docs/NOTES.md sessions 21-22); "pingpong" the ping-pong Gluon kernel (session 36: each consumer's
+#: epilogue under the other's main loop; ``ws_gemm2_dgrad_fp8.GEMM2_DGRAD_FP8_PINGPONG``). Read at import; a
 #: same-process switch.
-WS_GEMM2_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", False)
+WS_GEMM2_DGRAD_FP8 = env_choice("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", "0", ("0", "1", "pingpong"))
 #: The "fp8" forward's GEMM2 by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm2_fwd_fp8``: the FP8
 #: GEMM1 dgrad's producer and consumers with one K segment and a scatter epilogue) where it applies (sm_90, D and F
 #: multiples of 128, rows stored by pair) instead of the Triton one; bitwise the same y. On by default since session 23
@@ -620,14 +622,14 @@ def _wgrad_fp8(aTq: Tensor, aTs: Tensor, bTq: Tensor, bTs: Tensor, layout: Routi
 def _gemm2_dgrad_fp8(dq: Tensor, ds: Tensor, w2tq: Tensor, w2ts: Tensor, gate_up: Tensor, scores: Tensor,
                      layout: RoutingLayout, cfg, count: Tensor, hs: Tensor | None) -> tuple:
     """The FP8 GEMM2 dgrad (``grouped_gemm_fp8_bwd.gemm2_dgrad_swiglu_bwd_fp8``'s contract): by the Gluon kernel where
-    ``WS_GEMM2_DGRAD_FP8`` is on and the case allows it (``ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8_supported``: not with
-    ``hs_out``), else by the Triton kernel with ``cfg``."""
-    from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm2_dgrad_fp8
+    ``WS_GEMM2_DGRAD_FP8`` asks for it ("1" cooperative, "pingpong") and the case allows it
+    (``ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8_supported``: not with ``hs_out``), else by the Triton kernel with ``cfg``."""
+    from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm2_dgrad_fp8 as W
 
-    if (WS_GEMM2_DGRAD_FP8 and not _interp()
-            and ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8_supported(dq, w2tq, hs) is None):
-        return ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout,
-                                                     nonfinite_count=count)
+    if WS_GEMM2_DGRAD_FP8 != "0" and not _interp():
+        g_cfg = W.GEMM2_DGRAD_FP8_PINGPONG if WS_GEMM2_DGRAD_FP8 == "pingpong" else W.GEMM2_DGRAD_FP8_CONFIG
+        if W.ws_gemm2_dgrad_fp8_supported(dq, w2tq, hs, g_cfg) is None:
+            return W.ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout, nonfinite_count=count, cfg=g_cfg)
     return grouped_gemm_fp8_bwd.gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout, cfg,
                                                            nonfinite_count=count, hs_out=hs)
 
