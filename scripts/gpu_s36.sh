@@ -33,6 +33,12 @@ if [ "$PART" = b ]; then  # the ping-pong FP8 GEMM2 dgrad: GPU tests (each case 
     echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_g2d_fp8_b.log"
     [ "$(left 200)" -ge 90 ] && layer_ab 30b_pp_b "WS_GEMM2_DGRAD_FP8=pingpong" qwen3-30b-a3b bf16,fp8,fp8_bwd megamoe-triton 8
     [ "$(left 200)" -ge 110 ] && layer_ab 235b_pp_b "WS_GEMM2_DGRAD_FP8=pingpong" qwen3-235b-a22b bf16,fp8 megamoe-triton 8
+    if [ "$(left 120)" -ge 60 ]; then  # the FP8 op and fused layer node through the ping-pong kernel
+      TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=pingpong timeout -s KILL $(left 120) python3 -m pytest -q -rfE tests/test_fp8_op.py \
+        tests/test_eager_layer.py -k "fp8 and not fast_forward" -p no:cacheprovider > "$OUT/keep/tests_gpu_pp_op_b.log" 2>&1
+      echo "[t=$((SECONDS - t0))s] FP8 op / node GPU tests with the ping-pong kernel: $(tail -1 "$OUT/keep/tests_gpu_pp_op_b.log")"
+      grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_pp_op_b.log" | head -12
+    fi
   fi
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back

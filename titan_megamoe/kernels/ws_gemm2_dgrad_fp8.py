@@ -23,6 +23,13 @@ Design (the FP8 GEMM1's producer and consumer scheme, ``ws_gemm_fp8.py``):
   halves, and the quantization (one reciprocal per column and Markstein's FMA correction, the quotient of
   ``div_rn``); the e4m3 tile leaves transposed by TMA.
 
+Ping-pong (``GEMM2_DGRAD_FP8_PINGPONG``, session 36): the work unit is 128 rows x one 64-column chunk of F; consumer C
+takes the program's units C, C + 2, ...; a stage holds the unit's 128 gathered dout rows and its one w2 tile
+(``_g2d8_pp_producer``); two ``order`` mbarriers serialize the main loops (a consumer starts its unit's loop once the
+other has waited on every stage of the unit before), so one consumer's epilogue runs under the other's main loop, and
+every parity wait stays within one phase of its barrier (the ring is shared in order). Each unit is the cooperative
+consumer's computation of that chunk: the same outputs bit for bit, d score partials included.
+
 Math per row r (pair p = row_pair[r] >= 0, token t = p // K, expert e, score s = scores[p]) as the Triton kernel's:
 ``g = sum over K blocks kb of dot(dout_q[t, kb], w2t_q[e, :, kb]) * (dout_s[t, kb] * w2t_s[e, n // 128, kb])``,
 sig = 1 / (1 + exp(-gate)), silu = gate sig, h = bf16(silu up), dh = s g, dgate = dh up sig (1 + gate (1 - sig)),
