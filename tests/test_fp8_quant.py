@@ -245,11 +245,15 @@ def test_reciprocal_and_fma_correction_is_the_ieee_quotient():
                            [448.0, 1.0, 3.0, 2.0 ** -20, 1e-12]]).astype(np.float32)
     ones = np.array([0x3F7FFFFF, 0x3FFFFFFF, 0x2F7FFFFF, 0x437FFFFF], dtype=np.uint32).view(np.float32)
     pairs = []
-    for b in np.concatenate([(amax / np.float32(448.0)).astype(np.float32), ones]):
+    # 448: the Gluon FP8 GEMM2 dgrad takes amax / 448 this way (ws_gemm2_dgrad_fp8.RCP_448)
+    for b in np.concatenate([(amax / np.float32(448.0)).astype(np.float32), ones, [np.float32(448.0)]]):
         xs = (rng.choice(mids, 24) * b).astype(np.float32)
         xs = np.concatenate([xs, np.nextafter(xs, np.float32(np.inf)), np.nextafter(xs, np.float32(0)),
                              (rng.uniform(-448, 448, 24) * b).astype(np.float32), [b * np.float32(448.0)]])
         pairs += [(np.float32(x), b) for x in np.concatenate([xs, -xs])]
+    from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import RCP_448
+
+    assert np.float32(RCP_448) == np.float32(1.0) / np.float32(448.0) and float(np.float32(RCP_448)) == RCP_448
     for x, b in pairs:
         y = np.float32(1.0) / b  # numpy: IEEE fp32 division (round to nearest)
         q = np.float32(x * y)

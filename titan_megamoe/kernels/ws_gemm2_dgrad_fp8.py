@@ -80,6 +80,8 @@ __all__ = ["GEMM2_DGRAD_FP8_CONFIG", "GEMM2_DGRAD_FP8_PINGPONG", "sm90_compile_a
            "ws_gemm2_dgrad_fp8", "ws_gemm2_dgrad_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
+#: RN(1 / 448) in fp32 (exactly this float64 value): the e4m3 scale's constant reciprocal
+RCP_448 = 0.0022321429569274187
 
 #: 128-row tiles, two 64-column chunks of F each (one per consumer), 4 stages: the ring (4 x 32 KiB) plus each
 #: consumer's gate / up tiles (2 x 16 KiB) and two 64 x 64 e4m3 s * h staging tiles fit 227 KiB; 5 stages do not.
@@ -101,6 +103,7 @@ def _smem_bytes(cfg: Fp8WsConfig) -> int:
 
 
 if HAVE_GLUON:
+    _RCP_448 = gl.constexpr(RCP_448)
 
     @gluon.jit
     def _stamp(trace_ptr, j, slot, C: gl.constexpr, TRACE: gl.constexpr):
@@ -267,7 +270,11 @@ if HAVE_GLUON:
             bits = gl.max(gl.maximum(gl.abs(y0).to(gl.int32, bitcast=True),
                                      gl.abs(y1).to(gl.int32, bitcast=True)), axis=0)
             amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
-            scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout))
+            # amax / 448 as div_rn rounds it, by the constant reciprocal and Markstein's correction (the quotient of
+            # _e4m3_t; tests/test_fp8_quant.py checks the divisor 448): three FMAs for a branchy division per column
+            r448 = gl.full(amax.shape, _RCP_448, gl.float32, layout=col_layout)
+            q448 = amax * r448
+            scale = gl.fma(gl.fma(-q448, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout), amax), r448, q448)
             scale_b = gl.expand_dims(scale, 0)
             rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
             _stamp(trace_ptr, j, 7, C, TRACE)
