@@ -3,7 +3,8 @@
 # the Gluon FP8 GEMM2 dgrad's tile timeline; the 30B layer in every precision beside stock TorchTitan compiled), then
 # the counter schedule's probes (session 33's ticket fix) if time is left. PART b: the ping-pong FP8 GEMM2 dgrad
 # (session 36): its GPU tests, the A/B against the Triton kernel and the cooperative Gluon one, the layer with it.
-# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s36.sh   (carry .whl; see scripts/gpu_env.sh)
+# PART c: WS_GEMM2_DGRAD_FP8=auto (the default now) in the layer beside the Triton kernel, and the FP8 op / node tests.
+# Call as: REV=<hash> PART=a|b|c [BUDGET=seconds] bash scripts/gpu_s36.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
 probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, killed at 25 s
@@ -39,6 +40,16 @@ if [ "$PART" = b ]; then  # the ping-pong FP8 GEMM2 dgrad: GPU tests (each case 
       echo "[t=$((SECONDS - t0))s] FP8 op / node GPU tests with the ping-pong kernel: $(tail -1 "$OUT/keep/tests_gpu_pp_op_b.log")"
       grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_pp_op_b.log" | head -12
     fi
+  fi
+fi
+if [ "$PART" = c ]; then  # WS_GEMM2_DGRAD_FP8=auto the default: the layer beside the Triton kernel (=0), then the tests
+  layer_ab 235b_c "WS_GEMM2_DGRAD_FP8=0 WS_GEMM2_DGRAD_FP8=pingpong" qwen3-235b-a22b fp8 megamoe-triton 8
+  [ "$(left 100)" -ge 50 ] && layer_ab 30b_c "WS_GEMM2_DGRAD_FP8=0" qwen3-30b-a3b fp8,fp8_bwd megamoe-triton 8
+  if [ "$(left 100)" -ge 40 ]; then
+    timeout -s KILL $(left 100) python3 -m pytest -q -rfE tests/test_fp8_op.py tests/test_eager_layer.py \
+      -k "fp8 and not fast_forward" -p no:cacheprovider > "$OUT/keep/tests_gpu_auto_c.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] FP8 op / node GPU tests at the auto default: $(tail -1 "$OUT/keep/tests_gpu_auto_c.log")"
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_auto_c.log" | head -12
   fi
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back

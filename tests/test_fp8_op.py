@@ -86,6 +86,8 @@ def test_wgrad_diagnosis_switch(monkeypatch):
     finer fp32 promotion (the interpreter's dot is fp32: bitwise the default); dx and d scores untouched."""
     from titan_megamoe.ops import fp8_backend
 
+    # the bf16 variant's s * h rows take the Triton GEMM2 dgrad; the default's too, so d scores compare bitwise
+    monkeypatch.setattr(fp8_backend, "WS_GEMM2_DGRAD_FP8", "0")
     inputs = _inputs("uniform", 24, 128, 128, 4, 2, torch.bfloat16)
     base = _fwd_bwd("fp8_bwd", *inputs)
     ref = _fwd_bwd("reference", *inputs)
@@ -110,7 +112,7 @@ def test_weight_cache_hits_until_the_weight_changes():
     from titan_megamoe.ops import fp8_reference as R
 
     g = torch.Generator().manual_seed(3)
-    w = torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16())
+    w = torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16().to(DEV))
     cache = Fp8WeightCache()
     q, s, qT, sT = cache.get("w1", w, forward=True)
     rq, rs = R.quantize_weight_128x128(w.detach())
@@ -139,8 +141,8 @@ def test_prepare_weights_served_by_the_cache_launches_and_records_nothing(monkey
     from titan_megamoe.ops import fp8_backend as fb
 
     g = torch.Generator().manual_seed(4)
-    ws = [torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16()) for _ in range(2)]
-    w2 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=g).bfloat16())
+    ws = [torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16().to(DEV)) for _ in range(2)]
+    w2 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=g).bfloat16().to(DEV))
     records, zeros = [], []
     monkeypatch.setattr(fb.NONFINITE, "record", lambda name, count: records.append((name, count)))
     real_zeros = torch.zeros

@@ -104,31 +104,35 @@ def test_trace_buffer_too_small_or_of_another_dtype_is_refused():
 
 
 def test_fp8_backward_takes_the_gluon_gemm2_dgrad_only_when_switched_on(monkeypatch):
-    """``WS_GEMM2_DGRAD_FP8`` on, off the interpreter, a supported case: the FP8 backward's GEMM2 dgrad is the Gluon
-    kernel; off, or with the bf16 wgrads' ``hs_out``: the Triton kernel with the backward's config."""
+    """``WS_GEMM2_DGRAD_FP8`` on ("auto": ping-pong below D = 4096, cooperative from it), off the interpreter, a
+    supported case: the FP8 backward's GEMM2 dgrad is the Gluon kernel; "0", or with the bf16 wgrads' ``hs_out``: the
+    Triton kernel with the backward's config."""
     import titan_megamoe.kernels.grouped_gemm_fp8_bwd as B8
     import titan_megamoe.kernels.ws_gemm2_dgrad_fp8 as W
     import titan_megamoe.ops.fp8_backend as fb
     from titan_megamoe import switches
 
-    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8"].default == "auto"
     calls = []
     monkeypatch.setattr(W, "_platform_reason", lambda t: None)
     monkeypatch.setattr(W, "ws_gemm2_dgrad_fp8", lambda *a, **k: calls.append(("gluon", k)) or "gluon")
     monkeypatch.setattr(B8, "gemm2_dgrad_swiglu_bwd_fp8", lambda *a, **k: calls.append(("triton", a[7], k)) or "triton")
     monkeypatch.setattr(fb, "_interp", lambda: False)
-    w2tq = torch.empty(4, 128, 256, dtype=torch.float8_e4m3fn)
     count, hs = torch.zeros(1, dtype=torch.int32), torch.empty(8, 128)
-    for on, hs_out, want in (("1", None, "gluon"), ("pingpong", None, "gluon"), ("0", None, "triton"),
-                             ("1", hs, "triton"), ("pingpong", hs, "triton")):
+    pp, coop = W.GEMM2_DGRAD_FP8_PINGPONG, W.GEMM2_DGRAD_FP8_CONFIG
+    for on, D, hs_out, want, cfg in (("1", 256, None, "gluon", coop), ("pingpong", 256, None, "gluon", pp),
+                                     ("auto", 2048, None, "gluon", pp), ("auto", 4096, None, "gluon", coop),
+                                     ("0", 256, None, "triton", None), ("1", 256, hs, "triton", None),
+                                     ("auto", 2048, hs, "triton", None), ("pingpong", 256, hs, "triton", None)):
         calls.clear()
+        dq, w2tq = torch.empty(8, D, dtype=torch.float8_e4m3fn), torch.empty(4, 128, D, dtype=torch.float8_e4m3fn)
         with switches.override({"TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8": on}):
             assert fb.WS_GEMM2_DGRAD_FP8 == on
-            got = fb._gemm2_dgrad_fp8("dq", "ds", w2tq, "w2ts", "gate_up", "scores", "layout", "cfg", count, hs_out)
-        assert got == want and len(calls) == 1 and calls[0][0] == want
+            got = fb._gemm2_dgrad_fp8(dq, "ds", w2tq, "w2ts", "gate_up", "scores", "layout", "cfg", count, hs_out)
+        assert got == want and len(calls) == 1 and calls[0][0] == want, (on, D)
         if want == "gluon":
             assert calls[0][1]["nonfinite_count"] is count
-            assert calls[0][1]["cfg"] == (W.GEMM2_DGRAD_FP8_PINGPONG if on == "pingpong" else W.GEMM2_DGRAD_FP8_CONFIG)
+            assert calls[0][1]["cfg"] == cfg, (on, D)
         else:
             assert calls[0][1] == "cfg" and calls[0][2]["hs_out"] is hs_out and calls[0][2]["nonfinite_count"] is count
 

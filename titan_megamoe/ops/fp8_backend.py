@@ -73,12 +73,16 @@ WS_GEMM1_DGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8", True)
 WS_WGRAD_FP8 = env_flag("TITAN_MEGAMOE_WS_WGRAD_FP8", True)
 #: The FP8 GEMM2 dgrad (SwiGLU backward, d score partials, 128x1 s * h) by the warp-specialized Gluon kernel
 #: (``kernels/ws_gemm2_dgrad_fp8.py``) instead of the Triton one: the same dgate_up and s * h, d score partials per 64
-#: columns instead of 128 (so d score is summed in another order). ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8``: "0" (default)
-#: the Triton kernel; "1" the cooperative Gluon kernel (correct on an H100 but slower than the Triton one: its epilogue
-#: is exposed, docs/NOTES.md sessions 21-22); "pingpong" the ping-pong Gluon kernel (session 36: each consumer's
-#: epilogue under the other's main loop; ``ws_gemm2_dgrad_fp8.GEMM2_DGRAD_FP8_PINGPONG``). Read at import; a
+#: columns (the Triton kernel's per BN columns: d score is the same sum, in another order where BN is 128).
+#: ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8``: "auto" (default since session 36) the ping-pong kernel for model dims below
+#: :data:`GEMM2_DGRAD_FP8_COOP_DIM`, the cooperative one from it; "0" the Triton kernel; "1" the cooperative Gluon
+#: kernel; "pingpong" the ping-pong one. One H100, session 36 (``ab_kernels_g2d_fp8_1xh100_s36b_20261207.json``, 8
+#: rotated rounds, the cooperative kernel's scale by the constant reciprocal): 30B Triton 1.140 ms, cooperative 1.036,
+#: ping-pong **0.954-0.966**; 235B Triton 3.484, cooperative **2.998**, ping-pong 3.300-3.308. Read at import; a
 #: same-process switch.
-WS_GEMM2_DGRAD_FP8 = env_choice("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", "0", ("0", "1", "pingpong"))
+WS_GEMM2_DGRAD_FP8 = env_choice("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", "auto", ("auto", "0", "1", "pingpong"))
+#: "auto": the cooperative Gluon GEMM2 dgrad from this model dim on (measured at D = 4096), the ping-pong one below
+GEMM2_DGRAD_FP8_COOP_DIM = 4096
 #: The "fp8" forward's GEMM2 by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm2_fwd_fp8``: the FP8
 #: GEMM1 dgrad's producer and consumers with one K segment and a scatter epilogue) where it applies (sm_90, D and F
 #: multiples of 128, rows stored by pair) instead of the Triton one; bitwise the same y. On by default since session 23
@@ -622,12 +626,14 @@ def _wgrad_fp8(aTq: Tensor, aTs: Tensor, bTq: Tensor, bTs: Tensor, layout: Routi
 def _gemm2_dgrad_fp8(dq: Tensor, ds: Tensor, w2tq: Tensor, w2ts: Tensor, gate_up: Tensor, scores: Tensor,
                      layout: RoutingLayout, cfg, count: Tensor, hs: Tensor | None) -> tuple:
     """The FP8 GEMM2 dgrad (``grouped_gemm_fp8_bwd.gemm2_dgrad_swiglu_bwd_fp8``'s contract): by the Gluon kernel where
-    ``WS_GEMM2_DGRAD_FP8`` asks for it ("1" cooperative, "pingpong") and the case allows it
+    ``WS_GEMM2_DGRAD_FP8`` asks for it ("auto", "1" cooperative, "pingpong") and the case allows it
     (``ws_gemm2_dgrad_fp8.ws_gemm2_dgrad_fp8_supported``: not with ``hs_out``), else by the Triton kernel with ``cfg``."""
     from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm2_dgrad_fp8 as W
 
     if WS_GEMM2_DGRAD_FP8 != "0" and not _interp():
-        g_cfg = W.GEMM2_DGRAD_FP8_PINGPONG if WS_GEMM2_DGRAD_FP8 == "pingpong" else W.GEMM2_DGRAD_FP8_CONFIG
+        pingpong = WS_GEMM2_DGRAD_FP8 == "pingpong" or (WS_GEMM2_DGRAD_FP8 == "auto"
+                                                         and dq.shape[1] < GEMM2_DGRAD_FP8_COOP_DIM)
+        g_cfg = W.GEMM2_DGRAD_FP8_PINGPONG if pingpong else W.GEMM2_DGRAD_FP8_CONFIG
         if W.ws_gemm2_dgrad_fp8_supported(dq, w2tq, hs, g_cfg) is None:
             return W.ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout, nonfinite_count=count, cfg=g_cfg)
     return grouped_gemm_fp8_bwd.gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gate_up, scores, layout, cfg,
