@@ -43,11 +43,15 @@ bitwise the Triton path's.
 Preconditions (``ws_gemm2_dgrad_fp8_supported``): sm_90 GPU, Triton 3.6 with Gluon, D % 128 == 0, F % 128 == 0,
 routing layout block 128, contiguous operands, the 128x1 s * h output (not ``hs_out``'s bf16 rows).
 
-Status (session 22, one H100; docs/NOTES.md): correct in its GPU tests; 30B 1.31 ms, 235B 3.59-3.63, against the
-Triton kernel's 1.26-1.28 / 3.38. The epilogue is the cost (tile timelines: ``launch_gemm2_dgrad_fp8(trace=...)``):
-~17 us of a 30 us tile at 30B after a 13 us main loop, exposed because both consumers work on the same tile.
-Session 21's two-pass epilogue (a column-amax pass over the gate / up buffers, then ``div_rn`` per element) ran
-2.45-2.54 ms. Opt-in (``ops/fp8_backend.WS_GEMM2_DGRAD_FP8``); 52 bytes of spills at the 216-register consumer budget.
+Status (one H100; docs/NOTES.md sessions 21-22, 36): correct in its GPU tests. Session 22: cooperative 30B 1.31 ms,
+235B 3.59-3.63 against the Triton kernel's 1.26-1.28 / 3.38, the epilogue exposed (~16 us of a 29 us tile at 30B after
+a 13 us main loop; tile timelines: ``launch_gemm2_dgrad_fp8(trace=...)``). Session 36: the s * h scale amax / 448 by
+the constant reciprocal (16 fewer branchy ``div_rn`` per consumer thread and tile), and the ping-pong schedule; 8
+rotated rounds in one process (``scripts/ab_kernels.py --groups gemm2_dgrad_fp8``): 30B Triton 1.140 ms, cooperative
+1.036, ping-pong 0.954-0.966; 235B 3.484, **2.998**, 3.300-3.308. The default since session 36
+(``ops/fp8_backend.WS_GEMM2_DGRAD_FP8`` "auto": ping-pong below D = 4096, cooperative from it); in the layer the
+backward's device time drops less than the kernel A/B says (30B -0.06 ms, 235B -0.1 to -0.2). 32 bytes of stack at
+the 216-register consumer budget (both schedules).
 """
 
 from __future__ import annotations
