@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU calls planned in session 36 for the next session (one GPU).
+# PART a: (1) the launch-equivalence test on a GPU (its subprocess now keeps the machine's wheel path); (2) Nsight
+#   Compute on the Gluon FP8 GEMMs at 30B beside a dense rowwise e4m3 GEMM, the FP8 GEMM2 dgrad's two schedules
+#   included: stall reasons and L2 throughput (session 36's hypothesis: the gathered-row main loops are bound by the
+#   L2 -> SM stream); (3) the counter schedule's GPU tests and A/B (its probes returned in session 36).
+# PART b: scripts/gpu_ci.sh (the H100 baselines), then both layer shapes in every precision beside stock compiled.
+# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s37.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+if [ "$PART" = a ]; then
+  gpu_tests fast_a tests/test_eager_layer.py -k "fast_forward"
+  timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip 1 --launch-count 20 \
+    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" --section SpeedOfLight --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second" \
+    python3 scripts/ncu_gemm_fp8.py --shape 30b > "$OUT/keep/ncu_gemm_fp8_a.txt" 2> "$OUT/keep/ncu_gemm_fp8_a.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  awk '/^  [_a-zA-Z]/{print; next} /Duration|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes|gmma_cycles|stalled/' \
+    "$OUT/keep/ncu_gemm_fp8_a.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -200
+  tail -3 "$OUT/keep/ncu_gemm_fp8_a.err" | cut -c1-200
+  timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
+  if [ "$(left 200)" -ge 120 ]; then
+    TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
+      -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] dynamic GPU tests: $(tail -1 "$OUT/keep/tests_gpu_dynamic_a.log")"
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_dynamic_a.log" | head -12
+    timeout $(left 150) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 --unfence-dynamic \
+      --groups gemm1_dgrad_dynamic,gemm1_fwd_dynamic --out "$OUT/keep/ab_kernels_dynamic_a.json" \
+      > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
+  fi
+fi
+if [ "$PART" = b ]; then
+  OUT="$OUT/keep/ci" timeout $(left 420) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_b.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu_ci rc $?"; tail -12 "$OUT/keep/gpu_ci_b.log"
+  [ "$(left 200)" -ge 150 ] && layer_ab 235b_b "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
+  [ "$(left 200)" -ge 100 ] && layer_ab 30b_b "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
+fi
+(cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
+session_pack "s37$PART"
