@@ -2,7 +2,7 @@
 cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8 or expert-major; persistent or one
 program per tile), the bf16 GEMM1 forward's tile order and grid, the bf16 wgrads (Gluon default, split_n)
 and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
-m64n128 accumulator per consumer or two m64n64 ones); the FP8 GEMM2 dgrad (Gluon cooperative, Gluon ping-pong, Triton).
+m64n128 accumulator per consumer or two m64n64 ones); the FP8 GEMM2 dgrad (Gluon cooperative, Gluon ping-pong, Triton); the FP8 GEMM1 forward on 128 x 128 and 128 x 256 tiles.
 
 Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
 GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
@@ -248,6 +248,30 @@ def _groups(shape: str):
                                                                                           stages=5))),
                                  ("triton", lambda: g2d8(None))]
     flops["gemm2_dgrad_fp8"] = 2 * T * K * D * F
+    # the FP8 GEMM1 forward on its default 128 x 128 tiles and on the wide 128 x 256 ones (session 36, opt-in: the
+    # gathered x rows of a stage feed twice the columns), with two register splits; all bitwise the default
+    g1f8_state = {}
+
+    def g1f8(cfg):
+        from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+        from titan_megamoe.kernels.ws_gemm_fp8 import launch_gemm1_fwd_fp8
+
+        if not g1f8_state:
+            xq = quantize_act_1x128(x)
+            w13 = [quantize_weight_128x128(w) for w in (w1, w3)]
+            g1f8_state.update(ops=(*xq, *w13[0], *w13[1], lay), out=(torch.zeros_like(gu1), torch.zeros_like(h1)))
+        launch_gemm1_fwd_fp8(*g1f8_state["ops"], *g1f8_state["out"], cfg)
+        return g1f8_state["out"][0][:n], g1f8_state["out"][1][:n]
+
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG, FP8_FWD_WIDE_CONFIG
+
+    groups["gemm1_fwd_fp8_wide"] = [
+        ("default 128x128", lambda: g1f8(FP8_FWD_CONFIG)),
+        ("wide 216/72 regs", lambda: g1f8(FP8_FWD_WIDE_CONFIG)),
+        ("wide 232/48 regs", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, consumer_regs=232,
+                                                              producer_regs=48))),
+        ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3)))]
+    flops["gemm1_fwd_fp8_wide"] = 4 * T * K * D * F
     return groups, flops
 
 

@@ -3,7 +3,8 @@
 # PART a: (1) the launch-equivalence test on a GPU (its subprocess now keeps the machine's wheel path); (2) Nsight
 #   Compute on the Gluon FP8 GEMMs at 30B beside a dense rowwise e4m3 GEMM, the FP8 GEMM2 dgrad's two schedules
 #   included: stall reasons and L2 throughput (session 36's hypothesis: the gathered-row main loops are bound by the
-#   L2 -> SM stream); (3) the counter schedule's GPU tests and A/B (its probes returned in session 36).
+#   L2 -> SM stream); (3) the wide FP8 GEMM1 forward tiles (FP8_FWD_WIDE): GPU tests and A/B; (4) the counter
+#   schedule's GPU tests and A/B (its probes returned in session 36).
 # PART b: scripts/gpu_ci.sh (the H100 baselines), then both layer shapes in every precision beside stock compiled.
 # Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s37.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
@@ -19,6 +20,16 @@ if [ "$PART" = a ]; then
     "$OUT/keep/ncu_gemm_fp8_a.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -200
   tail -3 "$OUT/keep/ncu_gemm_fp8_a.err" | cut -c1-200
   timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
+  # the wide FP8 GEMM1 forward tiles (session 36, CPU-built): GPU tests (bitwise the default), A/B, layer rows
+  timeout -s KILL $(left 120) python3 -m pytest -q -rfE tests/test_ws_gemm_fp8.py -k "fwd_fp8 and gpu" -p no:cacheprovider \
+    > "$OUT/keep/tests_gpu_wide_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] wide GEMM1 GPU tests: $(tail -1 "$OUT/keep/tests_gpu_wide_a.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_wide_a.log" | head -8
+  if grep -q " passed" "$OUT/keep/tests_gpu_wide_a.log" && ! grep -q "failed" "$OUT/keep/tests_gpu_wide_a.log"; then
+    timeout $(left 100) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 --groups gemm1_fwd_fp8_wide \
+      --out "$OUT/keep/ab_kernels_wide_a.json" > "$OUT/keep/ab_kernels_wide_a.log" 2>&1
+    echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_wide_a.log"
+  fi
   if [ "$(left 200)" -ge 120 ]; then
     TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
       -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1

@@ -5,6 +5,7 @@ dequantized operands."""
 
 import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -33,6 +34,10 @@ def _compile_sm90_all() -> list[dict]:
         sig, cx = W.sm90_compile_args_gemm2_fp8(cfg, D, F)
         r = compile_sm90(W._gemm2_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"gemm2_fp8_{shape}", **r))
+        cfg = W.FP8_FWD_WIDE_CONFIG
+        sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
+        r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"fwd_fp8_wide_{shape}", **r))
     # the ordered consumers (Fp8WsConfig.ordered), 30B only
     D, F = SHAPES["30b"]
     for name, base, args, kernel in _kernels(W):
@@ -93,6 +98,23 @@ def test_ws_gemm1_fwd_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert r["shared"] >= FP8_FWD_CONFIG.smem_bytes(), (r["shared"], FP8_FWD_CONFIG.smem_bytes())
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]  # the cap, no spills
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("label", ["fwd_fp8_wide_30b", "fwd_fp8_wide_235b"])
+def test_ws_gemm1_fwd_fp8_wide_tiles_build_for_sm90a_with_bounded_spills(label):
+    """``FP8_FWD_WIDE_CONFIG``: four MMAs per consumer and K step, each partial scaled under the next MMA (waits 1, 1,
+    1, 0), no wgmma serialization; six 64 x 64 fp32 tiles per consumer thread leave a few spilled scalars (104 bytes
+    at 216 registers in session 36's build), bounded here."""
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_WIDE_CONFIG
+
+    r = sm90_result(__file__, label)
+    assert r["target"] and r["wgmma"] == 32, r  # two consumers x four 64-column chunks x 4 k32 steps
+    assert r["wgmma_waits"] == ["1", "1", "1", "0"] * 2, r["wgmma_waits"]
+    assert FP8_FWD_WIDE_CONFIG.smem_bytes() <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
+    stack = int(re.search(r"STACK:(\d+)", r["usage"]).group(1))
+    assert "REG:168" in r["usage"] and stack <= 128, r["usage"]
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
@@ -175,7 +197,7 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
     assert switches.SWITCHES["TITAN_MEGAMOE_WS_GEMM1_FP8"].default == "1"
     lay, xq, xs, w1q, w1s, w3q, w3s = _fp8_operands(40, 4, 2, 256, 128, "uniform", 0, "cpu")
     N, F = lay.n_cap, 128
-    calls = []
+    calls, cfgs = [], []
 
     def quant(x, row_index=None, top_k=1, **kw):
         calls.append(("quant", x.shape[0]))
@@ -183,6 +205,7 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
 
     def ws(*a, **kw):
         calls.append(("ws_gemm1",))
+        cfgs.append(kw.get("cfg"))
         return torch.full((N, 2 * F), 0.5, dtype=torch.bfloat16), torch.full((N, F), 0.25, dtype=torch.bfloat16)
 
     def triton_gemm1(*a, quantize_h=False, **kw):
@@ -211,6 +234,11 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
                                             "layers.0.moe")
         assert calls == want, (on, calls)
         assert float(gate_up[0, 0]) == 0.5 and y.shape == (80, 256)
+    # FP8_FWD_WIDE (opt-in) reaches the Gluon GEMM1's config
+    assert cfgs == [W.FP8_FWD_CONFIG] and switches.SWITCHES["TITAN_MEGAMOE_FP8_FWD_WIDE"].default == "0"
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_FWD_WIDE": "1"}):
+        fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
+    assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG and cfgs[-1].wide
 
 
 @pytest.mark.cuda
@@ -222,7 +250,7 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     from titan_megamoe.kernels.grouped_gemm_fp8 import gemm1_swiglu_fwd_fp8
-    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG, ws_gemm1_fwd_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_CONFIG, FP8_FWD_WIDE_CONFIG, ws_gemm1_fwd_fp8
     from titan_megamoe.ops import fp8_reference as R
     from titan_megamoe.testing import rel_err
 
@@ -233,10 +261,11 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, gate_up_out=gu, h_out=h)
     tgu, th = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay)
     n = int(lay.offsets[-1])
-    for ordered in (False, True):  # the same partials in the same order, whichever consumer issues first
-        ogu, oh = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay,
-                                   cfg=dataclasses.replace(FP8_FWD_CONFIG, ordered=ordered))
-        assert torch.equal(ogu[:n], gu[:n]) and torch.equal(oh[:n], h[:n]), f"ordered={ordered} differs"
+    # the same partials in the same order, whichever consumer issues first, and on the wide tiles
+    for base, ordered in ((FP8_FWD_CONFIG, False), (FP8_FWD_CONFIG, True), (FP8_FWD_WIDE_CONFIG, False),
+                          (FP8_FWD_WIDE_CONFIG, True)):
+        ogu, oh = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, cfg=dataclasses.replace(base, ordered=ordered))
+        assert torch.equal(ogu[:n], gu[:n]) and torch.equal(oh[:n], h[:n]), f"wide={base.wide} ordered={ordered}"
     pair = lay.row_pair[:n].long()
     valid = pair >= 0
     assert not torch.isnan(gu[:n]).any() and not torch.isnan(h[:n]).any(), "live rows left unwritten"

@@ -91,6 +91,8 @@ class Fp8WsConfig:
         pingpong: the Gluon FP8 GEMM2 dgrad only (``ws_gemm2_dgrad_fp8``): each consumer takes whole BM x BN units in
             turn, main loops serialized, so one consumer's epilogue runs under the other's main loop; False there:
             both consumers on every tile (one BN-column chunk each). The other kernels ignore it.
+        wide: the FP8 GEMM1 forward only: two BN-column chunks of gate and of up per tile, so the gathered x rows of a
+            stage feed twice the MMAs (the weight tiles are 2 BN rows); the other kernels ignore it.
     """
 
     block_m: int = 128
@@ -103,15 +105,22 @@ class Fp8WsConfig:
     block_k: int = 128  # = the scale block; not a tunable
     ordered: bool | None = None
     pingpong: bool = False
+    wide: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring and the two bf16 epilogue tiles."""
-        ring = self.stages * (self.block_m + 2 * self.block_n) * self.block_k
+        ring = self.stages * (self.block_m + (4 if self.wide else 2) * self.block_n) * self.block_k
         return ring + 2 * (self.block_m // 2) * self.block_n * 2
 
 
 #: Default config (sm_90a build, both Qwen3 shapes: see tests/test_ws_gemm_fp8.py for registers and shared memory).
 FP8_FWD_CONFIG = Fp8WsConfig()
+
+#: The FP8 GEMM1 forward on 128 x (2 x 128) tiles (session 36, opt-in, not yet measured): each stage's 128 gathered x
+#: rows (16 KiB) feed 128 gate and 128 up columns (two 128-row weight tiles, 32 KiB), so a stage carries 48 KiB per
+#: 128 x 256 outputs against 32 KiB per 128 x 128: a quarter fewer L2 -> SM bytes per FLOP, which is what session 36
+#: found bounding the gathered-row main loops (~5-7 TB/s). Per consumer four 64 x 64 accumulators and two partials.
+FP8_FWD_WIDE_CONFIG = Fp8WsConfig(stages=4, wide=True)
 
 #: ``TITAN_MEGAMOE_FP8_ORDERED_MMA`` (default off): the ordered consumers (``Fp8WsConfig.ordered``) in the FP8 GEMM1,
 #: GEMM1 dgrad and GEMM2 launched with a config whose ``ordered`` is None. Read at import; a same-process switch.
@@ -156,11 +165,78 @@ if HAVE_GLUON:
 
 
     @gluon.jit
+    def _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
+                         a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
+                         F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
+                         STAGES: gl.constexpr, turns, ORDERED: gl.constexpr):
+        """The wide tiles of consumer C (``Fp8WsConfig.wide``): rows [C BM / 2, (C + 1) BM / 2) of each tile, two BN-column
+        chunks of gate and up. Per K step: both gate chunks' MMAs, each partial scaled under the next MMA (the up chunks'
+        MMAs issued as the gate partials are consumed), so an MMA is in flight at every promotion but the last. Each
+        accumulator sums the same partials in the same order as the BN-wide kernel's: the same bits."""
+        BMC: gl.constexpr = h_desc.block_type.shape[0]
+        BN: gl.constexpr = h_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KT: gl.constexpr = D // BK
+        NB: gl.constexpr = F // BK
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            row0 = pid_m * BM + C * BMC
+            col0 = pid_n * 2 * BN
+            pair = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout))
+            ok = pair >= 0
+            xs_row = xs_ptr + gl.where(ok, pair // TOPK, 0).to(gl.int64) * KT
+            e = gl.load(tile_expert_ptr + pid_m)
+            ws_off = (e * NB + col0 // BK) * KT  # both chunks lie in one 128-column weight scale block
+            acc_g0 = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            acc_g1 = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            acc_u0 = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            acc_u1 = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            p0 = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            p1 = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * KT
+            for k in range(KT):
+                idx = idx0 + k
+                s = idx % STAGES
+                ph = (idx // STAGES) & 1
+                a_s = gl.load(xs_row + k, mask=ok, other=0.0)
+                sg = gl.expand_dims(a_s * gl.load(w1s_ptr + ws_off + k), 1)
+                su = gl.expand_dims(a_s * gl.load(w3s_ptr + ws_off + k), 1)
+                mbarrier.wait(ready_a.index(s), ph)
+                mbarrier.wait(ready_b.index(s), ph)
+                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                b1 = b1_bufs.index(s)
+                b3 = b3_bufs.index(s)
+                _turn_wait(turns, C, idx, ORDERED)
+                p0 = warpgroup_mma(a, b1.slice(0, BN, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
+                p1 = warpgroup_mma(a, b1.slice(BN, BN, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
+                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                acc_g0 += p0 * sg  # under the second gate chunk's MMA
+                p0 = warpgroup_mma(a, b3.slice(0, BN, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
+                p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+                acc_g1 += p1 * sg  # under the first up chunk's MMA
+                p1 = warpgroup_mma(a, b3.slice(BN, BN, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
+                _turn_pass(turns, C, ORDERED)
+                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                acc_u0 += p0 * su  # under the second up chunk's MMA
+                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                mbarrier.arrive(empty.index(s), count=1)  # the step's four MMAs done: its buffers may be refilled
+                acc_u1 += p1 * su
+            vf = gl.expand_dims(ok.to(gl.float32), 1)
+            _swiglu_store(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F)
+            _swiglu_store(acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem, row0, col0 + BN, F)
+
+    @gluon.jit
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr):
-        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2)
+                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr = False):
+        # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); WIDE: the tile has
+        # two BN-column chunks of gate and up (the weight tiles are 2 BN rows), each computed as its own tile would be
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
         BM: gl.constexpr = a_bufs.type.shape[1]
@@ -171,45 +247,50 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BN, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
-            row0 = pid_m * BM + C * BMC
-            col0 = pid_n * BN
-            pair = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout))
-            ok = pair >= 0
-            # x scale row of each gathered token; padding rows read none (their partials are 0 x 0)
-            xs_row = xs_ptr + gl.where(ok, pair // TOPK, 0).to(gl.int64) * KT
-            e = gl.load(tile_expert_ptr + pid_m)
-            ws_off = (e * NB + col0 // BK) * KT
-            acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            p_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            p_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * KT
-            for k in range(KT):
-                idx = idx0 + k
-                s = idx % STAGES
-                ph = (idx // STAGES) & 1
-                a_s = gl.load(xs_row + k, mask=ok, other=0.0)
-                s1 = gl.load(w1s_ptr + ws_off + k)
-                s3 = gl.load(w3s_ptr + ws_off + k)
-                mbarrier.wait(ready_a.index(s), ph)
-                mbarrier.wait(ready_b.index(s), ph)
-                fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
-                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                _turn_wait(turns, C, idx, ORDERED)
-                p_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), p_g, use_acc=False, is_async=True)
-                p_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), p_u, use_acc=False, is_async=True)
-                _turn_pass(turns, C, ORDERED)
-                p_g = warpgroup_mma_wait(num_outstanding=1, deps=(p_g,))
-                acc_g += p_g * gl.expand_dims(a_s * s1, 1)  # scaled under the up MMA
-                p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_u,))
-                mbarrier.arrive(empty.index(s), count=1)  # both MMAs of step k done: its buffers may be refilled
-                acc_u += p_u * gl.expand_dims(a_s * s3, 1)
-            # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas), SwiGLU in
-            # fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
-            vf = gl.expand_dims(ok.to(gl.float32), 1)
-            _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
+        if WIDE:
+            _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
+                             a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C, D, F, TOPK, NUM_N, GROUP_M,
+                             STAGES, turns, ORDERED)
+        else:
+            for j in range(count):
+                pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+                row0 = pid_m * BM + C * BMC
+                col0 = pid_n * BN
+                pair = gl.load(row_pair_ptr + row0 + gl.arange(0, BMC, layout=row_layout))
+                ok = pair >= 0
+                # x scale row of each gathered token; padding rows read none (their partials are 0 x 0)
+                xs_row = xs_ptr + gl.where(ok, pair // TOPK, 0).to(gl.int64) * KT
+                e = gl.load(tile_expert_ptr + pid_m)
+                ws_off = (e * NB + col0 // BK) * KT
+                acc_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+                acc_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+                p_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+                p_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+                idx0 = j * KT
+                for k in range(KT):
+                    idx = idx0 + k
+                    s = idx % STAGES
+                    ph = (idx // STAGES) & 1
+                    a_s = gl.load(xs_row + k, mask=ok, other=0.0)
+                    s1 = gl.load(w1s_ptr + ws_off + k)
+                    s3 = gl.load(w3s_ptr + ws_off + k)
+                    mbarrier.wait(ready_a.index(s), ph)
+                    mbarrier.wait(ready_b.index(s), ph)
+                    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
+                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                    _turn_wait(turns, C, idx, ORDERED)
+                    p_g = warpgroup_mma(a, b1_bufs.index(s).permute((1, 0)), p_g, use_acc=False, is_async=True)
+                    p_u = warpgroup_mma(a, b3_bufs.index(s).permute((1, 0)), p_u, use_acc=False, is_async=True)
+                    _turn_pass(turns, C, ORDERED)
+                    p_g = warpgroup_mma_wait(num_outstanding=1, deps=(p_g,))
+                    acc_g += p_g * gl.expand_dims(a_s * s1, 1)  # scaled under the up MMA
+                    p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_u,))
+                    mbarrier.arrive(empty.index(s), count=1)  # both MMAs of step k done: its buffers may be refilled
+                    acc_u += p_u * gl.expand_dims(a_s * s3, 1)
+                # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas), SwiGLU in
+                # fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
+                vf = gl.expand_dims(ok.to(gl.float32), 1)
+                _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -218,9 +299,10 @@ if HAVE_GLUON:
                                  TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                                  STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 ORDERED: gl.constexpr = False):
+                                 ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,). ORDERED: the
-        consumers issue their MMAs in turn (``_turn_wait``)."""
+        consumers issue their MMAs in turn (``_turn_wait``). WIDE: two BN-column chunks per tile (``Fp8WsConfig.wide``;
+        the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN))."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
         b1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
@@ -239,10 +321,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED)),
+                              STAGES, turns, ORDERED, WIDE)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED)),
+                              STAGES, turns, ORDERED, WIDE)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -429,7 +511,7 @@ def ws_gemm1_fwd_fp8_supported(x_fp8: Tensor, w1_fp8: Tensor, cfg: Fp8WsConfig =
     if reason:
         return reason
     E, F, D = w1_fp8.shape
-    if F % cfg.block_k or D % cfg.block_k or cfg.block_k % cfg.block_n:
+    if F % cfg.block_k or D % cfg.block_k or cfg.block_k % (2 * cfg.block_n if cfg.wide else cfg.block_n):
         return (f"needs F % {cfg.block_k} == 0, D % {cfg.block_k} == 0 and block_n dividing {cfg.block_k} "
                 f"(F={F}, D={D}, block_n={cfg.block_n})")
     return None
@@ -498,16 +580,17 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     E, F, D = w1_fp8.shape
     n_cap, dev = layout.n_cap, x_fp8.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    w1_desc = _desc(w1_fp8, (E * F, D), (bn, bk))
-    w3_desc = _desc(w3_fp8, (E * F, D), (bn, bk))
+    wn = 2 * bn if cfg.wide else bn  # weight tile rows (= output columns of gate, and of up, per tile)
+    w1_desc = _desc(w1_fp8, (E * F, D), (wn, bk))
+    w3_desc = _desc(w3_fp8, (E * F, D), (wn, bk))
     gu_desc = _desc(gu, (n_cap, 2 * F), (bm // 2, bn))
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
-    num_n = F // bn
+    num_n = F // wn
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
-           cfg.consumer_regs, _ordered(cfg), num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, _ordered(cfg), cfg.wide, num_warps=4, maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -522,13 +605,14 @@ def _sig_desc(block, fp8: bool = True) -> str:
 def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> tuple[dict, dict]:
     """(signature, constexprs) of ``_gemm1_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    wn = 2 * bn if cfg.wide else bn
 
-    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_desc": _sig_desc([bn, bk]), "w3_desc": _sig_desc([bn, bk]),
+    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_desc": _sig_desc([wn, bk]), "w3_desc": _sig_desc([wn, bk]),
            "w1s_ptr": "*fp32", "w3s_ptr": "*fp32", "gu_desc": _sig_desc([bm // 2, bn], fp8=False),
            "h_desc": _sig_desc([bm // 2, bn], fp8=False),
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
-    cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
-              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg))
+    cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
+              PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide)
     return sig, cx
 
 

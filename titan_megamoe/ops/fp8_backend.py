@@ -60,6 +60,11 @@ FUSE_H_QUANT = True
 #: 19 (same process: forward -0.29 / -0.31 ms at 30B / 235B on an H200, docs/NOTES.md); ``TITAN_MEGAMOE_WS_GEMM1_FP8=0``
 #: turns it off. Read at import; a same-process switch.
 WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
+#: The Gluon FP8 GEMM1 forward on 128 x 256 tiles (``ws_gemm_fp8.FP8_FWD_WIDE_CONFIG``: the gathered x rows of a stage
+#: feed 128 gate and 128 up columns, a quarter fewer L2 -> SM bytes per FLOP; bitwise the default tiles). Opt-in
+#: (``TITAN_MEGAMOE_FP8_FWD_WIDE=1``), built in session 36 and not yet measured on a GPU. Read at import; a
+#: same-process switch.
+FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
 #: The FP8 backward's GEMM1 dgrad by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm1_dgrad_fp8``)
 #: where it applies (sm_90, D and F multiples of 128) instead of the Triton one; bitwise the same dx rows. On by
 #: default since session 19 (H200: kernel 1.244 -> 0.964 ms at 30B, 4.790 -> 3.609 at 235B; layer fwd+bwd -0.39 /
@@ -383,7 +388,8 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         gemm2_scatter_fwd_fp8,
     )
     from titan_megamoe.kernels import ws_gemm_fp8
-    from titan_megamoe.kernels.ws_gemm_fp8 import ws_gemm1_fwd_fp8, ws_gemm1_fwd_fp8_supported
+    from titan_megamoe.kernels.ws_gemm_fp8 import (FP8_FWD_CONFIG, FP8_FWD_WIDE_CONFIG, ws_gemm1_fwd_fp8,
+                                                   ws_gemm1_fwd_fp8_supported)
 
     E, F, D = w1.shape
     interp = _interp()
@@ -406,7 +412,8 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         if x_quantized is None:
             mark("quant_x")
         if WS_GEMM1_FP8 and not interp and ws_gemm1_fwd_fp8_supported(xq, w1q) is None:
-            gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout)
+            gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout,
+                                          cfg=FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG)
             mark("gemm1")
             hq, hs = quantize_act_1x128(h, row_valid=layout.row_pair, nonfinite_count=count, name=f"{layer_name} h")
             mark("quant_h")
@@ -489,7 +496,8 @@ def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
     """
     from titan_megamoe.kernels.fp8_quant import launch_quant_act_1x128
     from titan_megamoe.kernels.grouped_gemm import launch_combine_topk
-    from titan_megamoe.kernels.ws_gemm_fp8 import launch_gemm1_fwd_fp8, launch_gemm2_fwd_fp8
+    from titan_megamoe.kernels.ws_gemm_fp8 import (FP8_FWD_CONFIG, FP8_FWD_WIDE_CONFIG, launch_gemm1_fwd_fp8,
+                                                   launch_gemm2_fwd_fp8)
 
     w1q, w1s, w3q, w3s, w2q, w2s = wq[6:12]
     T, K = topk_ids_TK.shape
@@ -502,7 +510,8 @@ def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
     h = torch.empty((layout.n_cap, F), dtype=torch.bfloat16, device=dev)
     y = torch.empty((T * K, D), dtype=torch.bfloat16, device=dev)
     if layout.n_tiles_cap:
-        launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h)
+        launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h,
+                             FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG)
         hq, hs = launch_quant_act_1x128(h, count, row_valid=layout.row_pair)
         if T * K:
             launch_gemm2_fwd_fp8(hq, hs, w2q, w2s, topk_scores_TK, layout, y)
