@@ -174,6 +174,8 @@ def test_ws_gemm2_dgrad_fp8_matches_triton_and_fp32_on_gpu(case, schedule):
         for programs in (1, 3):  # many units per program, an odd count: the order barriers' parities over many phases
             pp = ws_gemm2_dgrad_fp8(dq, ds, w2tq, w2ts, gu, sc, lay, cfg=cfg, programs=programs)
             assert torch.equal(pp[0][:n], coop[0][:n]) and torch.equal(pp[1][:n], coop[1][:n]), programs
+            assert torch.equal(pp[2][:, :n].view(torch.uint8), coop[2][:, :n].view(torch.uint8)), programs
+            assert torch.equal(pp[3][: n // 128], coop[3][: n // 128]), programs
     tc = torch.zeros(1, dtype=torch.int32, device="cuda")
     tdgu, tpart, thsT, thsTs = gemm2_dgrad_swiglu_bwd_fp8(dq, ds, w2tq, w2ts, gu, sc, lay, nonfinite_count=tc)
     pair = lay.row_pair[:n].long()
@@ -224,13 +226,17 @@ def test_ws_gemm2_dgrad_fp8_counts_nonfinite_columns_as_the_triton_kernel():
     gu[r, 256 + 77] = float("nan")  # up NaN: column 77
     from titan_megamoe.kernels.ws_gemm2_dgrad_fp8 import GEMM2_DGRAD_FP8_PINGPONG
 
-    counts = []
+    counts, bad = [], []
     for fn in (ws_gemm2_dgrad_fp8, lambda *a, **k: ws_gemm2_dgrad_fp8(*a, **k, cfg=GEMM2_DGRAD_FP8_PINGPONG),
                gemm2_dgrad_swiglu_bwd_fp8):
         c = torch.zeros(1, dtype=torch.int32, device="cuda")
-        fn(dq, ds, w2tq, w2ts, gu, sc, lay, nonfinite_count=c)
+        hsTs = fn(dq, ds, w2tq, w2ts, gu, sc, lay, nonfinite_count=c)[3]
         counts.append(int(c))
+        s = hsTs[r // 128, [5, 77]]
+        bad.append((torch.isinf(s).tolist(), torch.isnan(s).tolist()))
     assert counts == [2, 2, 2], counts
+    # the non-finite scales themselves as the Triton kernel's division gives them (inf stays inf, NaN stays NaN)
+    assert bad[0] == bad[1] == bad[2], bad
 
 
 if __name__ == "__main__":

@@ -264,7 +264,9 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     # the same partials in the same order, whichever consumer issues first, and on the wide tiles
     for base, ordered in ((FP8_FWD_CONFIG, False), (FP8_FWD_CONFIG, True), (FP8_FWD_WIDE_CONFIG, False),
                           (FP8_FWD_WIDE_CONFIG, True)):
-        ogu, oh = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, cfg=dataclasses.replace(base, ordered=ordered))
+        ogu, oh = torch.full_like(gu, float("nan")), torch.full_like(h, float("nan"))  # poisoned: a missed tile shows
+        ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, gate_up_out=ogu, h_out=oh,
+                         cfg=dataclasses.replace(base, ordered=ordered))
         assert torch.equal(ogu[:n], gu[:n]) and torch.equal(oh[:n], h[:n]), f"wide={base.wide} ordered={ordered}"
     pair = lay.row_pair[:n].long()
     valid = pair >= 0

@@ -276,9 +276,11 @@ if HAVE_GLUON:
             amax = gl.maximum(bits.to(gl.float32, bitcast=True), EPS, propagate_nan=tl.PropagateNan.ALL)
             # amax / 448 as div_rn rounds it, by the constant reciprocal and Markstein's correction (the quotient of
             # _e4m3_t; tests/test_fp8_quant.py checks the divisor 448): three FMAs for a branchy division per column
+            # (inf / NaN amax: the quotient itself, inf / NaN as div_rn gives them; the correction would make inf NaN)
             r448 = gl.full(amax.shape, _RCP_448, gl.float32, layout=col_layout)
             q448 = amax * r448
-            scale = gl.fma(gl.fma(-q448, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout), amax), r448, q448)
+            fixed = gl.fma(gl.fma(-q448, gl.full(amax.shape, 448.0, gl.float32, layout=col_layout), amax), r448, q448)
+            scale = gl.where(q448 < float("inf"), fixed, q448)
             scale_b = gl.expand_dims(scale, 0)
             rcp_b = gl.expand_dims(gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, layout=col_layout), scale), 0)
             _stamp(trace_ptr, j, 7, C, TRACE)

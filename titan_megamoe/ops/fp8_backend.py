@@ -100,7 +100,10 @@ MIN_FP8_CAPABILITY = (8, 9)
 #: the bf16 wgrad kernels (on sm_90 the Gluon K-grouped ones of the bf16 path) on bf16 dout, x, the FP8 dgrad's
 #: bf16 dgate_up and bf16 s * h rows (the FP8 GEMM2 dgrad's ``hs_out``, not quantized): FP8 forward and dgrads,
 #: high-precision weight gradients, as torchao's "rowwise_with_gw_hp" recipe; "fp8_acc32": the FP8 wgrad with fp32
-#: promotion after every k32 wgmma instead of every 128 rows. The FP8 dgrads, dx and d scores are unchanged. Read
+#: promotion after every k32 wgmma instead of every 128 rows. The FP8 dgrads, dx and d scores are unchanged with
+#: "fp8_acc32"; with "bf16" the GEMM2 dgrad is the Triton kernel (only it writes the bf16 s * h rows), so where the
+#: default is the Gluon one (``WS_GEMM2_DGRAD_FP8``), dgate_up and dx agree to rounding and d score is summed in
+#: another grouping. Read
 #: from TITAN_MEGAMOE_FP8_WGRAD at import and at every backward from this attribute (``switches.py`` flips it in
 #: one process; scripts/fp8_ablation.py sets it directly). Not yet a config option.
 _WGRAD = os.environ.get("TITAN_MEGAMOE_FP8_WGRAD", "fp8")
