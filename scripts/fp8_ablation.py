@@ -4,6 +4,8 @@ bf16-valued operands) of out, dx, dscores, dw1, dw2, dw3 for the triton bf16 pat
 FP8 dgrad's dgate_up; "fp8_acc32" = the FP8 wgrad promoted to fp32 after every k32 wgmma). If swapping
 the wgrad does not bring dw1..dw3 near the bf16 path's errors, or dx / dscores are far off too, the
 wgrad alone does not explain the FP8 training gap (docs/NOTES.md, "FP8 wgrad on GPU: diagnosis").
+The "bf16" swap also runs the Triton FP8 GEMM2 dgrad (only it writes the bf16 s * h rows the bf16 wgrad takes), where
+the default is the Gluon one since session 36: set ``TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8=0`` to keep the dgrads equal.
 
 Scenarios per shape: routing uniform / skewed (Zipf: hot experts and experts with few rows), inputs
 Gaussian or "heavy" (per-token magnitudes log-normal, sigma 1.5: what 128x1 groups along the tokens
