@@ -51,3 +51,29 @@ layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer ro
     --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -${6:-12}
 }
+probe() {  # probe TAG ARGS...: one counter-schedule launch (scripts/probe_dynamic.py) in its own process, killed at 25 s
+  timeout -s KILL 25 python3 scripts/probe_dynamic.py "${@:2}" > "$OUT/keep/probe_dynamic_$1.log" 2>&1
+  local rc=$?; echo "[t=$((SECONDS - t0))s] probe $1 rc $rc: $(tail -1 "$OUT/keep/probe_dynamic_$1.log" | cut -c1-220)"
+  return $rc
+}
+dynamic_tests_ab() {  # the counter schedule's GPU tests, then its A/B (scripts/ab_kernels.py --unfence-dynamic)
+  TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
+    -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] dynamic GPU tests: $(tail -1 "$OUT/keep/tests_gpu_dynamic_a.log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_dynamic_a.log" | head -12
+  timeout $(left 150) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 --unfence-dynamic \
+    --groups gemm1_dgrad_dynamic,gemm1_fwd_dynamic --out "$OUT/keep/ab_kernels_dynamic_a.json" \
+    > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
+}
+ncu_fp8() {  # ncu_fp8 TAG COUNT: Nsight Compute on scripts/ncu_gemm_fp8.py at 30B (stall reasons, L2, tensor pipe)
+  timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip 1 --launch-count "$2" \
+    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" --section SpeedOfLight --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second" \
+    python3 scripts/ncu_gemm_fp8.py --shape 30b > "$OUT/keep/ncu_gemm_fp8_$1.txt" 2> "$OUT/keep/ncu_gemm_fp8_$1.err"
+  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+  awk '/^  [_a-zA-Z]/{print; next} /Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes|gmma_cycles|per_second|Issued Warp|stalled/' \
+    "$OUT/keep/ncu_gemm_fp8_$1.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -200
+  tail -3 "$OUT/keep/ncu_gemm_fp8_$1.err" | cut -c1-200
+  timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
+}

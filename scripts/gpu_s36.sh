@@ -7,11 +7,6 @@
 # Call as: REV=<hash> PART=a|b|c [BUDGET=seconds] bash scripts/gpu_s36.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
-probe() {  # probe TAG ARGS...: one counter-schedule launch in its own process, killed at 25 s
-  timeout -s KILL 25 python3 scripts/probe_dynamic.py "${@:2}" > "$OUT/keep/probe_dynamic_$1.log" 2>&1
-  local rc=$?; echo "[t=$((SECONDS - t0))s] probe $1 rc $rc: $(tail -1 "$OUT/keep/probe_dynamic_$1.log" | cut -c1-220)"
-  return $rc
-}
 if [ "$PART" = a ]; then
   gpu_tests head_a tests/test_gpu.py tests/test_ws_gemm2_dgrad_fp8.py tests/test_eager_layer.py -k "gpu or fp8"
   timeout $(left 90) python3 scripts/bench_ws_gemm.py trace-g2d-fp8 --out "$OUT/keep/trace_g2d_fp8_a.json" \

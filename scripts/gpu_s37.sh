@@ -12,15 +12,7 @@ source scripts/gpu_env.sh
 session_start
 if [ "$PART" = a ]; then
   gpu_tests fast_a tests/test_eager_layer.py -k "fast_forward"
-  timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip 1 --launch-count 20 \
-    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" --section SpeedOfLight --section SchedulerStats \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second" \
-    python3 scripts/ncu_gemm_fp8.py --shape 30b > "$OUT/keep/ncu_gemm_fp8_a.txt" 2> "$OUT/keep/ncu_gemm_fp8_a.err"
-  echo "[t=$((SECONDS - t0))s] ncu rc $?"
-  awk '/^  [_a-zA-Z]/{print; next} /Duration|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes|gmma_cycles|stalled/' \
-    "$OUT/keep/ncu_gemm_fp8_a.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -200
-  tail -3 "$OUT/keep/ncu_gemm_fp8_a.err" | cut -c1-200
-  timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
+  ncu_fp8 a 20
   # the wide FP8 GEMM1 forward tiles (session 36, CPU-built): GPU tests (bitwise the default), A/B, layer rows
   timeout -s KILL $(left 120) python3 -m pytest -q -rfE tests/test_ws_gemm_fp8.py -k "fwd_fp8 and gpu" -p no:cacheprovider \
     > "$OUT/keep/tests_gpu_wide_a.log" 2>&1
@@ -31,16 +23,7 @@ if [ "$PART" = a ]; then
       --out "$OUT/keep/ab_kernels_wide_a.json" > "$OUT/keep/ab_kernels_wide_a.log" 2>&1
     echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_wide_a.log"
   fi
-  if [ "$(left 200)" -ge 120 ]; then
-    TITAN_MEGAMOE_TEST_DYNAMIC=1 timeout -s KILL $(left 150) python3 -m pytest -q -rfE -x tests/test_ws_gemm.py \
-      -k "on_gpu and dynamic" -p no:cacheprovider > "$OUT/keep/tests_gpu_dynamic_a.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] dynamic GPU tests: $(tail -1 "$OUT/keep/tests_gpu_dynamic_a.log")"
-    grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_dynamic_a.log" | head -12
-    timeout $(left 150) python3 scripts/ab_kernels.py --shapes 235b,30b --rounds 8 --unfence-dynamic \
-      --groups gemm1_dgrad_dynamic,gemm1_fwd_dynamic --out "$OUT/keep/ab_kernels_dynamic_a.json" \
-      > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
-  fi
+  [ "$(left 200)" -ge 120 ] && dynamic_tests_ab
 fi
 if [ "$PART" = b ]; then
   OUT="$OUT/keep/ci" timeout $(left 420) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_b.log" 2>&1
