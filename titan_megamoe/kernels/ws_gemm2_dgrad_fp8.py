@@ -180,6 +180,19 @@ if HAVE_GLUON:
                 idx += 1
 
     @gluon.jit
+    def _g2d8_producer(dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs,
+                       b1_bufs, ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+                       NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """The producer partition of either schedule: one w2 tile per stage (ping-pong), or the FP8 GEMM1's producer
+        with its two weight tiles (cooperative: the chunks of both consumers)."""
+        if PINGPONG:
+            _g2d8_pp_producer(dout_ptr, w2t_lo_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs,
+                              ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)
+        else:
+            _g1f_producer(dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                          b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)
+
+    @gluon.jit
     def _g2d8_consumer(gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr, count_ptr,
                        row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready_a, ready_b, empty, g_smem,
                        u_smem, q0_smem, q1_smem, epi_bar, order, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
@@ -337,32 +350,18 @@ if HAVE_GLUON:
         for i in gl.static_range(2):
             mbarrier.init(epi.index(i), count=1)
             mbarrier.init(order.index(i), count=1)
-        if PINGPONG:
-            gl.warp_specialize([
-                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
-                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
-                                  ready_b, empty, g0, u0, q00, q01, epi.index(0), order, 0, D, F, TOPK, NUM_N,
-                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
-                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
-                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
-                                  ready_b, empty, g1, u1, q10, q11, epi.index(1), order, 1, D, F, TOPK, NUM_N,
-                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
-                (_g2d8_pp_producer, (dout_ptr, w2t_lo_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
-                                     b0_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
-            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
-                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
-                                  ready_b, empty, g0, u0, q00, q01, epi.index(0), order, 0, D, F, TOPK, NUM_N,
-                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
-                (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
-                                  count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
-                                  ready_b, empty, g1, u1, q10, q11, epi.index(1), order, 1, D, F, TOPK, NUM_N,
-                                  GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
-                (_g1f_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
-                                 a_bufs, b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
-            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([
+            (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
+                              count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs, ready_a,
+                              ready_b, empty, g0, u0, q00, q01, epi.index(0), order, 0, D, F, TOPK, NUM_N,
+                              GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
+            (_g2d8_consumer, (gu_desc, dgu_desc, hsT_desc, douts_ptr, w2ts_ptr, scores_ptr, part_ptr, hsTs_ptr,
+                              count_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs, ready_a,
+                              ready_b, empty, g1, u1, q10, q11, epi.index(1), order, 1, D, F, TOPK, NUM_N,
+                              GROUP_M, STAGES, CHECK, EPS, PINGPONG, trace_ptr, TRACE)),
+            (_g2d8_producer, (dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                              b0_bufs, b1_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES, PINGPONG)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_gemm2_dgrad_fp8_supported(dout_q: Tensor, w2t_q: Tensor, hs_out: Tensor | None = None,
