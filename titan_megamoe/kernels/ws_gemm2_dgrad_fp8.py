@@ -180,8 +180,8 @@ if HAVE_GLUON:
                 idx += 1
 
     @gluon.jit
-    def _g2d8_producer(dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b0_bufs,
-                       b1_bufs, ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
+    def _g2d8_producer(dout_ptr, w2t_lo_desc, w2t_hi_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
+                       b0_bufs, b1_bufs, ready_a, ready_b, empty, D: gl.constexpr, F: gl.constexpr, TOPK: gl.constexpr,
                        NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
         """The producer partition of either schedule: one w2 tile per stage (ping-pong), or the FP8 GEMM1's producer
         with its two weight tiles (cooperative: the chunks of both consumers)."""
