@@ -2,7 +2,9 @@
 cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8 or expert-major; persistent or one
 program per tile), the bf16 GEMM1 forward's tile order and grid, the bf16 wgrads (Gluon default, split_n)
 and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
-m64n128 accumulator per consumer or two m64n64 ones); the FP8 GEMM2 dgrad (Gluon cooperative, Gluon ping-pong, Triton); the FP8 GEMM1 forward on 128 x 128 and 128 x 256 tiles.
+m64n128 accumulator per consumer or two m64n64 ones); the FP8 GEMM2 dgrad (Gluon cooperative, Gluon ping-pong,
+Triton); the FP8 GEMM1 forward, GEMM1 dgrad and GEMM2
+forward on 128 x 128 and 128 x 256 tiles.
 
 Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
 GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
@@ -281,6 +283,42 @@ def _groups(shape: str):
                                                               producer_regs=48))),
         ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3)))]
     flops["gemm1_fwd_fp8_wide"] = 4 * T * K * D * F
+    # the FP8 GEMM1 dgrad and GEMM2 forward on their 128 x 128 tiles and on the wide 128 x 256 ones (session 37,
+    # opt-in: a stage's A rows feed twice the columns); bitwise the default, each config's first launch poisoned
+    k8_state = {}
+
+    def k8(kind, cfg):
+        from titan_megamoe.kernels.fp8_quant import quantize_act_1x128, quantize_weight_128x128
+        from titan_megamoe.kernels.ws_gemm_fp8 import launch_gemm1_dgrad_fp8, launch_gemm2_fwd_fp8
+
+        if not k8_state:
+            wt = [quantize_weight_128x128(w.transpose(1, 2).contiguous()) for w in (w1, w3)]
+            w2q = quantize_weight_128x128((torch.randn(E, D, F, device="cuda", generator=g) / F ** 0.5).bfloat16())
+            scores = torch.rand(T, K, device="cuda", generator=g)
+            k8_state.update(dgrad=(*quantize_act_1x128(dgu), *wt[0], *wt[1], lay),
+                            gemm2=(*quantize_act_1x128(hs), *w2q, scores, lay),
+                            out=dict(dgrad=torch.zeros_like(dx), gemm2=torch.zeros(T * K, D, device="cuda",
+                                                                                    dtype=torch.bfloat16)))
+        out = k8_state["out"][kind]
+        if (kind, repr(cfg)) not in poisoned:
+            poisoned.add((kind, repr(cfg)))
+            out.fill_(float("nan"))
+        (launch_gemm1_dgrad_fp8 if kind == "dgrad" else launch_gemm2_fwd_fp8)(*k8_state[kind], out, cfg)
+        return out[:n] if kind == "dgrad" else out
+
+    from titan_megamoe.kernels.ws_gemm_fp8 import (DGRAD_FP8_CONFIG, DGRAD_FP8_WIDE_CONFIG, GEMM2_FP8_CONFIG,
+                                                   GEMM2_FP8_WIDE_CONFIG)
+
+    groups["gemm1_dgrad_fp8_wide"] = [("default 128x128", lambda: k8("dgrad", DGRAD_FP8_CONFIG)),
+                                      ("wide 4 stages", lambda: k8("dgrad", DGRAD_FP8_WIDE_CONFIG)),
+                                      ("wide 3 stages", lambda: k8("dgrad", dataclasses.replace(DGRAD_FP8_WIDE_CONFIG,
+                                                                                                stages=3)))]
+    flops["gemm1_dgrad_fp8_wide"] = 4 * T * K * D * F
+    groups["gemm2_fwd_fp8_wide"] = [("default 128x128", lambda: k8("gemm2", GEMM2_FP8_CONFIG)),
+                                    ("wide 4 stages", lambda: k8("gemm2", GEMM2_FP8_WIDE_CONFIG)),
+                                    ("wide 3 stages", lambda: k8("gemm2", dataclasses.replace(GEMM2_FP8_WIDE_CONFIG,
+                                                                                              stages=3)))]
+    flops["gemm2_fwd_fp8_wide"] = 2 * T * K * D * F
     return groups, flops
 
 

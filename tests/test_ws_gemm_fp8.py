@@ -38,8 +38,14 @@ def _compile_sm90_all() -> list[dict]:
         sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
         r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"fwd_fp8_wide_{shape}", **r))
-    # the ordered consumers (Fp8WsConfig.ordered), 30B only
+    # the wide GEMM1 dgrad / GEMM2 tiles and the ordered consumers (Fp8WsConfig.ordered), 30B only
     D, F = SHAPES["30b"]
+    for name, cfg, args, kernel in (
+            ("dgrad_fp8_wide", W.DGRAD_FP8_WIDE_CONFIG, W.sm90_compile_args_dgrad_fp8, W._gemm1_dgrad_fp8_ws_kernel),
+            ("gemm2_fp8_wide", W.GEMM2_FP8_WIDE_CONFIG, W.sm90_compile_args_gemm2_fp8, W._gemm2_fwd_fp8_ws_kernel)):
+        sig, cx = args(cfg, D, F)
+        r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"{name}_30b", **r))
     for name, base, args, kernel in _kernels(W):
         cfg = dataclasses.replace(base, ordered=True)
         sig, cx = args(cfg, D, F)
@@ -143,6 +149,25 @@ def test_ws_gemm2_fwd_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
     assert 0 < r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert "STACK:0" in r["usage"] and "REG:168" in r["usage"], r["usage"]
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("label", ["dgrad_fp8_wide_30b", "gemm2_fp8_wide_30b"])
+def test_ws_gemm1_dgrad_and_gemm2_fp8_wide_tiles_build_for_sm90a_without_spills_in_the_k_loop(label):
+    """``DGRAD_FP8_WIDE_CONFIG`` / ``GEMM2_FP8_WIDE_CONFIG``: four 64-column chunks per consumer and K step, each
+    partial scaled under the next MMA (waits 1, 1, 1, 0), both operands by TMA, no wgmma serialization. Six 64 x 64
+    fp32 tiles per consumer thread sit at the register cap: the dgrad's two K halves run as one loop with one selected
+    weight scale pointer (two unrolled loops, or two masked scale loads, spilled accumulators in the K loop: session
+    37's SASS), and the few spilled scalars left (8 bytes in that build) are bounded here."""
+    from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
+
+    r = sm90_result(__file__, label)
+    assert r["target"] and r["wgmma"] == 32, r  # two consumers x four chunks x 4 k32 steps, in one K loop
+    assert r["wgmma_waits"] == ["1", "1", "1", "0"] * 2, r["wgmma_waits"]
+    assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
+    assert 4 * (128 + 256) * 128 <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]  # 4 stages of 48 KiB
+    stack = int(re.search(r"STACK:(\d+)", r["usage"]).group(1))
+    assert "REG:168" in r["usage"] and stack <= 16, r["usage"]
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 
@@ -313,6 +338,8 @@ def test_ws_gemm1_dgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
     monkeypatch.setattr(W, "_platform_reason", lambda t: None)
     assert W.ws_gemm1_dgrad_fp8_supported(dq, w1q) is None
     assert "D % 128 == 0" in W.ws_gemm1_dgrad_fp8_supported(dq, w1q[:, :64].contiguous())
+    assert W.ws_gemm1_dgrad_fp8_supported(dq, w1q, W.DGRAD_FP8_WIDE_CONFIG) is None  # D = 256
+    assert "D % 256 == 0" in W.ws_gemm1_dgrad_fp8_supported(dq, w1q[:, :128].contiguous(), W.DGRAD_FP8_WIDE_CONFIG)
     with pytest.raises(ValueError, match="ws_gemm1_dgrad_fp8: dgu_scale must be"):
         W.ws_gemm1_dgrad_fp8(dq, ds[:, :1].contiguous(), w1q, w1s, w3q, w3s, lay)
     with pytest.raises(ValueError, match="ws_gemm1_dgrad_fp8: w3t_fp8 must be"):
@@ -339,6 +366,14 @@ def test_fp8_backward_takes_the_gluon_dgrad_only_when_switched_on(monkeypatch):
             assert fb.WS_GEMM1_DGRAD_FP8 is (on == "1")
             dx = fb._gemm1_dgrad_fp8_rows("dq", "ds", "w1tq", "w1ts", "w3tq", "w3ts", "layout")
         assert calls == want and dx == f"{want[0]} rows"
+    # FP8_DGRAD_WIDE (opt-in) reaches the Gluon dgrad's config where D % 256 == 0, else the default tiles
+    cfgs = []
+    monkeypatch.setattr(W, "ws_gemm1_dgrad_fp8", lambda *a, cfg=None, **k: cfgs.append(cfg))
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_DGRAD_WIDE"].default == "0"
+    for wide, D in (("0", 512), ("1", 512), ("1", 384)):
+        with switches.override({"TITAN_MEGAMOE_FP8_DGRAD_WIDE": wide}):
+            fb._gemm1_dgrad_fp8_rows("dq", "ds", torch.empty(2, D, 128), "w1ts", "w3tq", "w3ts", "layout")
+    assert cfgs == [W.DGRAD_FP8_CONFIG, W.DGRAD_FP8_WIDE_CONFIG, W.DGRAD_FP8_CONFIG], cfgs
 
 
 @pytest.mark.cuda
@@ -360,11 +395,15 @@ def test_ws_gemm1_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
     ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay, out=dx)
     tdx = gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay)
     n = int(lay.offsets[-1])
-    from titan_megamoe.kernels.ws_gemm_fp8 import DGRAD_FP8_CONFIG
-    for ordered in (False, True):  # the same partials in the same order, whichever consumer issues first
-        odx = ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay,
-                                 cfg=dataclasses.replace(DGRAD_FP8_CONFIG, ordered=ordered))
-        assert torch.equal(odx[:n], dx[:n]), f"ordered={ordered} differs"
+    from titan_megamoe.kernels.ws_gemm_fp8 import DGRAD_FP8_CONFIG, DGRAD_FP8_WIDE_CONFIG
+    # the same partials in the same order, whichever consumer issues first, and on the wide tiles (D % 256 == 0)
+    for base, ordered in ((DGRAD_FP8_CONFIG, False), (DGRAD_FP8_CONFIG, True), (DGRAD_FP8_WIDE_CONFIG, False),
+                          (DGRAD_FP8_WIDE_CONFIG, True)):
+        if base.wide and D % 256:
+            continue
+        odx = torch.full_like(dx, float("nan"))  # poisoned: a missed tile shows
+        ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay, out=odx, cfg=dataclasses.replace(base, ordered=ordered))
+        assert torch.equal(odx[:n], dx[:n]), f"wide={base.wide} ordered={ordered} differs"
     valid = lay.row_pair[:n] >= 0
     assert not torch.isnan(dx[:n]).any(), "live rows left unwritten"
     assert (dx[:n][~valid] == 0).all(), "padding rows must be zero"
@@ -448,6 +487,14 @@ def test_fp8_forward_takes_the_gluon_gemm2_only_when_switched_on(monkeypatch):
             out = fb.fp8_experts_fwd(x, scores, lay, w1, w2q, w1, wq, True, "layer", by_row=by_row)
         assert calls == [want], calls
         assert out[0] == (want if isinstance(want, str) else want[0]) + " y"
+    # FP8_GEMM2_WIDE (opt-in) reaches the Gluon GEMM2's config (D = 256 here)
+    cfgs = []
+    monkeypatch.setattr(W, "ws_gemm2_fwd_fp8", lambda *a, cfg=None, **k: cfgs.append(cfg) or "gluon y")
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM2_WIDE"].default == "0"
+    for wide in ("0", "1"):
+        with switches.override({"TITAN_MEGAMOE_FP8_GEMM2_WIDE": wide}):
+            fb.fp8_experts_fwd(x, scores, lay, w1, w2q, w1, wq, True, "layer")
+    assert cfgs == [W.GEMM2_FP8_CONFIG, W.GEMM2_FP8_WIDE_CONFIG], cfgs
 
 
 @pytest.mark.cuda
@@ -468,10 +515,15 @@ def test_ws_gemm2_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     y = torch.full((T * K, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=y)
     ty = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, lay)
-    from titan_megamoe.kernels.ws_gemm_fp8 import GEMM2_FP8_CONFIG
-    for ordered in (False, True):  # the same partials in the same order, whichever consumer issues first
-        oy = ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, cfg=dataclasses.replace(GEMM2_FP8_CONFIG, ordered=ordered))
-        assert torch.equal(oy, y), f"ordered={ordered} differs"
+    from titan_megamoe.kernels.ws_gemm_fp8 import GEMM2_FP8_CONFIG, GEMM2_FP8_WIDE_CONFIG
+    # the same partials in the same order, whichever consumer issues first, and on the wide tiles (D % 256 == 0)
+    for base, ordered in ((GEMM2_FP8_CONFIG, False), (GEMM2_FP8_CONFIG, True), (GEMM2_FP8_WIDE_CONFIG, False),
+                          (GEMM2_FP8_WIDE_CONFIG, True)):
+        if base.wide and D % 256:
+            continue
+        oy = torch.full_like(y, float("nan"))  # poisoned: a missed row shows
+        ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=oy, cfg=dataclasses.replace(base, ordered=ordered))
+        assert torch.equal(oy, y), f"wide={base.wide} ordered={ordered} differs"
     assert not torch.isnan(y).any(), "a pair row left unwritten"
     n = int(lay.offsets[-1])
     rows = (lay.row_pair[:n] >= 0).nonzero().squeeze(1)

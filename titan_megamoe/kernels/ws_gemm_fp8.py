@@ -67,7 +67,8 @@ if HAVE_GLUON:
 
     from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _store_halves, _swiglu_store, _tile_of
 
-__all__ = ["DGRAD_FP8_CONFIG", "FP8_FWD_CONFIG", "Fp8WsConfig", "GEMM2_FP8_CONFIG", "sm90_compile_args_dgrad_fp8",
+__all__ = ["DGRAD_FP8_CONFIG", "DGRAD_FP8_WIDE_CONFIG", "FP8_FWD_CONFIG", "FP8_FWD_WIDE_CONFIG", "Fp8WsConfig",
+           "GEMM2_FP8_CONFIG", "GEMM2_FP8_WIDE_CONFIG", "sm90_compile_args_dgrad_fp8",
            "sm90_compile_args_fp8", "sm90_compile_args_gemm2_fp8", "ws_gemm1_dgrad_fp8", "ws_gemm1_dgrad_fp8_supported",
            "ws_gemm1_fwd_fp8", "ws_gemm1_fwd_fp8_supported", "ws_gemm2_fwd_fp8", "ws_gemm2_fwd_fp8_supported"]
 
@@ -91,8 +92,9 @@ class Fp8WsConfig:
         pingpong: the Gluon FP8 GEMM2 dgrad only (``ws_gemm2_dgrad_fp8``): each consumer takes whole BM x BN units in
             turn, main loops serialized, so one consumer's epilogue runs under the other's main loop; False there:
             both consumers on every tile (one BN-column chunk each). The other kernels ignore it.
-        wide: the FP8 GEMM1 forward only: two BN-column chunks of gate and of up per tile, so the gathered x rows of a
-            stage feed twice the MMAs (the weight tiles are 2 BN rows); the other kernels ignore it.
+        wide: two BN-column chunks of gate and of up per tile in the FP8 GEMM1 forward, so the gathered x rows of a
+            stage feed twice the MMAs (the weight tiles are 2 BN rows); 2 BN output columns per tile (four BN / 2
+            chunks) in the FP8 GEMM1 dgrad and GEMM2 forward. The GEMM2 dgrad ignores it.
     """
 
     block_m: int = 128
@@ -108,7 +110,7 @@ class Fp8WsConfig:
     wide: bool = False
 
     def smem_bytes(self) -> int:
-        """Shared memory of the operand ring and the two bf16 epilogue tiles."""
+        """Shared memory of the FP8 GEMM1 forward's operand ring and its two bf16 epilogue tiles."""
         ring = self.stages * (self.block_m + (4 if self.wide else 2) * self.block_n) * self.block_k
         return ring + 2 * (self.block_m // 2) * self.block_n * 2
 
@@ -366,14 +368,91 @@ if HAVE_GLUON:
                     idx += 1
 
     @gluon.jit
+    def _g1d8_wide_tiles(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, n_live, count, a_bufs,
+                         b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                         NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+                         scores_ptr, out_ptr, SCATTER: gl.constexpr, turns, ORDERED: gl.constexpr):
+        """The wide tiles of consumer C (``Fp8WsConfig.wide``, GEMM1 dgrad and GEMM2): rows [C BM / 2, (C + 1) BM / 2)
+        of each tile, 4 BH columns (two 128-column weight scale blocks) as four BH-column chunks. Per K step the MMAs of
+        chunks 0 and 1, then each partial scaled under the next MMA (chunks 2 and 3 issued as 0 and 1 are consumed),
+        as ``_g1f8_wide_tiles``. Each chunk sums the same partials in the same order as the 128-column kernel's."""
+        BMC: gl.constexpr = dx_desc.block_type.shape[0]
+        BH: gl.constexpr = dx_desc.block_type.shape[1]
+        BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        KH: gl.constexpr = F // BK
+        NBW: gl.constexpr = D // BK
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BH, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        for j in range(count):
+            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+            row0 = pid_m * BM + C * BMC
+            col0 = pid_n * 4 * BH
+            rows = row0 + gl.arange(0, BMC, layout=row_layout)
+            pair = gl.load(row_pair_ptr + rows)
+            ok = pair >= 0
+            as_row = as_ptr + rows.to(gl.int64) * (HALVES * KH)
+            e = gl.load(tile_expert_ptr + pid_m)
+            ws_off = (e * NBW + col0 // BK) * KH  # chunks 0, 1; chunks 2, 3 lie in the next block (+ KH)
+            acc0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc2 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            acc3 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            p1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+            idx0 = j * HALVES * KH
+            # one loop over both halves of K (dgate x w1, then dup x w3): two unrolled loops spill in the main loop
+            for kk in range(HALVES * KH):
+                idx = idx0 + kk
+                s = idx % STAGES
+                a_s = gl.load(as_row + kk, mask=ok, other=0.0)
+                if HALVES == 2:  # dgate x w1 steps, then dup x w3 steps: one weight scale pointer, selected
+                    lo = kk < KH
+                    ws_ptr = gl.where(lo, w1ts_ptr, w3ts_ptr) + ws_off + gl.where(lo, kk, kk - KH)
+                else:
+                    ws_ptr = w1ts_ptr + ws_off + kk
+                sa = gl.expand_dims(a_s * gl.load(ws_ptr), 1)
+                sb = gl.expand_dims(a_s * gl.load(ws_ptr + KH), 1)
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                b = b_bufs.index(s)
+                _turn_wait(turns, C, idx, ORDERED)
+                p0 = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
+                p1 = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
+                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                acc0 += p0 * sa  # under chunk 1's MMA
+                p0 = warpgroup_mma(a, b.slice(2 * BH, BH, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
+                p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+                acc1 += p1 * sa  # under chunk 2's
+                p1 = warpgroup_mma(a, b.slice(3 * BH, BH, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
+                _turn_pass(turns, C, ORDERED)
+                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                acc2 += p0 * sb  # under chunk 3's
+                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                mbarrier.arrive(empty.index(s), count=1)  # the step's four MMAs done: its buffers may be refilled
+                acc3 += p1 * sb
+            if SCATTER:
+                srow = gl.expand_dims(gl.load(scores_ptr + pair, mask=ok, other=0.0), 1)
+                _scatter_rows((acc0 * srow).to(gl.bfloat16), pair, out_ptr, col0, D)
+                _scatter_rows((acc1 * srow).to(gl.bfloat16), pair, out_ptr, col0 + BH, D)
+                _scatter_rows((acc2 * srow).to(gl.bfloat16), pair, out_ptr, col0 + 2 * BH, D)
+                _scatter_rows((acc3 * srow).to(gl.bfloat16), pair, out_ptr, col0 + 3 * BH, D)
+            else:
+                vf = gl.expand_dims(ok.to(gl.float32), 1)
+                _store_halves(acc0 * vf, acc1 * vf, dx_desc, c_smem, row0, col0)
+                _store_halves(acc2 * vf, acc3 * vf, dx_desc, c_smem, row0, col0 + 2 * BH)
+
+    @gluon.jit
     def _g1d8_consumer(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                        b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr = 2,
                        scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False, turns=None,
-                       ORDERED: gl.constexpr = False):
+                       ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); the tile's BN
         # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second.
-        # SCATTER (GEMM2, HALVES = 1): rows scaled by their routing score and stored at their pair's row of out
+        # SCATTER (GEMM2, HALVES = 1): rows scaled by their routing score and stored at their pair's row of out.
+        # WIDE: 2 BN columns per tile as four BN / 2 chunks (``_g1d8_wide_tiles``)
         BMC: gl.constexpr = dx_desc.block_type.shape[0]
         BH: gl.constexpr = dx_desc.block_type.shape[1]
         BM: gl.constexpr = a_bufs.type.shape[1]
@@ -384,47 +463,55 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BH, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         n_live, count = _num_tiles(offsets_ptr, E, BM, NUM_N)
-        for j in range(count):
-            pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
-            row0 = pid_m * BM + C * BMC
-            col0 = pid_n * 2 * BH
-            rows = row0 + gl.arange(0, BMC, layout=row_layout)
-            pair = gl.load(row_pair_ptr + rows)
-            ok = pair >= 0
-            as_row = as_ptr + rows.to(gl.int64) * (HALVES * KH)  # A's 1x128 scales of each row
-            e = gl.load(tile_expert_ptr + pid_m)
-            ws_off = (e * NBW + col0 // BK) * KH
-            acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            idx0 = j * HALVES * KH
-            for half in gl.static_range(HALVES):
-                ws_ptr = w1ts_ptr if half == 0 else w3ts_ptr
-                for k in range(KH):
-                    idx = idx0 + half * KH + k
-                    s = idx % STAGES
-                    sc = gl.load(as_row + half * KH + k, mask=ok, other=0.0) * gl.load(ws_ptr + ws_off + k)
-                    mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                    a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                    b = b_bufs.index(s)
-                    _turn_wait(turns, C, idx, ORDERED)
-                    p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False, is_async=True)
-                    p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False, is_async=True)
-                    _turn_pass(turns, C, ORDERED)
-                    p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
-                    acc_lo += p_lo * gl.expand_dims(sc, 1)  # scaled under the other half's MMA
-                    p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc_hi += p_hi * gl.expand_dims(sc, 1)
-            if SCATTER:  # y[pair] = score * acc (bf16), padding rows not stored
-                srow = gl.expand_dims(gl.load(scores_ptr + pair, mask=ok, other=0.0), 1)
-                _scatter_rows((acc_lo * srow).to(gl.bfloat16), pair, out_ptr, col0, D)
-                _scatter_rows((acc_hi * srow).to(gl.bfloat16), pair, out_ptr, col0 + BH, D)
-            else:
-                # epilogue: zeros on padding rows (a multiply, not a select: see ws_gemm.py), bf16, TMA store per half
-                vf = gl.expand_dims(ok.to(gl.float32), 1)
-                _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, col0)
+        if WIDE:
+            _g1d8_wide_tiles(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
+                             a_bufs, b_bufs, ready, empty, c_smem, C, D, F, NUM_N, GROUP_M, STAGES, HALVES,
+                             scores_ptr, out_ptr, SCATTER, turns, ORDERED)
+        else:
+            for j in range(count):
+                pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
+                row0 = pid_m * BM + C * BMC
+                col0 = pid_n * 2 * BH
+                rows = row0 + gl.arange(0, BMC, layout=row_layout)
+                pair = gl.load(row_pair_ptr + rows)
+                ok = pair >= 0
+                as_row = as_ptr + rows.to(gl.int64) * (HALVES * KH)  # A's 1x128 scales of each row
+                e = gl.load(tile_expert_ptr + pid_m)
+                ws_off = (e * NBW + col0 // BK) * KH
+                acc_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+                acc_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+                p_lo = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+                p_hi = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
+                idx0 = j * HALVES * KH
+                for half in gl.static_range(HALVES):
+                    ws_ptr = w1ts_ptr if half == 0 else w3ts_ptr
+                    for k in range(KH):
+                        idx = idx0 + half * KH + k
+                        s = idx % STAGES
+                        sc = gl.load(as_row + half * KH + k, mask=ok, other=0.0) * gl.load(ws_ptr + ws_off + k)
+                        mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                        a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                        b = b_bufs.index(s)
+                        _turn_wait(turns, C, idx, ORDERED)
+                        p_lo = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p_lo, use_acc=False,
+                                             is_async=True)
+                        p_hi = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p_hi, use_acc=False,
+                                             is_async=True)
+                        _turn_pass(turns, C, ORDERED)
+                        p_lo = warpgroup_mma_wait(num_outstanding=1, deps=(p_lo,))
+                        acc_lo += p_lo * gl.expand_dims(sc, 1)  # scaled under the other half's MMA
+                        p_hi = warpgroup_mma_wait(num_outstanding=0, deps=(p_hi,))
+                        mbarrier.arrive(empty.index(s), count=1)
+                        acc_hi += p_hi * gl.expand_dims(sc, 1)
+                if SCATTER:  # y[pair] = score * acc (bf16), padding rows not stored
+                    srow = gl.expand_dims(gl.load(scores_ptr + pair, mask=ok, other=0.0), 1)
+                    _scatter_rows((acc_lo * srow).to(gl.bfloat16), pair, out_ptr, col0, D)
+                    _scatter_rows((acc_hi * srow).to(gl.bfloat16), pair, out_ptr, col0 + BH, D)
+                else:
+                    # epilogue: zeros on padding rows (a multiply, not a select: see ws_gemm.py), bf16, TMA
+                    # store per half
+                    vf = gl.expand_dims(ok.to(gl.float32), 1)
+                    _store_halves(acc_lo * vf, acc_hi * vf, dx_desc, c_smem, row0, col0)
         if not SCATTER:
             tma.store_wait(pendings=0)
 
@@ -445,9 +532,10 @@ if HAVE_GLUON:
                                    tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   ORDERED: gl.constexpr = False):
+                                   ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         """Blockwise-FP8 dx_rows of every live row tile (``ws_gemm1_dgrad_fp8``). Grid: (programs,). ORDERED: the
-        consumers issue their MMAs in turn (``_turn_wait``)."""
+        consumers issue their MMAs in turn (``_turn_wait``). WIDE: the weight tiles are 2 BN rows, four BN / 2 column
+        chunks per tile (``Fp8WsConfig.wide``; NUM_N = D / (2 BN))."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(w1t_desc.dtype, [STAGES] + w1t_desc.block_type.shape, w1t_desc.layout)
         c0 = gl.allocate_shared_memory(dx_desc.dtype, dx_desc.block_type.shape, dx_desc.layout)
@@ -462,10 +550,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                               a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
-                              turns, ORDERED)),
+                              turns, ORDERED, WIDE)),
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                               a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
-                              turns, ORDERED)),
+                              turns, ORDERED, WIDE)),
             (_g1d8_producer, (a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                               empty, D, F, NUM_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -480,10 +568,10 @@ if HAVE_GLUON:
                                  tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                  NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 ORDERED: gl.constexpr = False):
+                                 ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         """Blockwise-FP8 GEMM2 of every live row tile (``ws_gemm2_fwd_fp8``): the GEMM1 dgrad's producer and consumers
         with one K segment (h x w2) and a scatter epilogue. ``y_desc`` only gives the consumers' tile shape.
-        Grid: (programs,). ORDERED: the consumers issue their MMAs in turn (``_turn_wait``)."""
+        Grid: (programs,). ORDERED: the consumers issue their MMAs in turn (``_turn_wait``). WIDE: as the dgrad's."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -496,10 +584,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 0, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True, turns, ORDERED)),
+                              True, turns, ORDERED, WIDE)),
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 1, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True, turns, ORDERED)),
+                              True, turns, ORDERED, WIDE)),
             (_g1d8_producer, (a_desc, w2_desc, w2_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                               D, F, NUM_N, GROUP_M, STAGES, 1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -619,6 +707,12 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> t
 #: Config of the FP8 GEMM1 dgrad: 128 x 128 tiles (each consumer two 64 x 64 halves), one TMA producer warp.
 DGRAD_FP8_CONFIG = Fp8WsConfig(block_n=128, stages=5, group_m=8, producer_regs=40, consumer_regs=232)
 
+#: The FP8 GEMM1 dgrad on 128 x 256 tiles (session 37, opt-in, not yet measured): the forward's wide-tile argument
+#: (``FP8_FWD_WIDE_CONFIG``) for the dgrad: a stage's 128 dgate_up rows (16 KiB) feed 256 dx columns (a 256-row weight
+#: tile, 32 KiB), 48 KiB per 128 x 256 outputs against 32 KiB per 128 x 128. 4 stages (192 KiB) and two 64 x 64 bf16
+#: staging tiles fit.
+DGRAD_FP8_WIDE_CONFIG = Fp8WsConfig(block_n=128, stages=4, group_m=8, producer_regs=40, consumer_regs=232, wide=True)
+
 
 def ws_gemm1_dgrad_fp8_supported(dgu_fp8: Tensor, w1t_fp8: Tensor, cfg: Fp8WsConfig = DGRAD_FP8_CONFIG) -> str | None:
     """None if the warp-specialized FP8 GEMM1 dgrad can take these operands, else why not."""
@@ -626,10 +720,16 @@ def ws_gemm1_dgrad_fp8_supported(dgu_fp8: Tensor, w1t_fp8: Tensor, cfg: Fp8WsCon
     if reason:
         return reason
     E, D, F = w1t_fp8.shape
-    if F % cfg.block_k or D % cfg.block_n or cfg.block_n != cfg.block_k:
-        return (f"needs F % {cfg.block_k} == 0, D % {cfg.block_n} == 0 and block_n == {cfg.block_k} "
-                f"(F={F}, D={D}, block_n={cfg.block_n})")
+    wn = _tile_cols(cfg)
+    if F % cfg.block_k or D % wn or cfg.block_n != cfg.block_k:
+        return (f"needs F % {cfg.block_k} == 0, D % {wn} == 0 and block_n == {cfg.block_k} "
+                f"(F={F}, D={D}, block_n={cfg.block_n}, wide={cfg.wide})")
     return None
+
+
+def _tile_cols(cfg: Fp8WsConfig) -> int:
+    """Output columns per tile of the GEMM1 dgrad / GEMM2 (= their weight tile's rows): block_n, twice that if wide."""
+    return 2 * cfg.block_n if cfg.wide else cfg.block_n
 
 
 def _check_k_major_call(fn: str, a_fp8: Tensor, w_fp8: Tensor, layout, cfg: Fp8WsConfig) -> tuple[int, int, int]:
@@ -691,16 +791,17 @@ def launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_
     E, D, F = w1t_fp8.shape
     n_cap, dev = layout.n_cap, dgu_fp8.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    wn = _tile_cols(cfg)
     a_desc = _desc(dgu_fp8, (n_cap, 2 * F), (bm, bk))
-    w1t_desc = _desc(w1t_fp8, (E * D, F), (bn, bk))
-    w3t_desc = _desc(w3t_fp8, (E * D, F), (bn, bk))
+    w1t_desc = _desc(w1t_fp8, (E * D, F), (wn, bk))
+    w3t_desc = _desc(w3t_fp8, (E * D, F), (wn, bk))
     dx_desc = _desc(dx, (n_cap, D), (bm // 2, bn // 2))
-    num_n = D // bn
+    num_n = D // wn
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm1_dgrad_fp8_ws_kernel, (programs,),
            a_desc, w1t_desc, w3t_desc, dx_desc, dgu_scale, w1t_scale, w3t_scale, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
-           _ordered(cfg), num_warps=4, maxnreg=cfg.maxnreg)
+           _ordered(cfg), cfg.wide, num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 
@@ -708,11 +809,12 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
     """(signature, constexprs) of ``_gemm1_dgrad_fp8_ws_kernel`` for ``sm90_check.compile_sm90``."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
-    sig = {"a_desc": _sig_desc([bm, bk]), "w1t_desc": _sig_desc([bn, bk]), "w3t_desc": _sig_desc([bn, bk]),
+    wn = _tile_cols(cfg)
+    sig = {"a_desc": _sig_desc([bm, bk]), "w1t_desc": _sig_desc([wn, bk]), "w3t_desc": _sig_desc([wn, bk]),
            "dx_desc": _sig_desc([bm // 2, bn // 2], fp8=False), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
            "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
-    cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg))
+    cx = dict(D=D, F=F, NUM_N=D // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
+              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide)
     return sig, cx
 
 
@@ -720,6 +822,10 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
 #: registers). One H100, 30B / 235B: 0.582 / 1.983 ms at 4 stages, 0.598 / 2.032 at 5, group_m 1 and 16 no better;
 #: the Triton kernel 0.706 / 2.456 (bench_ws_gemm2_fp8_1xh100_s23i_20261206.json, all bitwise the Triton output).
 GEMM2_FP8_CONFIG = Fp8WsConfig(block_n=128, stages=4, group_m=8, producer_regs=40, consumer_regs=232)
+
+#: The FP8 GEMM2 on 128 x 256 tiles (session 37, opt-in, not yet measured): ``DGRAD_FP8_WIDE_CONFIG``'s tiles with the
+#: scatter epilogue; 4 stages (192 KiB, no staging tiles).
+GEMM2_FP8_WIDE_CONFIG = Fp8WsConfig(block_n=128, stages=4, group_m=8, producer_regs=40, consumer_regs=232, wide=True)
 
 
 def ws_gemm2_fwd_fp8_supported(h_fp8: Tensor, w2_fp8: Tensor, cfg: Fp8WsConfig = GEMM2_FP8_CONFIG) -> str | None:
@@ -781,14 +887,15 @@ def launch_gemm2_fwd_fp8(h_fp8, h_scale, w2_fp8, w2_scale, scores, layout, y: Te
     E, D, F = w2_fp8.shape
     n_cap, dev = layout.n_cap, h_fp8.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    wn = _tile_cols(cfg)
     a_desc = _desc(h_fp8, (n_cap, F), (bm, bk))
-    w2_desc = _desc(w2_fp8, (E * D, F), (bn, bk))
+    w2_desc = _desc(w2_fp8, (E * D, F), (wn, bk))
     y_desc = _desc(y, (y.shape[0], D), (bm // 2, bn // 2))  # the consumers' tile shape only: rows are scattered
-    num_n = D // bn
+    num_n = D // wn
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
     launch(_gemm2_fwd_fp8_ws_kernel, (programs,),
            a_desc, w2_desc, y_desc, h_scale, w2_scale, scores, y, layout.row_pair, layout.tile_expert, layout.offsets,
-           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs, _ordered(cfg),
+           E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs, _ordered(cfg), cfg.wide,
            num_warps=4, maxnreg=cfg.maxnreg)
     return y
 
@@ -797,10 +904,11 @@ def sm90_compile_args_gemm2_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
     """(signature, constexprs) of ``_gemm2_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90``."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
-    sig = {"a_desc": _sig_desc([bm, bk]), "w2_desc": _sig_desc([bn, bk]),
+    wn = _tile_cols(cfg)
+    sig = {"a_desc": _sig_desc([bm, bk]), "w2_desc": _sig_desc([wn, bk]),
            "y_desc": _sig_desc([bm // 2, bn // 2], fp8=False),
            "as_ptr": "*fp32", "w2s_ptr": "*fp32", "scores_ptr": "*fp32", "out_ptr": "*bf16", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
-    cx = dict(D=D, F=F, NUM_N=D // bn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg))
+    cx = dict(D=D, F=F, NUM_N=D // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
+              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide)
     return sig, cx

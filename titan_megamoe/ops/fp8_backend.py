@@ -65,6 +65,12 @@ WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 #: (``TITAN_MEGAMOE_FP8_FWD_WIDE=1``), built in session 36 and not yet measured on a GPU. Read at import; a
 #: same-process switch.
 FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
+#: The Gluon FP8 GEMM1 dgrad and GEMM2 forward on 128 x 256 tiles (``ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG``,
+#: ``GEMM2_FP8_WIDE_CONFIG``: a stage's 128 A rows feed 256 output columns; bitwise the default tiles) where D is a
+#: multiple of 256. Opt-in (``TITAN_MEGAMOE_FP8_DGRAD_WIDE=1``, ``TITAN_MEGAMOE_FP8_GEMM2_WIDE=1``), built in session 37
+#: and not yet measured on a GPU. Read at import; same-process switches.
+FP8_DGRAD_WIDE = env_flag("TITAN_MEGAMOE_FP8_DGRAD_WIDE", False)
+FP8_GEMM2_WIDE = env_flag("TITAN_MEGAMOE_FP8_GEMM2_WIDE", False)
 #: The FP8 backward's GEMM1 dgrad by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm1_dgrad_fp8``)
 #: where it applies (sm_90, D and F multiples of 128) instead of the Triton one; bitwise the same dx rows. On by
 #: default since session 19 (H200: kernel 1.244 -> 0.964 ms at 30B, 4.790 -> 3.609 at 235B; layer fwd+bwd -0.39 /
@@ -433,7 +439,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
             mark("quant_h")
         if (WS_GEMM2_FP8 and not interp and not by_row
                 and ws_gemm_fp8.ws_gemm2_fwd_fp8_supported(hq, w2q) is None):
-            y = ws_gemm_fp8.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, layout)
+            y = ws_gemm_fp8.ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, layout, cfg=_gemm2_fp8_config(D))
         else:
             c2 = dataclasses.replace(fp8_config_for("gemm2", D, F, interp), **bm)
             y = gemm2_scatter_fwd_fp8(hq, hs, w2q, w2s, scores, layout, by_row=by_row, config=c2)
@@ -517,7 +523,7 @@ def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
                              FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG)
         hq, hs = launch_quant_act_1x128(h, count, row_valid=layout.row_pair)
         if T * K:
-            launch_gemm2_fwd_fp8(hq, hs, w2q, w2s, topk_scores_TK, layout, y)
+            launch_gemm2_fwd_fp8(hq, hs, w2q, w2s, topk_scores_TK, layout, y, _gemm2_fp8_config(D))
     out = launch_combine_topk(y, T, K)
     NONFINITE.check()  # the earlier calls' records that have landed (this call's is not queued yet)
     NONFINITE.record(f"{layer_name} forward activations", count)
@@ -659,8 +665,17 @@ def _gemm1_dgrad_fp8_rows(dguq: Tensor, dgus: Tensor, w1tq: Tensor, w1ts: Tensor
     from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm_fp8
 
     if WS_GEMM1_DGRAD_FP8 and not _interp() and ws_gemm_fp8.ws_gemm1_dgrad_fp8_supported(dguq, w1tq) is None:
-        return ws_gemm_fp8.ws_gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
+        cfg = ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG if FP8_DGRAD_WIDE and w1tq.shape[1] % 256 == 0 else None
+        return ws_gemm_fp8.ws_gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout,
+                                              cfg=cfg or ws_gemm_fp8.DGRAD_FP8_CONFIG)
     return grouped_gemm_fp8_bwd.gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
+
+
+def _gemm2_fp8_config(D: int):
+    """The Gluon FP8 GEMM2's config: the wide tiles where ``FP8_GEMM2_WIDE`` is on and D % 256 == 0, else the default."""
+    from titan_megamoe.kernels import ws_gemm_fp8
+
+    return ws_gemm_fp8.GEMM2_FP8_WIDE_CONFIG if FP8_GEMM2_WIDE and D % 256 == 0 else ws_gemm_fp8.GEMM2_FP8_CONFIG
 
 
 def fp8_bwd(dout_TD: Tensor, x_TD: Tensor, topk_scores_TK: Tensor, wq_bwd: list[Tensor], gate_up: Tensor,
