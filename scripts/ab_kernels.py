@@ -278,9 +278,9 @@ def _groups(shape: str):
 
     groups["gemm1_fwd_fp8_wide"] = [
         ("default 128x128", lambda: g1f8(FP8_FWD_CONFIG)),
-        ("wide 216/72 regs", lambda: g1f8(FP8_FWD_WIDE_CONFIG)),
-        ("wide 232/48 regs", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, consumer_regs=232,
-                                                              producer_regs=48))),
+        ("wide 232/48 regs", lambda: g1f8(FP8_FWD_WIDE_CONFIG)),
+        ("wide 216/72 regs", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, consumer_regs=216,
+                                                              producer_regs=72))),
         ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3)))]
     flops["gemm1_fwd_fp8_wide"] = 4 * T * K * D * F
     # the FP8 GEMM1 dgrad and GEMM2 forward on their 128 x 128 tiles and on the wide 128 x 256 ones (session 37,

@@ -110,8 +110,8 @@ def test_ws_gemm1_fwd_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization
 @pytest.mark.parametrize("label", ["fwd_fp8_wide_30b", "fwd_fp8_wide_235b"])
 def test_ws_gemm1_fwd_fp8_wide_tiles_build_for_sm90a_with_bounded_spills(label):
     """``FP8_FWD_WIDE_CONFIG``: four MMAs per consumer and K step, each partial scaled under the next MMA (waits 1, 1,
-    1, 0), no wgmma serialization; six 64 x 64 fp32 tiles per consumer thread leave a few spilled scalars (104 bytes
-    at 216 registers in session 36's build), bounded here."""
+    1, 0), no wgmma serialization; six 64 x 64 fp32 tiles per consumer thread leave a few spilled scalars (48 bytes
+    at 232 consumer registers in session 36's build, 104 at 216), bounded here."""
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
     from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_WIDE_CONFIG
 

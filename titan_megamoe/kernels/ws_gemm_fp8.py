@@ -121,8 +121,10 @@ FP8_FWD_CONFIG = Fp8WsConfig()
 #: The FP8 GEMM1 forward on 128 x (2 x 128) tiles (session 36, opt-in, not yet measured): each stage's 128 gathered x
 #: rows (16 KiB) feed 128 gate and 128 up columns (two 128-row weight tiles, 32 KiB), so a stage carries 48 KiB per
 #: 128 x 256 outputs against 32 KiB per 128 x 128: a quarter fewer L2 -> SM bytes per FLOP, which is what session 36
-#: found bounding the gathered-row main loops (~5-7 TB/s). Per consumer four 64 x 64 accumulators and two partials.
-FP8_FWD_WIDE_CONFIG = Fp8WsConfig(stages=4, wide=True)
+#: found bounding the gathered-row main loops (~5-7 TB/s). Per consumer four 64 x 64 accumulators and two partials:
+#: at 232 consumer registers (48 for the gathering producer) consumer 0's K loop has no spill and consumer 1's 10
+#: spill instructions; at 216 / 72, 34 in each K loop (session 37's SASS).
+FP8_FWD_WIDE_CONFIG = Fp8WsConfig(stages=4, wide=True, consumer_regs=232, producer_regs=48)
 
 #: ``TITAN_MEGAMOE_FP8_ORDERED_MMA`` (default off): the ordered consumers (``Fp8WsConfig.ordered``) in the FP8 GEMM1,
 #: GEMM1 dgrad and GEMM2 launched with a config whose ``ordered`` is None. Read at import; a same-process switch.
