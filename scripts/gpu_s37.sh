@@ -42,9 +42,12 @@ if [ "$PART" = b ]; then
   python3 -m compare.loss_spread "$OUT/keep/train_debug_fp8_b.json" --reference qwen3_debugmoe_1gpu_megamoe_triton_bf16 \
     --out "$OUT/keep/loss_spread_fp8_b.json" 2>&1 | tail -8
 fi
-if [ "$PART" = c ]; then  # both layer shapes in every precision beside stock compiled, today's defaults
-  layer_ab 235b_c "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
-  [ "$(left 200)" -ge 100 ] && layer_ab 30b_c "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 8
+if [ "$PART" = c ]; then  # both layer shapes in every precision beside stock compiled, today's defaults (the wide
+  # FP8 GEMM1 dgrad / GEMM2 on since PART a) and a row with those two off; the launch-equivalence test again (fixed)
+  gpu_tests fast_c tests/test_eager_layer.py -k "fast_forward"
+  layer_ab 30b_c "FP8_DGRAD_WIDE=0,FP8_GEMM2_WIDE=0" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
+  [ "$(left 300)" -ge 150 ] && layer_ab 235b_c "FP8_DGRAD_WIDE=0,FP8_GEMM2_WIDE=0" qwen3-235b-a22b bf16,fp8,fp8_bwd \
+    tt-compile,megamoe-triton 12
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s37$PART"

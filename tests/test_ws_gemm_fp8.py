@@ -364,12 +364,12 @@ def test_fp8_backward_takes_the_gluon_dgrad_only_when_switched_on(monkeypatch):
         calls.clear()
         with switches.override({"TITAN_MEGAMOE_WS_GEMM1_DGRAD_FP8": on}):
             assert fb.WS_GEMM1_DGRAD_FP8 is (on == "1")
-            dx = fb._gemm1_dgrad_fp8_rows("dq", "ds", "w1tq", "w1ts", "w3tq", "w3ts", "layout")
+            dx = fb._gemm1_dgrad_fp8_rows("dq", "ds", torch.empty(2, 512, 128), "w1ts", "w3tq", "w3ts", "layout")
         assert calls == want and dx == f"{want[0]} rows"
-    # FP8_DGRAD_WIDE (opt-in) reaches the Gluon dgrad's config where D % 256 == 0, else the default tiles
+    # FP8_DGRAD_WIDE (on by default) reaches the Gluon dgrad's config where D % 256 == 0, else the 128 x 128 tiles
     cfgs = []
     monkeypatch.setattr(W, "ws_gemm1_dgrad_fp8", lambda *a, cfg=None, **k: cfgs.append(cfg))
-    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_DGRAD_WIDE"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_DGRAD_WIDE"].default == "1"
     for wide, D in (("0", 512), ("1", 512), ("1", 384)):
         with switches.override({"TITAN_MEGAMOE_FP8_DGRAD_WIDE": wide}):
             fb._gemm1_dgrad_fp8_rows("dq", "ds", torch.empty(2, D, 128), "w1ts", "w3tq", "w3ts", "layout")
@@ -487,10 +487,10 @@ def test_fp8_forward_takes_the_gluon_gemm2_only_when_switched_on(monkeypatch):
             out = fb.fp8_experts_fwd(x, scores, lay, w1, w2q, w1, wq, True, "layer", by_row=by_row)
         assert calls == [want], calls
         assert out[0] == (want if isinstance(want, str) else want[0]) + " y"
-    # FP8_GEMM2_WIDE (opt-in) reaches the Gluon GEMM2's config (D = 256 here)
+    # FP8_GEMM2_WIDE (on by default) reaches the Gluon GEMM2's config (D = 256 here)
     cfgs = []
     monkeypatch.setattr(W, "ws_gemm2_fwd_fp8", lambda *a, cfg=None, **k: cfgs.append(cfg) or "gluon y")
-    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM2_WIDE"].default == "0"
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM2_WIDE"].default == "1"
     for wide in ("0", "1"):
         with switches.override({"TITAN_MEGAMOE_FP8_GEMM2_WIDE": wide}):
             fb.fp8_experts_fwd(x, scores, lay, w1, w2q, w1, wq, True, "layer")

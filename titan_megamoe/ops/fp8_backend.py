@@ -67,10 +67,12 @@ WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
 #: The Gluon FP8 GEMM1 dgrad and GEMM2 forward on 128 x 256 tiles (``ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG``,
 #: ``GEMM2_FP8_WIDE_CONFIG``: a stage's 128 A rows feed 256 output columns; bitwise the default tiles) where D is a
-#: multiple of 256. Opt-in (``TITAN_MEGAMOE_FP8_DGRAD_WIDE=1``, ``TITAN_MEGAMOE_FP8_GEMM2_WIDE=1``), built in session 37
-#: and not yet measured on a GPU. Read at import; same-process switches.
-FP8_DGRAD_WIDE = env_flag("TITAN_MEGAMOE_FP8_DGRAD_WIDE", False)
-FP8_GEMM2_WIDE = env_flag("TITAN_MEGAMOE_FP8_GEMM2_WIDE", False)
+#: multiple of 256. On by default since session 37 (one H100, 8 rotated rounds: GEMM1 dgrad 0.971 -> 0.787 ms at 30B,
+#: 3.727 -> 3.053 at 235B; GEMM2 0.593 -> 0.486, 2.068 -> 1.604; ``ab_kernels_wide_1xh100_s37a_20261207.json``);
+#: ``TITAN_MEGAMOE_FP8_DGRAD_WIDE=0`` / ``TITAN_MEGAMOE_FP8_GEMM2_WIDE=0`` give the 128 x 128 tiles back. Read at
+#: import; same-process switches.
+FP8_DGRAD_WIDE = env_flag("TITAN_MEGAMOE_FP8_DGRAD_WIDE", True)
+FP8_GEMM2_WIDE = env_flag("TITAN_MEGAMOE_FP8_GEMM2_WIDE", True)
 #: The FP8 backward's GEMM1 dgrad by the warp-specialized Gluon kernel (``kernels/ws_gemm_fp8.ws_gemm1_dgrad_fp8``)
 #: where it applies (sm_90, D and F multiples of 128) instead of the Triton one; bitwise the same dx rows. On by
 #: default since session 19 (H200: kernel 1.244 -> 0.964 ms at 30B, 4.790 -> 3.609 at 235B; layer fwd+bwd -0.39 /
