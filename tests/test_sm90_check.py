@@ -28,3 +28,27 @@ if __name__ == "__main__":
         print(json.dumps(_compile_sm90_all()))
     else:
         raise SystemExit("usage: python tests/test_sm90_check.py compile-sm90")
+
+
+def test_mma_loop_spills_counts_only_the_innermost_loops_that_issue_a_wgmma():
+    """``sm90_check._mma_loop_spills`` on a hand-written SASS listing: an outer tile loop (spills in its prologue, not
+    counted) around a K loop with a QGMMA and two spill instructions, then a loop without a wgmma (not reported)."""
+    from titan_megamoe.kernels.sm90_check import _mma_loop_spills
+
+    def ins(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x000 */"
+
+    sass = "\n".join([
+        ins(0x0010, "MOV R1, c[0x0][0x28]"),
+        ins(0x0020, "STL [R1], R0"),                        # tile prologue: outside the K loop
+        ins(0x0030, "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR24], RZ, !UPT"),
+        ins(0x0040, "LDL.LU R5, [R1+0x4]"),                 # K loop body
+        ins(0x0050, "STL [R1+0x4], R5"),
+        ins(0x0060, "@P3 BRA 0x30"),                        # closes the K loop
+        ins(0x0070, "LDL R8, [R1]"),                        # epilogue
+        ins(0x0080, "@P0 BRA 0x20"),                        # closes the tile loop
+        ins(0x0090, "STL [R1+0x8], R2"),
+        ins(0x00a0, "@P1 BRA 0x90"),                        # a loop without a wgmma
+    ])
+    assert _mma_loop_spills(sass) == [2]
+    assert _mma_loop_spills(sass.replace("LDL.LU R5, [R1+0x4]", "FADD R5, R5, R6")) == [1]

@@ -158,7 +158,7 @@ def test_ws_gemm1_dgrad_and_gemm2_fp8_wide_tiles_build_for_sm90a_without_spills_
     partial scaled under the next MMA (waits 1, 1, 1, 0), both operands by TMA, no wgmma serialization. Six 64 x 64
     fp32 tiles per consumer thread sit at the register cap: the dgrad's two K halves run as one loop with one selected
     weight scale pointer (two unrolled loops, or two masked scale loads, spilled accumulators in the K loop: session
-    37's SASS), and the few spilled scalars left (8 bytes in that build) are bounded here."""
+    37's SASS); the few spilled scalars left (8 bytes in that build) lie outside the K loops."""
     from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 
     r = sm90_result(__file__, label)
@@ -168,6 +168,7 @@ def test_ws_gemm1_dgrad_and_gemm2_fp8_wide_tiles_build_for_sm90a_without_spills_
     assert 4 * (128 + 256) * 128 <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]  # 4 stages of 48 KiB
     stack = int(re.search(r"STACK:(\d+)", r["usage"]).group(1))
     assert "REG:168" in r["usage"] and stack <= 16, r["usage"]
+    assert r["mma_loop_spills"] in (None, [0, 0]), r["mma_loop_spills"]  # one K loop per consumer, no spill in it
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
 
 

@@ -62,7 +62,9 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
         cp_async, atomics (``atom.`` instructions), mbarrier_arrive (mbarrier.arrive instructions), shared (bytes), usage (cuobjdump register line
         or ""), loops (``scf.for`` ops in the TTGIR: a flattened persistent kernel has one), wgmma_waits (the pending counts of the PTX's
         ``wgmma.wait_group`` instructions, in order, as strings), wgmma_serialized (ptxas's C7514 / C7515 notes,
-        "" if none: ptxas then waits for every wgmma before the next, whatever the kernel asked)).
+        "" if none: ptxas then waits for every wgmma before the next, whatever the kernel asked), mma_loop_spills
+        (spill instructions in each innermost loop that issues a wgmma, from the SASS; None without cuobjdump or
+        wgmma)).
 
     Triton does not apply a kernel's defaults here: give every constexpr in ``constexprs`` (a left-out
     one is not its default: a ``COMB_BF16=True`` default compiled as its False branch).
@@ -88,7 +90,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
         options["maxnreg"] = maxnreg
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = ck.asm["ptx"]
-    usage = ""
+    usage, sass = "", ""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -96,13 +98,40 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, num_s
             f.flush()
             usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
                                    text=True).stdout
+            if "wgmma.mma_async" in ptx:
+                sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
     regs = [ln.strip() for ln in usage.splitlines() if "REG:" in ln]
     return dict(target=".target sm_90a" in ptx, wgmma=ptx.count("wgmma.mma_async"),
                 tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg"), atomics=ptx.count("atom."),
                 mbarrier_arrive=len(re.findall(r"mbarrier\.arrive\b", ptx)),
                 shared=ck.metadata.shared, usage=regs[0] if regs else "", loops=ck.asm["ttgir"].count("scf.for "),
                 wgmma_waits=re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
-                wgmma_serialized=_wgmma_serialized(ptx, maxnreg) if ptx.count("wgmma.mma_async") else "")
+                wgmma_serialized=_wgmma_serialized(ptx, maxnreg) if ptx.count("wgmma.mma_async") else "",
+                mma_loop_spills=_mma_loop_spills(sass) if sass else None)
+
+
+def _mma_loop_spills(sass: str) -> list[int]:
+    """Local-memory spill instructions (STL / LDL) inside each innermost SASS loop that issues a wgmma (HGMMA /
+    QGMMA), in code order: the spills that cost every K step. A loop is a backward branch; innermost: no other
+    backward branch inside it. A spill outside these (a tile's prologue or epilogue) costs once per tile."""
+    ins = []
+    for ln in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    back = []  # (target, address) of the backward branches
+    for a, text in ins:
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a:
+            back.append((int(m.group(1), 16), a))
+    out = []
+    for lo, hi in back:
+        if any(lo <= b_lo and b_hi < hi for b_lo, b_hi in back if (b_lo, b_hi) != (lo, hi)):
+            continue  # an outer loop
+        body = [t for a, t in ins if lo <= a <= hi]
+        if any("GMMA" in t for t in body):
+            out.append(sum(1 for t in body if re.search(r"\b(STL|LDL)", t)))
+    return out
 
 
 def _wgmma_serialized(ptx: str, maxnreg: int | None) -> str:
