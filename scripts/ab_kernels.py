@@ -3,8 +3,7 @@ cooperative, Gluon split_n; the Gluon kernel's tile order, group_m 1 / 4 / 8 or 
 program per tile), the bf16 GEMM1 forward's tile order and grid, the bf16 wgrads (Gluon default, split_n)
 and the bf16 GEMM2 dgrad (Triton two programs per SM, one per SM, 128 x 256 tiles at 16 warps; Gluon with one
 m64n128 accumulator per consumer or two m64n64 ones); the FP8 GEMM2 dgrad (Gluon cooperative, Gluon ping-pong,
-Triton); the FP8 GEMM1 forward, GEMM1 dgrad and GEMM2
-forward on 128 x 128 and 128 x 256 tiles.
+Triton); the FP8 GEMM1 forward, GEMM1 dgrad and GEMM2 forward on 128 x 128 and 128 x 256 tiles.
 
 Why: timing variants one after the other with ``do_bench`` favours the first (session 27, one H100: the same Gluon
 GEMM1 dgrad took 1.212 ms timed first and 1.343 ms timed second; the card's power cap lowers clocks as it heats).
