@@ -150,8 +150,8 @@ GEMM1_EXPERT_ORDER = env_flag("TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER", True)
 #: TITAN_MEGAMOE_WS_GEMM1_DYNAMIC=1 (read at import): the cooperative bf16 GEMM1 forward and dgrad stay persistent
 #: (one program per SM) but take their tiles in order from a per-launch atomic counter, as a grid's programs start
 #: (GEMM1_GRID's order without its per-tile launch cost: the next tile's loads still run under the epilogue). The
-#: producer takes the ticket and hands it to both consumers through a 2-slot shared-memory ring. Disabled: it hung on
-#: its first GPU test (``DYNAMIC_FENCED``); asking for it raises.
+#: producer takes the ticket and hands it to both consumers through a 2-slot shared-memory ring. Disabled
+#: (``DYNAMIC_FENCED``: no gain measured); asking for it raises.
 GEMM1_DYNAMIC = env_flag("TITAN_MEGAMOE_WS_GEMM1_DYNAMIC", False)
 
 DEFAULT = WsConfig()
@@ -973,11 +973,11 @@ def _tile_counter(dev: torch.device, kernel: str) -> Tensor:
     return c
 
 
-#: The counter schedule (``GEMM1_DYNAMIC``, ``WsConfig.dynamic``) never returned from its first GPU test (an H100,
-#: session 32: the GEMM1 dgrad, uniform routing, cooperative config; killed after 100 s; session 33: also with one
-#: program), so a launch that asks for it raises instead of hanging the GPU. Session 33 changed how ``_take_tile``
-#: takes its ticket (the likely cause, found in the SASS); not yet run on a GPU. Set False only to debug the kernel on
-#: a GPU (docs/NOTES.md sessions 32-33, ``scripts/probe_dynamic.py``).
+#: The counter schedule (``GEMM1_DYNAMIC``, ``WsConfig.dynamic``) hung on the GPU until session 33's ticket fix (sessions
+#: 32-33); with it, its GPU tests pass (session 37: 16, bitwise the persistent schedule), but it gains nothing over the
+#: expert order (A/B within 1 % at both shapes, ``ab_kernels_dynamic_1xh100_s37a_20261207.json``). It stays fenced, so
+#: a launch that asks for it raises; set False only to measure or debug it (``scripts/ab_kernels.py
+#: --unfence-dynamic``).
 DYNAMIC_FENCED = True
 
 
@@ -986,13 +986,13 @@ def _dynamic(cfg: WsConfig) -> bool:
     cooperative configs only).
 
     Raises:
-        RuntimeError: it asks for the counter schedule while :data:`DYNAMIC_FENCED` (it hangs on the GPU)."""
+        RuntimeError: it asks for the counter schedule while :data:`DYNAMIC_FENCED` (no gain measured)."""
     dynamic = (cfg.dynamic or GEMM1_DYNAMIC) and cfg.coop
     if dynamic and DYNAMIC_FENCED:
         raise RuntimeError(
-            "TITAN_MEGAMOE_WS_GEMM1_DYNAMIC / WsConfig.dynamic: the counter tile schedule hung on its first GPU test "
-            "(H100, docs/NOTES.md session 32) and is disabled until fixed. Unset TITAN_MEGAMOE_WS_GEMM1_DYNAMIC (the "
-            "default schedule computes the same bits; TITAN_MEGAMOE_WS_GEMM1_EXPERT_ORDER orders the tiles by expert).")
+            "TITAN_MEGAMOE_WS_GEMM1_DYNAMIC / WsConfig.dynamic: the counter tile schedule is disabled (it hung before "
+            "session 33's fix and measured no faster since: docs/NOTES.md sessions 32-37). Unset "
+            "TITAN_MEGAMOE_WS_GEMM1_DYNAMIC (the default schedule computes the same bits).")
     return dynamic
 
 
