@@ -268,7 +268,7 @@ def test_ws_gemm1_expert_order_switch_reaches_the_gemm1_launches(monkeypatch):
 def test_ws_gemm1_dynamic_switch_reaches_the_cooperative_gemm1_launches(monkeypatch):
     """``WS_GEMM1_DYNAMIC`` (default off) launches the cooperative GEMM1 forward / dgrad with ``DYNAMIC`` and a
     zeroed int32 counter, on the persistent grid even with ``WS_GEMM1_GRID`` on; ping-pong stays static. While the
-    schedule is fenced off (``ws_gemm.DYNAMIC_FENCED``: it hung on the GPU) the cooperative launches raise, naming the
+    schedule is fenced off (``ws_gemm.DYNAMIC_FENCED``: no gain measured) the cooperative launches raise, naming the
     switch; the ping-pong one still launches."""
     from titan_megamoe.kernels import ws_gemm
 
