@@ -280,7 +280,8 @@ def _groups(shape: str):
         ("wide 232/48 regs", lambda: g1f8(FP8_FWD_WIDE_CONFIG)),
         ("wide 216/72 regs", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, consumer_regs=216,
                                                               producer_regs=72))),
-        ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3)))]
+        ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3))),
+        ("128x128 scale prefetch", lambda: g1f8(dataclasses.replace(FP8_FWD_CONFIG, prefetch=True)))]
     flops["gemm1_fwd_fp8_wide"] = 4 * T * K * D * F
     # the FP8 GEMM1 dgrad and GEMM2 forward on their 128 x 128 tiles and on the wide 128 x 256 ones (session 37,
     # opt-in: a stage's A rows feed twice the columns); bitwise the default, each config's first launch poisoned
@@ -311,12 +312,16 @@ def _groups(shape: str):
     groups["gemm1_dgrad_fp8_wide"] = [("default 128x128", lambda: k8("dgrad", DGRAD_FP8_CONFIG)),
                                       ("wide 4 stages", lambda: k8("dgrad", DGRAD_FP8_WIDE_CONFIG)),
                                       ("wide 3 stages", lambda: k8("dgrad", dataclasses.replace(DGRAD_FP8_WIDE_CONFIG,
-                                                                                                stages=3)))]
+                                                                                                stages=3))),
+                                      ("wide scale prefetch", lambda: k8("dgrad", dataclasses.replace(
+                                          DGRAD_FP8_WIDE_CONFIG, prefetch=True)))]
     flops["gemm1_dgrad_fp8_wide"] = 4 * T * K * D * F
     groups["gemm2_fwd_fp8_wide"] = [("default 128x128", lambda: k8("gemm2", GEMM2_FP8_CONFIG)),
                                     ("wide 4 stages", lambda: k8("gemm2", GEMM2_FP8_WIDE_CONFIG)),
                                     ("wide 3 stages", lambda: k8("gemm2", dataclasses.replace(GEMM2_FP8_WIDE_CONFIG,
-                                                                                              stages=3)))]
+                                                                                              stages=3))),
+                                    ("wide scale prefetch", lambda: k8("gemm2", dataclasses.replace(
+                                        GEMM2_FP8_WIDE_CONFIG, prefetch=True)))]
     flops["gemm2_fwd_fp8_wide"] = 2 * T * K * D * F
     return groups, flops
 
