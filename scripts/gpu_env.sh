@@ -77,3 +77,15 @@ ncu_fp8() {  # ncu_fp8 TAG COUNT: Nsight Compute on scripts/ncu_gemm_fp8.py at 3
   tail -3 "$OUT/keep/ncu_gemm_fp8_$1.err" | cut -c1-200
   timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
 }
+ci_and_debug_train_fp8() {  # TAG: scripts/gpu_ci.sh, then the debug model 300 steps in bf16 / fp8 / fp8_bwd and
+  # compare.loss_spread against bf16 (issue 6's accuracy item: final loss within 2 % of bf16)
+  OUT="$OUT/keep/ci" timeout $(left 420) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] gpu_ci rc $?"; tail -12 "$OUT/keep/gpu_ci_$1.log"
+  timeout $(left 300) python3 -m compare.train --ngpu 1 --steps 300 --skip 10 --configs \
+    train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml train_configs/qwen3_debugmoe_1gpu_megamoe_fp8.toml \
+    train_configs/qwen3_debugmoe_1gpu_megamoe_fp8_bwd.toml --labels triton-bf16 triton-fp8 triton-fp8_bwd \
+    --out "$OUT/keep/train_debug_fp8_$1.json" > "$OUT/keep/train_debug_fp8_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] train rc $?"; tail -8 "$OUT/keep/train_debug_fp8_$1.log"
+  python3 -m compare.loss_spread "$OUT/keep/train_debug_fp8_$1.json" \
+    --reference qwen3_debugmoe_1gpu_megamoe_triton_bf16 --out "$OUT/keep/loss_spread_fp8_$1.json" 2>&1 | tail -8
+}

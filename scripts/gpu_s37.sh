@@ -30,17 +30,7 @@ if [ "$PART" = a ]; then
   [ "$(left 200)" -ge 120 ] && dynamic_tests_ab
 fi
 if [ "$PART" = b ]; then
-  OUT="$OUT/keep/ci" timeout $(left 420) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu_ci rc $?"; tail -12 "$OUT/keep/gpu_ci_b.log"
-  # issue 6's accuracy item with today's FP8 kernels: the debug model, 300 steps, bf16 / fp8 / fp8_bwd (final loss
-  # within 2 % of bf16); the committed runs are from 2026-11-30's kernels
-  timeout $(left 300) python3 -m compare.train --ngpu 1 --steps 300 --skip 10 --configs \
-    train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml train_configs/qwen3_debugmoe_1gpu_megamoe_fp8.toml \
-    train_configs/qwen3_debugmoe_1gpu_megamoe_fp8_bwd.toml --labels triton-bf16 triton-fp8 triton-fp8_bwd \
-    --out "$OUT/keep/train_debug_fp8_b.json" > "$OUT/keep/train_debug_fp8_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] train rc $?"; tail -8 "$OUT/keep/train_debug_fp8_b.log"
-  python3 -m compare.loss_spread "$OUT/keep/train_debug_fp8_b.json" --reference qwen3_debugmoe_1gpu_megamoe_triton_bf16 \
-    --out "$OUT/keep/loss_spread_fp8_b.json" 2>&1 | tail -8
+  ci_and_debug_train_fp8 b
 fi
 if [ "$PART" = c ]; then  # both layer shapes in every precision beside stock compiled, today's defaults (the wide
   # FP8 GEMM1 dgrad / GEMM2 on since PART a) and a row with those two off; the launch-equivalence test again (fixed)

@@ -22,15 +22,7 @@ if [ "$PART" = a ]; then
   [ "$(left 300)" -ge 180 ] && layer_ab 235b_a "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
 fi
 if [ "$PART" = b ]; then
-  OUT="$OUT/keep/ci" timeout $(left 420) bash scripts/gpu_ci.sh > "$OUT/keep/gpu_ci_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] gpu_ci rc $?"; tail -12 "$OUT/keep/gpu_ci_b.log"
-  timeout $(left 300) python3 -m compare.train --ngpu 1 --steps 300 --skip 10 --configs \
-    train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml train_configs/qwen3_debugmoe_1gpu_megamoe_fp8.toml \
-    train_configs/qwen3_debugmoe_1gpu_megamoe_fp8_bwd.toml --labels triton-bf16 triton-fp8 triton-fp8_bwd \
-    --out "$OUT/keep/train_debug_fp8_b.json" > "$OUT/keep/train_debug_fp8_b.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] train rc $?"; tail -8 "$OUT/keep/train_debug_fp8_b.log"
-  python3 -m compare.loss_spread "$OUT/keep/train_debug_fp8_b.json" --reference qwen3_debugmoe_1gpu_megamoe_triton_bf16 \
-    --out "$OUT/keep/loss_spread_fp8_b.json" 2>&1 | tail -8
+  ci_and_debug_train_fp8 b
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s38$PART"
