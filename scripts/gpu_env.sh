@@ -89,3 +89,17 @@ ci_and_debug_train_fp8() {  # TAG: scripts/gpu_ci.sh, then the debug model 300 s
   python3 -m compare.loss_spread "$OUT/keep/train_debug_fp8_$1.json" \
     --reference qwen3_debugmoe_1gpu_megamoe_triton_bf16 --out "$OUT/keep/loss_spread_fp8_$1.json" 2>&1 | tail -8
 }
+fp8_gemm_tests_ab() {  # TAG: tests/test_ws_gemm_fp8.py's GPU tests, then (if they pass) the A/B of the three FP8
+  # tile groups (scripts/ab_kernels.py: 128 x 128 / wide / scale prefetch rows); returns 1 when the tests did not pass
+  local log="$OUT/keep/tests_gpu_fp8_$1.log"
+  timeout -s KILL $(left 150) python3 -m pytest -q -rfE tests/test_ws_gemm_fp8.py -k "gpu" -p no:cacheprovider \
+    > "$log" 2>&1
+  echo "[t=$((SECONDS - t0))s] FP8 GEMM GPU tests: $(tail -1 "$log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$log" | head -8
+  grep -q " passed" "$log" && ! grep -q "failed" "$log" || return 1
+  timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 \
+    --groups gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide \
+    --out "$OUT/keep/ab_kernels_fp8_$1.json" > "$OUT/keep/ab_kernels_fp8_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_fp8_$1.log"
+}
+

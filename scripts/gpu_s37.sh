@@ -14,15 +14,7 @@ if [ "$PART" = a ]; then
   gpu_tests fast_a tests/test_eager_layer.py -k "fast_forward"
   # the wide FP8 tiles (GEMM1 forward: session 36; GEMM1 dgrad, GEMM2 forward: session 37; CPU-built): GPU tests
   # (bitwise the default tiles, poisoned outputs), kernel A/B, then the layer with all three switched on
-  timeout -s KILL $(left 150) python3 -m pytest -q -rfE tests/test_ws_gemm_fp8.py -k "gpu" -p no:cacheprovider \
-    > "$OUT/keep/tests_gpu_wide_a.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] wide FP8 GPU tests: $(tail -1 "$OUT/keep/tests_gpu_wide_a.log")"
-  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_wide_a.log" | head -8
-  if grep -q " passed" "$OUT/keep/tests_gpu_wide_a.log" && ! grep -q "failed" "$OUT/keep/tests_gpu_wide_a.log"; then
-    timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 \
-      --groups gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide \
-      --out "$OUT/keep/ab_kernels_wide_a.json" > "$OUT/keep/ab_kernels_wide_a.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_wide_a.log"
+  if fp8_gemm_tests_ab wide_a; then
     [ "$(left 200)" -ge 90 ] && layer_ab 30b_wide_a \
       "FP8_FWD_WIDE=1,FP8_DGRAD_WIDE=1,FP8_GEMM2_WIDE=1" qwen3-30b-a3b fp8 megamoe-triton 8
   fi

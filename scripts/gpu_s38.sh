@@ -9,16 +9,7 @@
 source scripts/gpu_env.sh
 session_start
 if [ "$PART" = a ]; then
-  timeout -s KILL $(left 150) python3 -m pytest -q -rfE tests/test_ws_gemm_fp8.py -k "gpu" -p no:cacheprovider \
-    > "$OUT/keep/tests_gpu_fp8_a.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] FP8 GEMM GPU tests: $(tail -1 "$OUT/keep/tests_gpu_fp8_a.log")"
-  grep -E "^(FAILED|ERROR)|^E  " "$OUT/keep/tests_gpu_fp8_a.log" | head -8
-  if grep -q " passed" "$OUT/keep/tests_gpu_fp8_a.log" && ! grep -q "failed" "$OUT/keep/tests_gpu_fp8_a.log"; then
-    timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 \
-      --groups gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide \
-      --out "$OUT/keep/ab_kernels_prefetch_a.json" > "$OUT/keep/ab_kernels_prefetch_a.log" 2>&1
-    echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_prefetch_a.log"
-  fi
+  fp8_gemm_tests_ab a
   [ "$(left 300)" -ge 180 ] && layer_ab 235b_a "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
 fi
 if [ "$PART" = b ]; then

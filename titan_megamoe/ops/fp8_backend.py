@@ -667,9 +667,9 @@ def _gemm1_dgrad_fp8_rows(dguq: Tensor, dgus: Tensor, w1tq: Tensor, w1ts: Tensor
     from titan_megamoe.kernels import grouped_gemm_fp8_bwd, ws_gemm_fp8
 
     if WS_GEMM1_DGRAD_FP8 and not _interp() and ws_gemm_fp8.ws_gemm1_dgrad_fp8_supported(dguq, w1tq) is None:
-        cfg = ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG if FP8_DGRAD_WIDE and w1tq.shape[1] % 256 == 0 else None
-        return ws_gemm_fp8.ws_gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout,
-                                              cfg=cfg or ws_gemm_fp8.DGRAD_FP8_CONFIG)
+        wide = FP8_DGRAD_WIDE and w1tq.shape[1] % 256 == 0  # D: the wide tiles take 256 columns
+        cfg = ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG if wide else ws_gemm_fp8.DGRAD_FP8_CONFIG
+        return ws_gemm_fp8.ws_gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout, cfg=cfg)
     return grouped_gemm_fp8_bwd.gemm1_dgrad_fp8(dguq, dgus, w1tq, w1ts, w3tq, w3ts, layout)
 
 
