@@ -17,3 +17,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible: torch.cuda.device_count() == 0)"))
         if "multigpu" in item.keywords and ngpu < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs (visible: {ngpu})"))
+
+
+def pytest_collection_finish(session):
+    # The sm_90a compile subprocesses start now, on a second core (tests/_sm90.py says how).
+    import _sm90
+
+    scripts = []
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and getattr(mod, "sm90_result", None) is _sm90.sm90_result and "sm90" in item.name:
+            if mod.__file__ not in scripts:
+                scripts.append(mod.__file__)
+    _sm90.start_background(scripts)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import _sm90
+
+    _sm90.stop_background()
