@@ -323,6 +323,36 @@ def _groups(shape: str):
                                     ("wide scale prefetch", lambda: k8("gemm2", dataclasses.replace(
                                         GEMM2_FP8_WIDE_CONFIG, prefetch=True)))]
     flops["gemm2_fwd_fp8_wide"] = 2 * T * K * D * F
+    # the FP8 wgrads (the op's operands: dout, x gathered 128x1; s * h, dgate_up dual-quantized) with one or two
+    # output staging tiles per consumer (session 38, opt-in); bitwise the default, first launch poisoned
+    w8_state = {}
+
+    def w8(kind, cfg):
+        from titan_megamoe.kernels.fp8_quant_bwd import quantize_dual_1x128_128x1_t, quantize_gather_128x1_t
+        from titan_megamoe.kernels.ws_wgrad_fp8 import ws_wgrad_fp8
+
+        if not w8_state:
+            valid = lay.row_pair >= 0
+            w8_state.update(w2=(*quantize_gather_128x1_t(dout, lay.row_pair, K),
+                                *quantize_dual_1x128_128x1_t(hs, valid)[2:]),
+                            w13=(*quantize_dual_1x128_128x1_t(dgu, valid)[2:],
+                                 *quantize_gather_128x1_t(x, lay.row_pair, K)),
+                            out=dict(w2=(o2,), w13=o13))
+        out = w8_state["out"][kind]
+        if (kind, repr(cfg)) not in poisoned:
+            poisoned.add((kind, repr(cfg)))
+            for t in out:
+                t.fill_(float("nan"))
+        return ws_wgrad_fp8(*w8_state[kind], lay, split=F if kind == "w13" else None, out=out, cfg=cfg)
+
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG
+
+    for kind, fl in (("w13", 4 * T * K * D * F), ("w2", 2 * T * K * D * F)):
+        groups[f"wgrad_{kind}_fp8"] = [
+            ("default", lambda kind=kind: w8(kind, FP8_WGRAD_CONFIG)),
+            ("2 staging tiles", lambda kind=kind: w8(kind, FP8_WGRAD_EPI2_CONFIG)),
+            ("2 staging 4 stages", lambda kind=kind: w8(kind, dataclasses.replace(FP8_WGRAD_EPI2_CONFIG, stages=4)))]
+        flops[f"wgrad_{kind}_fp8"] = fl
     return groups, flops
 
 

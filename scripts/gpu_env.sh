@@ -103,3 +103,15 @@ fp8_gemm_tests_ab() {  # TAG: tests/test_ws_gemm_fp8.py's GPU tests, then (if th
   echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_fp8_$1.log"
 }
 
+wgrad_fp8_tests_ab() {  # TAG: tests/test_ws_wgrad_fp8.py's GPU tests, then (if they pass) the FP8 wgrads' A/B
+  local log="$OUT/keep/tests_gpu_wgrad_fp8_$1.log"
+  timeout -s KILL $(left 120) python3 -m pytest -q -rfE tests/test_ws_wgrad_fp8.py -k "gpu" -p no:cacheprovider \
+    > "$log" 2>&1
+  echo "[t=$((SECONDS - t0))s] FP8 wgrad GPU tests: $(tail -1 "$log")"
+  grep -E "^(FAILED|ERROR)|^E  " "$log" | head -8
+  grep -q " passed" "$log" && ! grep -q "failed" "$log" || return 1
+  timeout $(left 120) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 --groups wgrad_w13_fp8,wgrad_w2_fp8 \
+    --out "$OUT/keep/ab_kernels_wgrad_fp8_$1.json" > "$OUT/keep/ab_kernels_wgrad_fp8_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_wgrad_fp8_$1.log"
+}
+

@@ -2,7 +2,8 @@
 # GPU calls planned in session 37 for the next session (one GPU).
 # PART a: (1) the FP8 Gluon GEMMs' GPU tests (the scale prefetch, Fp8WsConfig.prefetch, bitwise the default) and
 #   their A/B (scale prefetch rows in the three FP8 groups); (2) the 235B layer in every precision beside stock
-#   compiled with today's defaults (the wide FP8 GEMM1 dgrad / GEMM2: README's 235B fp8 row predates them).
+#   compiled with today's defaults (the wide FP8 GEMM1 dgrad / GEMM2: README's 235B fp8 row predates them); between
+#   them the FP8 wgrad's GPU tests and A/B (two output staging tiles per consumer, session 38).
 # PART b: scripts/gpu_ci.sh (the H100 baselines), then the debug model 300 steps in bf16 / fp8 / fp8_bwd (issue 6's
 #   accuracy item with today's FP8 kernels; the committed runs are from 2026-11-30's kernels).
 # Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/gpu_s38.sh   (carry .whl; see scripts/gpu_env.sh)
@@ -10,6 +11,7 @@ source scripts/gpu_env.sh
 session_start
 if [ "$PART" = a ]; then
   fp8_gemm_tests_ab a
+  wgrad_fp8_tests_ab a
   [ "$(left 300)" -ge 180 ] && layer_ab 235b_a "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
 fi
 if [ "$PART" = b ]; then

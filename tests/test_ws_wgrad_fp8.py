@@ -14,17 +14,20 @@ from _sm90 import sm90_result  # noqa: E402
 # (label, MA, NC, split, out dtype): dw2 (D x F), dw1 | dw3 (2F x D split at F) at both Qwen3 shapes
 BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 768, torch.bfloat16),
           ("w2_235b", 4096, 1536, None, torch.bfloat16), ("w13_235b", 3072, 4096, 1536, torch.bfloat16),
-          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16)]
+          ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16),
+          ("w2_30b_epi2", 2048, 768, None, torch.bfloat16), ("w13_235b_epi2", 3072, 4096, 1536, torch.bfloat16)]
 
 
 def _config(label: str):
-    """The default config, or with the label's suffix ``_v1`` session 20's consumer (scales loaded from global memory
-    every step)."""
+    """The default config; with the label's suffix ``_v1`` session 20's consumer (scales loaded from global memory
+    every step), with ``_epi2`` two output staging tiles per consumer."""
     import dataclasses
 
-    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG
 
-    return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False) if label.endswith("_v1") else FP8_WGRAD_CONFIG
+    if label.endswith("_v1"):
+        return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False)
+    return FP8_WGRAD_EPI2_CONFIG if label.endswith("_epi2") else FP8_WGRAD_CONFIG
 
 
 def _compile_sm90_all() -> list[dict]:
@@ -56,6 +59,10 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     assert cfg.smem_bytes(dt) <= r["shared"] <= HOPPER_SMEM_BYTES, r["shared"]
     assert "STACK:0" in r["usage"] and f"REG:{cfg.maxnreg}" in r["usage"], r["usage"]  # the cap, no spills
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+    if label.endswith("_epi2"):  # a second 64 x 64 bf16 staging tile per consumer, the same MMA schedule
+        base = sm90_result(__file__, label.removesuffix("_epi2"))
+        assert r["shared"] == base["shared"] + 2 * 64 * 64 * 2, (r["shared"], base["shared"])
+        assert r["mma_loop_spills"] == base["mma_loop_spills"] == [0, 0], r["mma_loop_spills"]
 
 
 def _operands(T, E, K, D, F, routing, seed, device):
@@ -184,6 +191,10 @@ def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
         assert all(g is o for g, o in zip(got, out))
         v1 = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config("_v1"))  # the same partials, order
         assert all(torch.equal(g, o) for g, o in zip(got, v1)), f"{name}: the v1 consumer differs"
+        if dt == torch.bfloat16:  # two staging tiles per consumer: the same stores, one wait fewer
+            epi = tuple(torch.full_like(o, float("nan")) for o in out)
+            ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=epi, cfg=_config("_epi2"))
+            assert all(torch.equal(g, o) for g, o in zip(got, epi)), f"{name}: the epi2 epilogue differs"
         tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
         got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
         assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"

@@ -60,8 +60,8 @@ if HAVE_GLUON:
 
     from titan_megamoe.kernels.ws_wgrad import _wg_count, _wg_tile
 
-__all__ = ["FP8_WGRAD_CONFIG", "Fp8WgradConfig", "sm90_compile_args_wgrad_fp8", "ws_wgrad_fp8",
-           "ws_wgrad_fp8_supported"]
+__all__ = ["FP8_WGRAD_CONFIG", "FP8_WGRAD_EPI2_CONFIG", "Fp8WgradConfig", "sm90_compile_args_wgrad_fp8",
+           "ws_wgrad_fp8", "ws_wgrad_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 _G = 128  # scale group = K step = tile edge
@@ -79,6 +79,9 @@ class Fp8WgradConfig:
             into the stage with its operands by TMA, and the consumers read them from shared memory after the
             stage's barrier, instead of loading them from global memory every step (session 24, H100: dw2 30B
             0.671 -> 0.561 ms, dw1 | dw3 1.421 -> 1.118; 235B 2.527 -> 2.268, 5.643 -> 4.498). The same bits.
+        epilogue_buffers: output staging tiles per consumer (1 or 2). With 2 the tile's second half is written
+            while the first half's TMA store still reads its buffer (``store_wait(1)``, not 0): at ~8 K steps per
+            tile the epilogue is a tenth of the kernel (session 24's ablation), and this is its wait. The same bits.
     """
 
     stages: int = 5
@@ -86,17 +89,20 @@ class Fp8WgradConfig:
     producer_regs: int = 40
     consumer_regs: int = 232
     smem_scales: bool = True
+    epilogue_buffers: int = 1
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
         """Shared memory of the operand ring (with the scale rows where ``smem_scales``; unused, the compiler drops
         them) and the two consumers' 64 x 64 output staging tiles."""
-        staging = 2 * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
+        staging = 2 * self.epilogue_buffers * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
         scales = 2 * _G * 4 if self.smem_scales else 0
         return self.stages * (2 * _G * _G + scales) + staging
 
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
 FP8_WGRAD_CONFIG = Fp8WgradConfig()
+#: Two output staging tiles per consumer (session 38, opt-in until measured; bf16 outputs: fp32 ones do not fit).
+FP8_WGRAD_EPI2_CONFIG = replace(FP8_WGRAD_CONFIG, epilogue_buffers=2)
 
 #: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the scale
 #: rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads). Read at
@@ -212,15 +218,17 @@ if HAVE_GLUON:
                 # epilogue: the two halves through this consumer's staging tile, TMA stores into dW[e] (or the
                 # second output past row M1: dw3 of the stacked dgate_up)
                 dt: gl.constexpr = out0_desc.dtype
+                NB: gl.constexpr = c_smem.type.shape[0]
                 for half in gl.static_range(2):
-                    tma.store_wait(pendings=0)  # the previous store has read c_smem
-                    c_smem.store((acc_lo if half == 0 else acc_hi).to(dt))
+                    buf = c_smem.index(half % NB)
+                    tma.store_wait(pendings=NB - 1)  # the store issued NB stores ago has read buf
+                    buf.store((acc_lo if half == 0 else acc_hi).to(dt))
                     fence_async_shared()
                     if row0 < M1:
-                        tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], c_smem)
+                        tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + half * BH], buf)
                     else:
                         tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
-                                                        c_smem)
+                                                        buf)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -253,17 +261,17 @@ if HAVE_GLUON:
     def _wgrad_fp8_ws_kernel(a_desc, b_desc, out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, sa_desc, sb_desc,
                              MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, STAGES: gl.constexpr,
                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0,
-                             SMEM_SCALES: gl.constexpr = True):
+                             SMEM_SCALES: gl.constexpr = True, EPI_BUFFERS: gl.constexpr = 1):
         """Blockwise-FP8 K-grouped dW[e] = aT[:, rows of e] @ bT[:, rows of e]^T (``ws_wgrad_fp8``). Grid: (programs,).
         SMEM_SCALES: the scale rows come with the operands into shared memory (else each consumer loads them from
         global memory every step). ABLATE (timing diagnosis, wrong results): bits leaving parts out
-        (``ws_wgrad_fp8``'s ``_ablate``)."""
+        (``ws_wgrad_fp8``'s ``_ablate``). EPI_BUFFERS: output staging tiles per consumer."""
         MT: gl.constexpr = MA // a_desc.block_type.shape[0]
         NT: gl.constexpr = NC // b_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        c0 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
-        c1 = gl.allocate_shared_memory(out0_desc.dtype, out0_desc.block_type.shape, out0_desc.layout)
+        c0 = gl.allocate_shared_memory(out0_desc.dtype, [EPI_BUFFERS] + out0_desc.block_type.shape, out0_desc.layout)
+        c1 = gl.allocate_shared_memory(out0_desc.dtype, [EPI_BUFFERS] + out0_desc.block_type.shape, out0_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -373,7 +381,7 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, sa_desc, sb_desc, MA, NC, M1, cfg.stages,
            cfg.producer_regs,
-           cfg.consumer_regs, _ablate, cfg.smem_scales, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, _ablate, cfg.smem_scales, cfg.epilogue_buffers, num_warps=4, maxnreg=cfg.maxnreg)
     return (out1,) if split is None else (out1, out2)
 
 
@@ -391,5 +399,5 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
     sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "offsets_ptr": "*i32", "E": "i32", "sa_desc": scale, "sb_desc": scale}
     cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, SMEM_SCALES=cfg.smem_scales)
+              CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, SMEM_SCALES=cfg.smem_scales, EPI_BUFFERS=cfg.epilogue_buffers)
     return sig, cx
