@@ -283,6 +283,30 @@ def _groups(shape: str):
         ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3))),
         ("128x128 scale prefetch", lambda: g1f8(dataclasses.replace(FP8_FWD_CONFIG, prefetch=True)))]
     flops["gemm1_fwd_fp8_wide"] = 4 * T * K * D * F
+
+    # h quantized in the GEMM1 epilogue (session 38, FP8_GEMM1_QUANT_H) against GEMM1 then the 1x128 pass over the
+    # bf16 h (the default forward's two launches); outputs (gate_up, h e4m3 bits, h scales) on the live rows
+    def g1q(fused, cfg):
+        from titan_megamoe.kernels.fp8_quant import launch_quant_act_1x128
+        from titan_megamoe.kernels.ws_gemm_fp8 import launch_gemm1_fwd_fp8
+
+        if not g1f8_state:
+            g1f8(FP8_FWD_CONFIG)
+        gu_o, h_o = g1f8_state["out"]
+        st = g1f8_state.setdefault("qh", dict(count=torch.zeros(1, dtype=torch.int32, device="cuda"),
+                                              hq=torch.empty(lay.n_cap, F, device="cuda", dtype=torch.float8_e4m3fn),
+                                              hs=torch.empty(lay.n_cap, F // 128, device="cuda")))
+        if fused:
+            launch_gemm1_fwd_fp8(*g1f8_state["ops"], gu_o, st["hq"], cfg, None, st["hs"], st["count"])
+            hq, hs = st["hq"], st["hs"]
+        else:
+            launch_gemm1_fwd_fp8(*g1f8_state["ops"], gu_o, h_o, cfg)
+            hq, hs = launch_quant_act_1x128(h_o, st["count"], row_valid=lay.row_pair)
+        return gu_o[:n], hq[:n].view(torch.uint8), hs[:n]
+
+    groups["gemm1_fwd_fp8_quant_h"] = [("gemm1 + 1x128 pass", lambda: g1q(False, FP8_FWD_CONFIG)),
+                                       ("h quantized in epilogue", lambda: g1q(True, FP8_FWD_CONFIG))]
+    flops["gemm1_fwd_fp8_quant_h"] = 4 * T * K * D * F
     # the FP8 GEMM1 dgrad and GEMM2 forward on their 128 x 128 tiles and on the wide 128 x 256 ones (session 37,
     # opt-in: a stage's A rows feed twice the columns); bitwise the default, each config's first launch poisoned
     k8_state = {}

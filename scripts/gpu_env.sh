@@ -98,7 +98,7 @@ fp8_gemm_tests_ab() {  # TAG: tests/test_ws_gemm_fp8.py's GPU tests, then (if th
   grep -E "^(FAILED|ERROR)|^E  " "$log" | head -8
   grep -q " passed" "$log" && ! grep -q "failed" "$log" || return 1
   timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 \
-    --groups gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide \
+    --groups gemm1_fwd_fp8_quant_h,gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide \
     --out "$OUT/keep/ab_kernels_fp8_$1.json" > "$OUT/keep/ab_kernels_fp8_$1.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_fp8_$1.log"
 }

@@ -48,6 +48,10 @@ def _compile_sm90_all() -> list[dict]:
             sig, cx = args(c, D, F)
             r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=c.maxnreg)
             out.append(dict(label=f"{name}{'_prefetch' if prefetch else ''}_30b", **r))
+    for name, cfg in (("fwd_fp8_quant_h", W.FP8_FWD_CONFIG), ("fwd_fp8_wide_quant_h", W.FP8_FWD_WIDE_CONFIG)):
+        sig, cx = W.sm90_compile_args_fp8(cfg, D, F, quant_h=True)
+        r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"{name}_30b", **r))
     cfg = dataclasses.replace(W.FP8_FWD_CONFIG, prefetch=True)
     sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
     r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
@@ -191,6 +195,23 @@ def test_scale_prefetch_builds_for_sm90a_with_the_same_mma_waits(label, waits, m
     assert r["mma_loop_spills"] is None or max(r["mma_loop_spills"]) <= max_loop_spills, r["mma_loop_spills"]
 
 
+@pytest.mark.parametrize("label,base,chunks", [("fwd_fp8_quant_h_30b", "fwd_fp8_30b", 1),
+                                               ("fwd_fp8_wide_quant_h_30b", "fwd_fp8_wide_30b", 2)])
+def test_h_quantized_in_the_gemm1_epilogue_builds_for_sm90a_with_the_same_k_loop(label, base, chunks):
+    """``quantize_h`` (FP8_GEMM1_QUANT_H): the same K loop as the bf16-h build (wgmma count, waits, no serialization,
+    no spill in it), the same TMA copies (e4m3 h through the bf16 staging tile, reinterpreted), one atomic per
+    consumer and 128-column chunk (the non-finite count) and the same shared memory."""
+    r, b = sm90_result(__file__, label), sm90_result(__file__, base)
+    assert r["target"] and r["wgmma"] == b["wgmma"] and r["wgmma_waits"] == b["wgmma_waits"], r
+    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
+    assert r["tma"] == b["tma"] and r["cp_async"] == b["cp_async"], (r["tma"], b["tma"])
+    assert r["atomics"] == 2 * chunks and b["atomics"] == 0, (r["atomics"], b["atomics"])
+    assert abs(r["shared"] - b["shared"]) <= 64, (r["shared"], b["shared"])
+    assert r["mma_loop_spills"] is None or r["mma_loop_spills"] in ([0, 0], [2, 0], [0, 2]), r["mma_loop_spills"]
+    stack = int(re.search(r"STACK:(\d+)", r["usage"]).group(1))
+    assert "REG:168" in r["usage"] and stack <= int(re.search(r"STACK:(\d+)", b["usage"]).group(1)), r["usage"]
+
+
 def _fp8_operands(T, E, K, D, F, routing, seed, device):
     from titan_megamoe.kernels.routing import build_routing_layout
     from titan_megamoe.ops import fp8_reference as R
@@ -248,10 +269,14 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
         calls.append(("quant", x.shape[0]))
         return torch.zeros(x.shape, dtype=torch.float8_e4m3fn), torch.ones(x.shape[0], x.shape[1] // 128)
 
-    def ws(*a, **kw):
-        calls.append(("ws_gemm1",))
+    def ws(*a, quantize_h=False, nonfinite_count=None, **kw):
+        calls.append(("ws_gemm1", quantize_h) if quantize_h else ("ws_gemm1",))
         cfgs.append(kw.get("cfg"))
-        return torch.full((N, 2 * F), 0.5, dtype=torch.bfloat16), torch.full((N, F), 0.25, dtype=torch.bfloat16)
+        gu = torch.full((N, 2 * F), 0.5, dtype=torch.bfloat16)
+        if quantize_h:  # the forward's own counter reaches the epilogue
+            assert nonfinite_count is not None and nonfinite_count.dtype == torch.int32
+            return gu, torch.zeros((N, F), dtype=torch.float8_e4m3fn), torch.ones(N, F // 128)
+        return gu, torch.full((N, F), 0.25, dtype=torch.bfloat16)
 
     def triton_gemm1(*a, quantize_h=False, **kw):
         calls.append(("triton_gemm1", quantize_h))
@@ -284,6 +309,12 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
     with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_FWD_WIDE": "1"}):
         fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
     assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG and cfgs[-1].wide
+    # FP8_GEMM1_QUANT_H (opt-in): h quantized in the Gluon GEMM1's epilogue, no 1x128 pass over h
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM1_QUANT_H"].default == "0"
+    calls.clear()
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": "1"}):
+        fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
+    assert calls == [("quant", 40), ("ws_gemm1", True), ("gemm2", torch.float8_e4m3fn)], calls
 
 
 @pytest.mark.cuda
@@ -314,6 +345,20 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
                          cfg=dataclasses.replace(base, ordered=ordered))
         assert torch.equal(ogu[:n], gu[:n]) and torch.equal(oh[:n], h[:n]), \
             f"wide={base.wide} prefetch={base.prefetch} ordered={ordered}"
+    # h quantized in the epilogue: the bits of the 1x128 pass over the bf16 h (on every row of the live tiles)
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
+
+    want_q, want_s = quantize_act_1x128(h, row_valid=lay.row_pair)
+    for base in (FP8_FWD_CONFIG, FP8_FWD_WIDE_CONFIG):
+        ogu = torch.full_like(gu, float("nan"))
+        oq = torch.full((lay.n_cap, F), float("nan"), device="cuda").to(torch.float8_e4m3fn)  # poisoned
+        count = torch.zeros(1, dtype=torch.int32, device="cuda")
+        _, got_q, got_s = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, gate_up_out=ogu, h_out=oq, cfg=base,
+                                           quantize_h=True, nonfinite_count=count)
+        assert got_q is oq and torch.equal(ogu[:n], gu[:n]), f"quantize_h wide={base.wide}: gate_up differs"
+        assert torch.equal(got_q[:n].view(torch.uint8), want_q[:n].view(torch.uint8)), f"wide={base.wide}: h values"
+        assert torch.equal(got_s[:n], want_s[:n]), f"wide={base.wide}: h scales"
+        assert int(count) == 0
     pair = lay.row_pair[:n].long()
     valid = pair >= 0
     assert not torch.isnan(gu[:n]).any() and not torch.isnan(h[:n]).any(), "live rows left unwritten"

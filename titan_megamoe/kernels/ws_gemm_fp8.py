@@ -65,6 +65,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from titan_megamoe.kernels.gl_quant_bwd import _amax_bits, _e4m3, _scale_rcp
     from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _store_halves, _swiglu_store, _tile_of
 
 __all__ = ["DGRAD_FP8_CONFIG", "DGRAD_FP8_WIDE_CONFIG", "FP8_FWD_CONFIG", "FP8_FWD_WIDE_CONFIG", "Fp8WsConfig",
@@ -173,10 +174,45 @@ if HAVE_GLUON:
 
 
     @gluon.jit
+    def _g1f8_epilogue(gate, up, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr, hs_ptr, count_ptr,
+                       QUANT_H: gl.constexpr):
+        """The forward's epilogue of one (rows, 128 columns) chunk: ``_swiglu_store``, or with QUANT_H gate and up as
+        bf16 and h quantized 1x128 (the chunk holds whole groups): e4m3 h by TMA through the same staging tile, its
+        scales to hs[row, col0 / 128], non-finite scales counted into count_ptr. h is rounded to bf16 first, so the
+        bits are those of the bf16 h quantized by ``fp8_quant.quantize_act_1x128`` (``_e4m3``: the same quotient)."""
+        if QUANT_H:
+            BMC: gl.constexpr = h_desc.block_type.shape[0]
+            BN: gl.constexpr = h_desc.block_type.shape[1]
+            tma.store_wait(pendings=0)
+            c_smem.store(gate.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+            hb = (gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16)  # _swiglu_store's h, as it stores it
+            tma.store_wait(pendings=0)
+            c_smem.store(up.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
+            scale, rcp = _scale_rcp(_amax_bits(hb, 1), 1e-12)  # AMAX_EPS of fp8_quant
+            q = _e4m3(hb.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
+            rows = row0 + gl.arange(0, BMC, layout=scale.type.layout)
+            gl.store(hs_ptr + rows.to(gl.int64) * (F // BN) + col0 // BN, scale)
+            n_bad = gl.sum((~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
+            if n_bad > 0:
+                gl.atomic_add(count_ptr, n_bad)
+            tma.store_wait(pendings=0)
+            hq_smem = c_smem._reinterpret(gl.float8e4nv, [BMC, BN], h_desc.layout)
+            hq_smem.store(q)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(h_desc, [row0, col0], hq_smem)
+        else:
+            _swiglu_store(gate, up, gu_desc, h_desc, c_smem, row0, col0, F)
+
+    @gluon.jit
     def _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
                          a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                          F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, turns, ORDERED: gl.constexpr):
+                         STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, hs_ptr, count_ptr,
+                         QUANT_H: gl.constexpr):
         """The wide tiles of consumer C (``Fp8WsConfig.wide``): rows [C BM / 2, (C + 1) BM / 2) of each tile, two
         BN-column chunks of gate and up. Per K step: both gate chunks' MMAs, each partial scaled under the next MMA (the
         up chunks' MMAs issued as the gate partials are consumed), so an MMA is in flight at every promotion but the last.
@@ -235,15 +271,16 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(s), count=1)  # the step's four MMAs done: its buffers may be refilled
                 acc_u1 += p1 * su
             vf = gl.expand_dims(ok.to(gl.float32), 1)
-            _swiglu_store(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F)
-            _swiglu_store(acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem, row0, col0 + BN, F)
+            _g1f8_epilogue(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr, QUANT_H)
+            _g1f8_epilogue(acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem, row0, col0 + BN, F, hs_ptr, count_ptr,
+                           QUANT_H)
 
     @gluon.jit
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr = False,
-                       PREFETCH: gl.constexpr = False):
+                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr, PREFETCH: gl.constexpr,
+                       hs_ptr, count_ptr, QUANT_H: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); WIDE: the tile has
         # two BN-column chunks of gate and up (the weight tiles are 2 BN rows), each computed as its own tile would be
         BMC: gl.constexpr = h_desc.block_type.shape[0]
@@ -259,7 +296,7 @@ if HAVE_GLUON:
         if WIDE:
             _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
                              a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C, D, F, TOPK, NUM_N, GROUP_M,
-                             STAGES, turns, ORDERED)
+                             STAGES, turns, ORDERED, hs_ptr, count_ptr, QUANT_H)
         else:
             for j in range(count):
                 pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
@@ -308,9 +345,10 @@ if HAVE_GLUON:
                     mbarrier.arrive(empty.index(s), count=1)  # both MMAs of step k done: its buffers may be refilled
                     acc_u += p_u * gl.expand_dims(a_s * s3, 1)
                 # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas), SwiGLU in
-                # fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
+                # fp32 as the Triton kernel writes it, then gate, up, h (or h quantized) through one staging tile
                 vf = gl.expand_dims(ok.to(gl.float32), 1)
-                _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
+                _g1f8_epilogue(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr,
+                               QUANT_H)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -320,16 +358,18 @@ if HAVE_GLUON:
                                  STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                  ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False,
-                                 PREFETCH: gl.constexpr = False):
+                                 PREFETCH: gl.constexpr = False, hs_ptr=None, count_ptr=None,
+                                 QUANT_H: gl.constexpr = False):
         """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,). ORDERED: the
         consumers issue their MMAs in turn (``_turn_wait``). WIDE: two BN-column chunks per tile (``Fp8WsConfig.wide``;
-        the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN))."""
+        the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN)). QUANT_H: h_desc is e4m3 and h is quantized
+        1x128 in the epilogue (scales to hs_ptr, non-finite groups counted into count_ptr; ``_g1f8_epilogue``)."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
         b1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
         b3_bufs = gl.allocate_shared_memory(w3_desc.dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
-        c0 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
-        c1 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
+        c0 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
+        c1 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -342,10 +382,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH)),
+                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH)),
+                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -651,7 +691,8 @@ def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
 
 def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
                      w3_scale: Tensor, layout, *, gate_up_out: Tensor | None = None, h_out: Tensor | None = None,
-                     cfg: Fp8WsConfig = FP8_FWD_CONFIG, programs: int | None = None) -> tuple[Tensor, Tensor]:
+                     cfg: Fp8WsConfig = FP8_FWD_CONFIG, programs: int | None = None,
+                     quantize_h: bool = False, nonfinite_count: Tensor | None = None) -> tuple[Tensor, ...]:
     """Blockwise-FP8 GEMM1 (gate and up) with the row gather and SwiGLU, by the warp-specialized Gluon kernel.
 
     Same contract as ``grouped_gemm_fp8.gemm1_swiglu_fwd_fp8`` with bf16 outputs and ``quantize_h=False``: for each
@@ -665,11 +706,18 @@ def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: T
         w1_fp8, w3_fp8: (E, F, D) float8_e4m3fn; w1_scale, w3_scale: (E, F // 128, D // 128) fp32, one per
             128 x 128 block.
         layout: the routing layout of these T, K, E (block_m 128).
-        gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 contiguous outputs.
+        gate_up_out, h_out: optional (N_cap, 2F) / (N_cap, F) bf16 contiguous outputs (h_out e4m3 with
+            ``quantize_h``).
         programs: persistent grid size (default: the SM count).
+        quantize_h: h quantized 1x128 in the epilogue instead of written as bf16 (one pass over h fewer before the
+            GEMM2): the bits of ``fp8_quant.quantize_act_1x128(h, row_valid=layout.row_pair)`` on the rows of live
+            tiles (padding rows: values 0, scale 1e-12 / 448; rows past the live tiles unwritten).
+        nonfinite_count: with ``quantize_h``, a (1,) int32 counter that gets += the number of non-finite h groups
+            (``quantize_act_1x128``'s ``nonfinite_count``); a new zero counter if None.
 
     Returns:
-        (gate_up (N_cap, 2F) bf16, h (N_cap, F) bf16).
+        (gate_up (N_cap, 2F) bf16, h (N_cap, F) bf16), or with ``quantize_h`` (gate_up, h (N_cap, F) e4m3,
+        h_scale (N_cap, F // 128) fp32).
 
     Raises:
         ValueError: an unsupported case (``ws_gemm1_fwd_fp8_supported``'s reason: no sm_90 GPU, dims not multiples
@@ -689,19 +737,29 @@ def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: T
         raise ValueError(f"ws_gemm1_fwd_fp8: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build "
                          f"the routing layout with block_m {cfg.block_m})")
     n_cap = layout.n_cap
+    h_dtype = FP8 if quantize_h else torch.bfloat16
     gu = torch.empty((n_cap, 2 * F), dtype=torch.bfloat16, device=dev) if gate_up_out is None else gate_up_out
-    h = torch.empty((n_cap, F), dtype=torch.bfloat16, device=dev) if h_out is None else h_out
+    h = torch.empty((n_cap, F), dtype=h_dtype, device=dev) if h_out is None else h_out
     _check("gate_up_out", gu, (n_cap, 2 * F), torch.bfloat16, dev)
-    _check("h_out", h, (n_cap, F), torch.bfloat16, dev)
-    if layout.n_tiles_cap == 0:
-        return gu, h
-    return launch_gemm1_fwd_fp8(x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout, gu, h, cfg, programs)
+    _check("h_out", h, (n_cap, F), h_dtype, dev)
+    hs = count = None
+    if quantize_h:
+        hs = torch.empty((n_cap, F // bk), dtype=torch.float32, device=dev)
+        count = torch.zeros(1, dtype=torch.int32, device=dev) if nonfinite_count is None else nonfinite_count
+        _check("nonfinite_count", count, (1,), torch.int32, dev)
+    if layout.n_tiles_cap:
+        launch_gemm1_fwd_fp8(x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout, gu, h, cfg, programs, hs,
+                             count)
+    return (gu, h, hs) if quantize_h else (gu, h)
 
 
 def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
                          w3_scale: Tensor, layout, gu: Tensor, h: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG,
-                         programs: int | None = None) -> tuple[Tensor, Tensor]:
-    """``ws_gemm1_fwd_fp8`` without its checks, for a caller that has made them; returns (gu, h)."""
+                         programs: int | None = None, h_scale: Tensor | None = None,
+                         nonfinite_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``ws_gemm1_fwd_fp8`` without its checks, for a caller that has made them; returns (gu, h). With ``h_scale``
+    ((N_cap, F // 128) fp32) and ``nonfinite_count`` ((1,) int32), h is (N_cap, F) e4m3 and quantized 1x128 in the
+    epilogue (``ws_gemm1_fwd_fp8``'s ``quantize_h``)."""
     E, F, D = w1_fp8.shape
     n_cap, dev = layout.n_cap, x_fp8.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -712,10 +770,12 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // wn
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
+    quant_h = h_scale is not None
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
-           cfg.consumer_regs, _ordered(cfg), cfg.wide, cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg)
+           cfg.consumer_regs, _ordered(cfg), cfg.wide, cfg.prefetch, h_scale, nonfinite_count, quant_h, num_warps=4,
+           maxnreg=cfg.maxnreg)
     return gu, h
 
 
@@ -727,18 +787,24 @@ def _sig_desc(block, fp8: bool = True) -> str:
     return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8) -> tuple[dict, dict]:
-    """(signature, constexprs) of ``_gemm1_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks)."""
+def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
+                          quant_h: bool = False) -> tuple[dict, dict]:
+    """(signature, constexprs) of ``_gemm1_fwd_fp8_ws_kernel`` for ``sm90_check.compile_sm90`` (CPU build checks);
+    ``quant_h``: h quantized in the epilogue."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wn = 2 * bn if cfg.wide else bn
 
     sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_desc": _sig_desc([wn, bk]), "w3_desc": _sig_desc([wn, bk]),
            "w1s_ptr": "*fp32", "w3s_ptr": "*fp32", "gu_desc": _sig_desc([bm // 2, bn], fp8=False),
-           "h_desc": _sig_desc([bm // 2, bn], fp8=False),
+           "h_desc": _sig_desc([bm // 2, bn], fp8=quant_h),
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide,
-              PREFETCH=cfg.prefetch)
+              PREFETCH=cfg.prefetch, QUANT_H=quant_h)
+    if quant_h:
+        sig.update(hs_ptr="*fp32", count_ptr="*i32")
+    else:
+        cx.update(hs_ptr=None, count_ptr=None)
     return sig, cx
 
 

@@ -65,6 +65,11 @@ WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 #: (``TITAN_MEGAMOE_FP8_FWD_WIDE=1``), built in session 36 and not yet measured on a GPU. Read at import; a
 #: same-process switch.
 FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
+
+#: h quantized 1x128 in the Gluon FP8 GEMM1's epilogue (``ws_gemm1_fwd_fp8(quantize_h=True)``), not by a separate
+#: pass over the bf16 h: one launch and one read / write of h fewer in the forward, the same bits (session 38,
+#: ``TITAN_MEGAMOE_FP8_GEMM1_QUANT_H=1``; opt-in until measured on a GPU). Read at import; a same-process switch.
+FP8_GEMM1_QUANT_H = env_flag("TITAN_MEGAMOE_FP8_GEMM1_QUANT_H", False)
 #: The Gluon FP8 GEMM1 dgrad and GEMM2 forward on 128 x 256 tiles (``ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG``,
 #: ``GEMM2_FP8_WIDE_CONFIG``: a stage's 128 A rows feed 256 output columns; bitwise the default tiles) where D is a
 #: multiple of 256. On by default since session 37 (one H100, 8 rotated rounds: GEMM1 dgrad 0.971 -> 0.787 ms at 30B,
@@ -423,11 +428,17 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         if x_quantized is None:
             mark("quant_x")
         if WS_GEMM1_FP8 and not interp and ws_gemm1_fwd_fp8_supported(xq, w1q) is None:
-            gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout,
-                                          cfg=FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG)
-            mark("gemm1")
-            hq, hs = quantize_act_1x128(h, row_valid=layout.row_pair, nonfinite_count=count, name=f"{layer_name} h")
-            mark("quant_h")
+            g1_cfg = FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG
+            if FP8_GEMM1_QUANT_H:
+                gate_up, hq, hs = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, cfg=g1_cfg, quantize_h=True,
+                                                   nonfinite_count=count)
+                mark("gemm1")
+            else:
+                gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, cfg=g1_cfg)
+                mark("gemm1")
+                hq, hs = quantize_act_1x128(h, row_valid=layout.row_pair, nonfinite_count=count,
+                                            name=f"{layer_name} h")
+                mark("quant_h")
         elif FUSE_H_QUANT:  # h quantized 1x128 in GEMM1's epilogue (BN = 128, 16 warps on Hopper)
             c1 = HOPPER_GEMM1_FP8_QH if not interp else dataclasses.replace(fp8_config_for("gemm1", D, F, interp), **bm)
             gate_up, hq, hs = gemm1_swiglu_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, config=c1, quantize_h=True,
@@ -518,12 +529,17 @@ def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
     count = torch.zeros(1, dtype=torch.int32, device=dev)
     xq, xs = launch_quant_act_1x128(x_TD, count)
     gate_up = torch.empty((layout.n_cap, 2 * F), dtype=torch.bfloat16, device=dev)
-    h = torch.empty((layout.n_cap, F), dtype=torch.bfloat16, device=dev)
     y = torch.empty((T * K, D), dtype=torch.bfloat16, device=dev)
     if layout.n_tiles_cap:
-        launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h,
-                             FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG)
-        hq, hs = launch_quant_act_1x128(h, count, row_valid=layout.row_pair)
+        g1_cfg = FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG
+        if FP8_GEMM1_QUANT_H:
+            hq = torch.empty((layout.n_cap, F), dtype=torch.float8_e4m3fn, device=dev)
+            hs = torch.empty((layout.n_cap, F // 128), dtype=torch.float32, device=dev)
+            launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, hq, g1_cfg, None, hs, count)
+        else:
+            h = torch.empty((layout.n_cap, F), dtype=torch.bfloat16, device=dev)
+            launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h, g1_cfg)
+            hq, hs = launch_quant_act_1x128(h, count, row_valid=layout.row_pair)
         if T * K:
             launch_gemm2_fwd_fp8(hq, hs, w2q, w2s, topk_scores_TK, layout, y, _gemm2_fp8_config(D))
     out = launch_combine_topk(y, T, K)
