@@ -175,11 +175,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _g1f8_epilogue(gate, up, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr, hs_ptr, count_ptr,
-                       QUANT_H: gl.constexpr):
+                       QUANT_H: gl.constexpr, q_smem):
         """The forward's epilogue of one (rows, 128 columns) chunk: ``_swiglu_store``, or with QUANT_H gate and up as
         bf16 and h quantized 1x128 (the chunk holds whole groups): e4m3 h by TMA through the same staging tile, its
         scales to hs[row, col0 / 128], non-finite scales counted into count_ptr. h is rounded to bf16 first, so the
-        bits are those of the bf16 h quantized by ``fp8_quant.quantize_act_1x128`` (``_e4m3``: the same quotient)."""
+        bits are those of the bf16 h quantized by ``fp8_quant.quantize_act_1x128`` (``_e4m3``: the same quotient).
+        QUANT_H 2: the e4m3 tile through its own staging buffer ``q_smem`` (1: the bf16 one, reinterpreted)."""
         if QUANT_H:
             BMC: gl.constexpr = h_desc.block_type.shape[0]
             BN: gl.constexpr = h_desc.block_type.shape[1]
@@ -200,7 +201,10 @@ if HAVE_GLUON:
             if n_bad > 0:
                 gl.atomic_add(count_ptr, n_bad)
             tma.store_wait(pendings=0)
-            hq_smem = c_smem._reinterpret(gl.float8e4nv, [BMC, BN], h_desc.layout)
+            if QUANT_H == 2:
+                hq_smem = q_smem
+            else:
+                hq_smem = c_smem._reinterpret(gl.float8e4nv, [BMC, BN], h_desc.layout)
             hq_smem.store(q)
             fence_async_shared()
             tma.async_copy_shared_to_global(h_desc, [row0, col0], hq_smem)
@@ -212,7 +216,7 @@ if HAVE_GLUON:
                          a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                          F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                          STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, hs_ptr, count_ptr,
-                         QUANT_H: gl.constexpr):
+                         QUANT_H: gl.constexpr, q_smem):
         """The wide tiles of consumer C (``Fp8WsConfig.wide``): rows [C BM / 2, (C + 1) BM / 2) of each tile, two
         BN-column chunks of gate and up. Per K step: both gate chunks' MMAs, each partial scaled under the next MMA (the
         up chunks' MMAs issued as the gate partials are consumed), so an MMA is in flight at every promotion but the last.
@@ -271,16 +275,17 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(s), count=1)  # the step's four MMAs done: its buffers may be refilled
                 acc_u1 += p1 * su
             vf = gl.expand_dims(ok.to(gl.float32), 1)
-            _g1f8_epilogue(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr, QUANT_H)
+            _g1f8_epilogue(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr, QUANT_H,
+                           q_smem)
             _g1f8_epilogue(acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem, row0, col0 + BN, F, hs_ptr, count_ptr,
-                           QUANT_H)
+                           QUANT_H, q_smem)
 
     @gluon.jit
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr, PREFETCH: gl.constexpr,
-                       hs_ptr, count_ptr, QUANT_H: gl.constexpr):
+                       hs_ptr, count_ptr, QUANT_H: gl.constexpr, q_smem):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); WIDE: the tile has
         # two BN-column chunks of gate and up (the weight tiles are 2 BN rows), each computed as its own tile would be
         BMC: gl.constexpr = h_desc.block_type.shape[0]
@@ -296,7 +301,7 @@ if HAVE_GLUON:
         if WIDE:
             _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
                              a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C, D, F, TOPK, NUM_N, GROUP_M,
-                             STAGES, turns, ORDERED, hs_ptr, count_ptr, QUANT_H)
+                             STAGES, turns, ORDERED, hs_ptr, count_ptr, QUANT_H, q_smem)
         else:
             for j in range(count):
                 pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
@@ -348,7 +353,7 @@ if HAVE_GLUON:
                 # fp32 as the Triton kernel writes it, then gate, up, h (or h quantized) through one staging tile
                 vf = gl.expand_dims(ok.to(gl.float32), 1)
                 _g1f8_epilogue(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr,
-                               QUANT_H)
+                               QUANT_H, q_smem)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -359,7 +364,7 @@ if HAVE_GLUON:
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                  ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False,
                                  PREFETCH: gl.constexpr = False, hs_ptr=None, count_ptr=None,
-                                 QUANT_H: gl.constexpr = False):
+                                 QUANT_H: gl.constexpr = 0):
         """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,). ORDERED: the
         consumers issue their MMAs in turn (``_turn_wait``). WIDE: two BN-column chunks per tile (``Fp8WsConfig.wide``;
         the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN)). QUANT_H: h_desc is e4m3 and h is quantized
@@ -370,6 +375,12 @@ if HAVE_GLUON:
         b3_bufs = gl.allocate_shared_memory(w3_desc.dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
         c0 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
         c1 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
+        if QUANT_H == 2:  # own e4m3 staging tiles for the quantized h
+            q0 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
+            q1 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
+        else:
+            q0 = c0
+            q1 = c1
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -382,10 +393,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
+                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H, q0)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
+                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H, q1)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -692,7 +703,8 @@ def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
 def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
                      w3_scale: Tensor, layout, *, gate_up_out: Tensor | None = None, h_out: Tensor | None = None,
                      cfg: Fp8WsConfig = FP8_FWD_CONFIG, programs: int | None = None,
-                     quantize_h: bool = False, nonfinite_count: Tensor | None = None) -> tuple[Tensor, ...]:
+                     quantize_h: bool = False, nonfinite_count: Tensor | None = None,
+                     _qh_mode: int = 1) -> tuple[Tensor, ...]:
     """Blockwise-FP8 GEMM1 (gate and up) with the row gather and SwiGLU, by the warp-specialized Gluon kernel.
 
     Same contract as ``grouped_gemm_fp8.gemm1_swiglu_fwd_fp8`` with bf16 outputs and ``quantize_h=False``: for each
@@ -749,14 +761,14 @@ def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: T
         _check("nonfinite_count", count, (1,), torch.int32, dev)
     if layout.n_tiles_cap:
         launch_gemm1_fwd_fp8(x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout, gu, h, cfg, programs, hs,
-                             count)
+                             count, _qh_mode)
     return (gu, h, hs) if quantize_h else (gu, h)
 
 
 def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
                          w3_scale: Tensor, layout, gu: Tensor, h: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG,
                          programs: int | None = None, h_scale: Tensor | None = None,
-                         nonfinite_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                         nonfinite_count: Tensor | None = None, _qh_mode: int = 1) -> tuple[Tensor, Tensor]:
     """``ws_gemm1_fwd_fp8`` without its checks, for a caller that has made them; returns (gu, h). With ``h_scale``
     ((N_cap, F // 128) fp32) and ``nonfinite_count`` ((1,) int32), h is (N_cap, F) e4m3 and quantized 1x128 in the
     epilogue (``ws_gemm1_fwd_fp8``'s ``quantize_h``)."""
@@ -770,7 +782,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // wn
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
-    quant_h = h_scale is not None
+    quant_h = _qh_mode if h_scale is not None else 0
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
@@ -800,7 +812,7 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide,
-              PREFETCH=cfg.prefetch, QUANT_H=quant_h)
+              PREFETCH=cfg.prefetch, QUANT_H=int(quant_h))
     if quant_h:
         sig.update(hs_ptr="*fp32", count_ptr="*i32")
     else:
