@@ -133,6 +133,28 @@ def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out=(torch.empty(4, 256, 64),))
 
 
+def test_default_wgrad_config_has_two_staging_tiles_only_for_unsplit_bf16_launches(monkeypatch):
+    """Without ``cfg``: dw2 (unsplit) with bf16 outputs takes FP8_WGRAD_EPI2_CONFIG's two output staging tiles (session
+    38's A/B: faster there, slower for the split dw1 | dw3); split or fp32 launches keep one."""
+    from titan_megamoe.kernels import ws_wgrad_fp8 as W
+    from titan_megamoe.kernels.fp8_quant_bwd import empty_transposed
+    from titan_megamoe.kernels.routing import build_routing_layout_torch
+
+    lay = build_routing_layout_torch(torch.randint(0, 4, (40, 2), generator=torch.Generator().manual_seed(0)), 4, 128)
+    n = lay.n_cap
+    aT, bT = empty_transposed(256, n, "cpu"), empty_transposed(256, n, "cpu")
+    aTs, bTs = torch.ones(n // 128, 256), torch.ones(n // 128, 256)
+    got = []
+    monkeypatch.setattr(W, "_platform_reason", lambda t: None)
+    monkeypatch.setattr(W, "_programs", lambda dev, tiles, programs: 1)
+    monkeypatch.setattr(W, "launch", lambda kernel, grid, *args, **kw: got.append(args[-1]))
+    for split, dt, want in ((None, torch.bfloat16, 2), (128, torch.bfloat16, 1), (None, torch.float32, 1)):
+        W.ws_wgrad_fp8(aT, aTs, bT, bTs, lay, split=split, out_dtype=dt)
+        assert got[-1] == want, (split, dt, got)
+    W.ws_wgrad_fp8(aT, aTs, bT, bTs, lay, cfg=W.FP8_WGRAD_CONFIG)  # an explicit config is kept
+    assert got[-1] == 1
+
+
 def test_fp8_backward_takes_the_gluon_wgrad_only_when_switched_on(monkeypatch):
     """``WS_WGRAD_FP8`` on, off the interpreter, a supported case, no fp32-promotion diagnosis: the FP8 backward's weight
     gradients come from the Gluon kernel; off (or with the diagnosis): from the Triton one, with the same arguments."""
@@ -191,10 +213,11 @@ def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
         assert all(g is o for g, o in zip(got, out))
         v1 = ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, cfg=_config("_v1"))  # the same partials, order
         assert all(torch.equal(g, o) for g, o in zip(got, v1)), f"{name}: the v1 consumer differs"
-        if dt == torch.bfloat16:  # two staging tiles per consumer: the same stores, one wait fewer
-            epi = tuple(torch.full_like(o, float("nan")) for o in out)
-            ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=epi, cfg=_config("_epi2"))
-            assert all(torch.equal(g, o) for g, o in zip(got, epi)), f"{name}: the epi2 epilogue differs"
+        if dt == torch.bfloat16:  # one and two staging tiles per consumer: the same stores (the default takes two
+            for label in ("_epi2", "one staging tile"):  # for dw2)
+                epi = tuple(torch.full_like(o, float("nan")) for o in out)
+                ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=epi, cfg=_config(label))
+                assert all(torch.equal(g, o) for g, o in zip(got, epi)), f"{name}: {label} differs"
         tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
         got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
         assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"

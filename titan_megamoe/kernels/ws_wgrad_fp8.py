@@ -101,7 +101,10 @@ class Fp8WgradConfig:
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
 FP8_WGRAD_CONFIG = Fp8WgradConfig()
-#: Two output staging tiles per consumer (session 38, opt-in until measured; bf16 outputs: fp32 ones do not fit).
+#: Two output staging tiles per consumer (session 38; bf16 outputs: fp32 ones do not fit 5 stages). One H100
+#: (``ab_kernels_wgrad_fp8_epi2_1xh100_s38a_20261207.json``, 8 rotated rounds, bitwise the default): dw2 30B 0.547 ->
+#: 0.509 ms, 235B 2.195 -> 2.093; the split dw1 | dw3 slower, 1.069 -> 1.124 and 4.320 -> 4.459. So the default for
+#: the unsplit (dw2) launches with bf16 outputs only (``ws_wgrad_fp8`` without ``cfg``).
 FP8_WGRAD_EPI2_CONFIG = replace(FP8_WGRAD_CONFIG, epilogue_buffers=2)
 
 #: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the scale
@@ -327,7 +330,8 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         out_dtype: bf16 or fp32.
         out: optional output buffers, contiguous ``out_dtype``: (dW,) of (E, MA, NC), or (dW_top, dW_bottom) of
             (E, split, NC) and (E, MA - split, NC).
-        cfg: the pipeline (default: ``consumer_config(CONSUMER)``).
+        cfg: the pipeline (default: ``consumer_config(CONSUMER)``, with two output staging tiles for an unsplit
+            launch with bf16 outputs: :data:`FP8_WGRAD_EPI2_CONFIG`).
         programs: persistent grid size (default: the SM count).
         _ablate: timing diagnosis only (wrong results): bits leaving parts out, 1 the
             per-step scale loads (the tile's first scales throughout), 2 the scaling (and its loads), 4 the output
@@ -346,6 +350,8 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
     fn = "ws_wgrad_fp8"
     if cfg is None:
         cfg = consumer_config(CONSUMER)
+        if split is None and out_dtype == torch.bfloat16 and cfg.smem_scales:  # FP8_WGRAD_EPI2_CONFIG's measurement
+            cfg = replace(cfg, epilogue_buffers=2)
     MA, NC, n_cap, E, dev = aT_q.shape[0], bT_q.shape[0], layout.n_cap, layout.num_experts, aT_q.device
     reason = ws_wgrad_fp8_supported(aT_q, MA, NC, split, layout)
     if reason:
