@@ -305,7 +305,8 @@ def _groups(shape: str):
         return gu_o[:n], hq[:n].view(torch.uint8), hs[:n]
 
     groups["gemm1_fwd_fp8_quant_h"] = [("gemm1 + 1x128 pass", lambda: g1q(False, FP8_FWD_CONFIG)),
-                                       ("h quantized in epilogue", lambda: g1q(True, FP8_FWD_CONFIG))]
+                                       ("wide + 1x128 pass", lambda: g1q(False, FP8_FWD_WIDE_CONFIG)),
+                                       ("wide, h quantized", lambda: g1q(True, FP8_FWD_WIDE_CONFIG))]
     flops["gemm1_fwd_fp8_quant_h"] = 4 * T * K * D * F
     # the FP8 GEMM1 dgrad and GEMM2 forward on their 128 x 128 tiles and on the wide 128 x 256 ones (session 37,
     # opt-in: a stage's A rows feed twice the columns); bitwise the default, each config's first launch poisoned

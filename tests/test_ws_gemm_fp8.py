@@ -48,10 +48,11 @@ def _compile_sm90_all() -> list[dict]:
             sig, cx = args(c, D, F)
             r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=c.maxnreg)
             out.append(dict(label=f"{name}{'_prefetch' if prefetch else ''}_30b", **r))
-    for name, cfg in (("fwd_fp8_quant_h", W.FP8_FWD_CONFIG), ("fwd_fp8_wide_quant_h", W.FP8_FWD_WIDE_CONFIG)):
-        sig, cx = W.sm90_compile_args_fp8(cfg, D, F, quant_h=True)
+    for shape, (D2, F2) in SHAPES.items():  # h quantized in the wide tiles' epilogue (FP8_GEMM1_QUANT_H)
+        cfg = W.FP8_FWD_WIDE_CONFIG
+        sig, cx = W.sm90_compile_args_fp8(cfg, D2, F2, quant_h=True)
         r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
-        out.append(dict(label=f"{name}_30b", **r))
+        out.append(dict(label=f"fwd_fp8_wide_quant_h_{shape}", **r))
     cfg = dataclasses.replace(W.FP8_FWD_CONFIG, prefetch=True)
     sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
     r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
@@ -195,17 +196,16 @@ def test_scale_prefetch_builds_for_sm90a_with_the_same_mma_waits(label, waits, m
     assert r["mma_loop_spills"] is None or max(r["mma_loop_spills"]) <= max_loop_spills, r["mma_loop_spills"]
 
 
-@pytest.mark.parametrize("label,base,chunks", [("fwd_fp8_quant_h_30b", "fwd_fp8_30b", 1),
-                                               ("fwd_fp8_wide_quant_h_30b", "fwd_fp8_wide_30b", 2)])
-def test_h_quantized_in_the_gemm1_epilogue_builds_for_sm90a_with_the_same_k_loop(label, base, chunks):
-    """``quantize_h`` (FP8_GEMM1_QUANT_H): the same K loop as the bf16-h build (wgmma count, waits, no serialization,
-    no spill in it), the same TMA copies (e4m3 h through the bf16 staging tile, reinterpreted), one atomic per
-    consumer and 128-column chunk (the non-finite count) and the same shared memory."""
-    r, b = sm90_result(__file__, label), sm90_result(__file__, base)
+@pytest.mark.parametrize("shape", ["30b", "235b"])
+def test_h_quantized_in_the_gemm1_epilogue_builds_for_sm90a_with_the_same_k_loop(shape):
+    """``quantize_h`` (FP8_GEMM1_QUANT_H, on the wide tiles): the same K loop as the bf16-h build (wgmma count, waits,
+    no serialization, no spill in it), the same TMA copies (the two e4m3 h chunks through the bf16 staging tile,
+    reinterpreted), one atomic per consumer (the non-finite count) and the same shared memory."""
+    r, b = sm90_result(__file__, f"fwd_fp8_wide_quant_h_{shape}"), sm90_result(__file__, f"fwd_fp8_wide_{shape}")
     assert r["target"] and r["wgmma"] == b["wgmma"] and r["wgmma_waits"] == b["wgmma_waits"], r
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
     assert r["tma"] == b["tma"] and r["cp_async"] == b["cp_async"], (r["tma"], b["tma"])
-    assert r["atomics"] == 2 * chunks and b["atomics"] == 0, (r["atomics"], b["atomics"])
+    assert r["atomics"] == 2 and b["atomics"] == 0, (r["atomics"], b["atomics"])
     assert abs(r["shared"] - b["shared"]) <= 64, (r["shared"], b["shared"])
     assert r["mma_loop_spills"] is None or r["mma_loop_spills"] in ([0, 0], [2, 0], [0, 2]), r["mma_loop_spills"]
     stack = int(re.search(r"STACK:(\d+)", r["usage"]).group(1))
@@ -249,6 +249,8 @@ def test_ws_gemm1_fwd_fp8_refuses_what_it_cannot_take(monkeypatch):
     lay64 = build_routing_layout_torch(torch.randint(0, 4, (40, 2)), 4, 64)
     with pytest.raises(ValueError, match="layout.block_m=64 != cfg.block_m=128"):
         W.ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay64)
+    with pytest.raises(ValueError, match="quantize_h needs the wide tiles .* got wide=False, block_n=64"):
+        W.ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, quantize_h=True)
 
 
 def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
@@ -349,7 +351,7 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
 
     want_q, want_s = quantize_act_1x128(h, row_valid=lay.row_pair)
-    for base in (FP8_FWD_CONFIG, FP8_FWD_WIDE_CONFIG):
+    for base in (FP8_FWD_WIDE_CONFIG,):  # (a 128 x 128 tile holds half of a 1x128 group: refused)
         ogu = torch.full_like(gu, float("nan"))
         oq = torch.full((lay.n_cap, F), float("nan"), device="cuda").to(torch.float8_e4m3fn)  # poisoned
         count = torch.zeros(1, dtype=torch.int32, device="cuda")

@@ -174,49 +174,56 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _g1f8_epilogue(gate, up, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr, hs_ptr, count_ptr,
-                       QUANT_H: gl.constexpr, q_smem):
-        """The forward's epilogue of one (rows, 128 columns) chunk: ``_swiglu_store``, or with QUANT_H gate and up as
-        bf16 and h quantized 1x128 (the chunk holds whole groups): e4m3 h by TMA through the same staging tile, its
-        scales to hs[row, col0 / 128], non-finite scales counted into count_ptr. h is rounded to bf16 first, so the
-        bits are those of the bf16 h quantized by ``fp8_quant.quantize_act_1x128`` (``_e4m3``: the same quotient).
-        QUANT_H 2: the e4m3 tile through its own staging buffer ``q_smem`` (1: the bf16 one, reinterpreted)."""
-        if QUANT_H:
-            BMC: gl.constexpr = h_desc.block_type.shape[0]
-            BN: gl.constexpr = h_desc.block_type.shape[1]
-            tma.store_wait(pendings=0)
-            c_smem.store(gate.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
-            hb = (gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16)  # _swiglu_store's h, as it stores it
-            tma.store_wait(pendings=0)
-            c_smem.store(up.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
-            scale, rcp = _scale_rcp(_amax_bits(hb, 1), 1e-12)  # AMAX_EPS of fp8_quant
-            q = _e4m3(hb.to(gl.float32), gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1))
-            rows = row0 + gl.arange(0, BMC, layout=scale.type.layout)
-            gl.store(hs_ptr + rows.to(gl.int64) * (F // BN) + col0 // BN, scale)
-            n_bad = gl.sum((~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
-            if n_bad > 0:
-                gl.atomic_add(count_ptr, n_bad)
-            tma.store_wait(pendings=0)
-            if QUANT_H == 2:
-                hq_smem = q_smem
-            else:
-                hq_smem = c_smem._reinterpret(gl.float8e4nv, [BMC, BN], h_desc.layout)
-            hq_smem.store(q)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(h_desc, [row0, col0], hq_smem)
-        else:
-            _swiglu_store(gate, up, gu_desc, h_desc, c_smem, row0, col0, F)
+    def _g1f8_wide_epilogue_q(g0, u0, g1, u1, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr, hs_ptr,
+                              count_ptr):
+        """The wide tile's epilogue with h quantized 1x128 (``QUANT_H``): its two BN-column chunks are one 128-column
+        group of h. gate and up as bf16 through the staging tile (as ``_swiglu_store``), h rounded to bf16 (the bits
+        ``_swiglu_store`` writes), the group's amax over both chunks, e4m3 values (``_e4m3``: the quotient of
+        ``fp8_quant.quantize_act_1x128``) by TMA through the staging tile reinterpreted as two e4m3 chunk tiles, the
+        scales to hs[row, col0 / 128], non-finite scales counted into count_ptr."""
+        BMC: gl.constexpr = h_desc.block_type.shape[0]
+        BN: gl.constexpr = h_desc.block_type.shape[1]
+        tma.store_wait(pendings=0)
+        c_smem.store(g0.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+        h0 = (g0 / (1.0 + gl.exp(-g0)) * u0).to(gl.bfloat16)
+        tma.store_wait(pendings=0)
+        c_smem.store(u0.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
+        tma.store_wait(pendings=0)
+        c_smem.store(g1.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, col0 + BN], c_smem)
+        h1 = (g1 / (1.0 + gl.exp(-g1)) * u1).to(gl.bfloat16)
+        tma.store_wait(pendings=0)
+        c_smem.store(u1.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, F + col0 + BN], c_smem)
+        scale, rcp = _scale_rcp(gl.maximum(_amax_bits(h0, 1), _amax_bits(h1, 1)), 1e-12)  # AMAX_EPS of fp8_quant
+        ns, rc = gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1)
+        q0 = _e4m3(h0.to(gl.float32), ns, rc)
+        q1 = _e4m3(h1.to(gl.float32), ns, rc)
+        rows = row0 + gl.arange(0, BMC, layout=scale.type.layout)
+        gl.store(hs_ptr + rows.to(gl.int64) * (F // (2 * BN)) + col0 // (2 * BN), scale)
+        n_bad = gl.sum((~(scale < float("inf"))).to(gl.int32), axis=0)  # NaN < inf is False
+        if n_bad > 0:
+            gl.atomic_add(count_ptr, n_bad)
+        tma.store_wait(pendings=0)
+        q_smem = c_smem._reinterpret(gl.float8e4nv, [2, BMC, BN], h_desc.layout)  # the same 8 KiB
+        q_smem.index(0).store(q0)
+        q_smem.index(1).store(q1)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(h_desc, [row0, col0], q_smem.index(0))
+        tma.async_copy_shared_to_global(h_desc, [row0, col0 + BN], q_smem.index(1))
 
     @gluon.jit
     def _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
                          a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                          F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                          STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, hs_ptr, count_ptr,
-                         QUANT_H: gl.constexpr, q_smem):
+                         QUANT_H: gl.constexpr):
         """The wide tiles of consumer C (``Fp8WsConfig.wide``): rows [C BM / 2, (C + 1) BM / 2) of each tile, two
         BN-column chunks of gate and up. Per K step: both gate chunks' MMAs, each partial scaled under the next MMA (the
         up chunks' MMAs issued as the gate partials are consumed), so an MMA is in flight at every promotion but the last.
@@ -275,17 +282,19 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(s), count=1)  # the step's four MMAs done: its buffers may be refilled
                 acc_u1 += p1 * su
             vf = gl.expand_dims(ok.to(gl.float32), 1)
-            _g1f8_epilogue(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr, QUANT_H,
-                           q_smem)
-            _g1f8_epilogue(acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem, row0, col0 + BN, F, hs_ptr, count_ptr,
-                           QUANT_H, q_smem)
+            if QUANT_H:
+                _g1f8_wide_epilogue_q(acc_g0 * vf, acc_u0 * vf, acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem,
+                                      row0, col0, F, hs_ptr, count_ptr)
+            else:
+                _swiglu_store(acc_g0 * vf, acc_u0 * vf, gu_desc, h_desc, c_smem, row0, col0, F)
+                _swiglu_store(acc_g1 * vf, acc_u1 * vf, gu_desc, h_desc, c_smem, row0, col0 + BN, F)
 
     @gluon.jit
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr, PREFETCH: gl.constexpr,
-                       hs_ptr, count_ptr, QUANT_H: gl.constexpr, q_smem):
+                       hs_ptr, count_ptr, QUANT_H: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); WIDE: the tile has
         # two BN-column chunks of gate and up (the weight tiles are 2 BN rows), each computed as its own tile would be
         BMC: gl.constexpr = h_desc.block_type.shape[0]
@@ -301,7 +310,7 @@ if HAVE_GLUON:
         if WIDE:
             _g1f8_wide_tiles(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
                              a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C, D, F, TOPK, NUM_N, GROUP_M,
-                             STAGES, turns, ORDERED, hs_ptr, count_ptr, QUANT_H, q_smem)
+                             STAGES, turns, ORDERED, hs_ptr, count_ptr, QUANT_H)
         else:
             for j in range(count):
                 pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
@@ -350,10 +359,9 @@ if HAVE_GLUON:
                     mbarrier.arrive(empty.index(s), count=1)  # both MMAs of step k done: its buffers may be refilled
                     acc_u += p_u * gl.expand_dims(a_s * s3, 1)
                 # epilogue: zeros on padding rows (a multiply: a select makes ptxas serialize the wgmmas), SwiGLU in
-                # fp32 as the Triton kernel writes it, then gate, up, h (or h quantized) through one staging tile
+                # fp32 as the Triton kernel writes it, then gate, up, h through one staging tile
                 vf = gl.expand_dims(ok.to(gl.float32), 1)
-                _g1f8_epilogue(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F, hs_ptr, count_ptr,
-                               QUANT_H, q_smem)
+                _swiglu_store(acc_g * vf, acc_u * vf, gu_desc, h_desc, c_smem, row0, col0, F)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -364,23 +372,19 @@ if HAVE_GLUON:
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                  ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False,
                                  PREFETCH: gl.constexpr = False, hs_ptr=None, count_ptr=None,
-                                 QUANT_H: gl.constexpr = 0):
+                                 QUANT_H: gl.constexpr = False):
         """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,). ORDERED: the
         consumers issue their MMAs in turn (``_turn_wait``). WIDE: two BN-column chunks per tile (``Fp8WsConfig.wide``;
-        the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN)). QUANT_H: h_desc is e4m3 and h is quantized
-        1x128 in the epilogue (scales to hs_ptr, non-finite groups counted into count_ptr; ``_g1f8_epilogue``)."""
+        the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN)). QUANT_H (WIDE only: a tile's 2 BN = 128 h
+        columns are one 1x128 group): h_desc is e4m3 and h is quantized in the epilogue (scales to hs_ptr, non-finite
+        groups counted into count_ptr; ``_g1f8_wide_epilogue_q``)."""
+        gl.static_assert(WIDE or not QUANT_H, "QUANT_H needs the wide tiles (a 128-column h group per tile)")
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_layout)
         b1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
         b3_bufs = gl.allocate_shared_memory(w3_desc.dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
         c0 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
         c1 = gl.allocate_shared_memory(gu_desc.dtype, gu_desc.block_type.shape, gu_desc.layout)
-        if QUANT_H == 2:  # own e4m3 staging tiles for the quantized h
-            q0 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
-            q1 = gl.allocate_shared_memory(h_desc.dtype, h_desc.block_type.shape, h_desc.layout)
-        else:
-            q0 = c0
-            q1 = c1
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -393,10 +397,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H, q0)),
+                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H, q1)),
+                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -703,8 +707,7 @@ def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
 def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
                      w3_scale: Tensor, layout, *, gate_up_out: Tensor | None = None, h_out: Tensor | None = None,
                      cfg: Fp8WsConfig = FP8_FWD_CONFIG, programs: int | None = None,
-                     quantize_h: bool = False, nonfinite_count: Tensor | None = None,
-                     _qh_mode: int = 1) -> tuple[Tensor, ...]:
+                     quantize_h: bool = False, nonfinite_count: Tensor | None = None) -> tuple[Tensor, ...]:
     """Blockwise-FP8 GEMM1 (gate and up) with the row gather and SwiGLU, by the warp-specialized Gluon kernel.
 
     Same contract as ``grouped_gemm_fp8.gemm1_swiglu_fwd_fp8`` with bf16 outputs and ``quantize_h=False``: for each
@@ -723,7 +726,8 @@ def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: T
         programs: persistent grid size (default: the SM count).
         quantize_h: h quantized 1x128 in the epilogue instead of written as bf16 (one pass over h fewer before the
             GEMM2): the bits of ``fp8_quant.quantize_act_1x128(h, row_valid=layout.row_pair)`` on the rows of live
-            tiles (padding rows: values 0, scale 1e-12 / 448; rows past the live tiles unwritten).
+            tiles (padding rows: values 0, scale 1e-12 / 448; rows past the live tiles unwritten). Needs the wide
+            tiles (``cfg.wide`` with 2 block_n = 128: a tile holds whole 128-column groups of h).
         nonfinite_count: with ``quantize_h``, a (1,) int32 counter that gets += the number of non-finite h groups
             (``quantize_act_1x128``'s ``nonfinite_count``); a new zero counter if None.
 
@@ -748,6 +752,9 @@ def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: T
     if layout.block_m != cfg.block_m:
         raise ValueError(f"ws_gemm1_fwd_fp8: layout.block_m={layout.block_m} != cfg.block_m={cfg.block_m} (build "
                          f"the routing layout with block_m {cfg.block_m})")
+    if quantize_h and not (cfg.wide and 2 * cfg.block_n == bk):
+        raise ValueError(f"ws_gemm1_fwd_fp8: quantize_h needs the wide tiles with 2 * block_n == {bk} (one 1x128 group "
+                         f"of h per tile), got wide={cfg.wide}, block_n={cfg.block_n}; pass cfg=FP8_FWD_WIDE_CONFIG")
     n_cap = layout.n_cap
     h_dtype = FP8 if quantize_h else torch.bfloat16
     gu = torch.empty((n_cap, 2 * F), dtype=torch.bfloat16, device=dev) if gate_up_out is None else gate_up_out
@@ -761,14 +768,14 @@ def ws_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: T
         _check("nonfinite_count", count, (1,), torch.int32, dev)
     if layout.n_tiles_cap:
         launch_gemm1_fwd_fp8(x_fp8, x_scale, w1_fp8, w1_scale, w3_fp8, w3_scale, layout, gu, h, cfg, programs, hs,
-                             count, _qh_mode)
+                             count)
     return (gu, h, hs) if quantize_h else (gu, h)
 
 
 def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scale: Tensor, w3_fp8: Tensor,
                          w3_scale: Tensor, layout, gu: Tensor, h: Tensor, cfg: Fp8WsConfig = FP8_FWD_CONFIG,
                          programs: int | None = None, h_scale: Tensor | None = None,
-                         nonfinite_count: Tensor | None = None, _qh_mode: int = 1) -> tuple[Tensor, Tensor]:
+                         nonfinite_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``ws_gemm1_fwd_fp8`` without its checks, for a caller that has made them; returns (gu, h). With ``h_scale``
     ((N_cap, F // 128) fp32) and ``nonfinite_count`` ((1,) int32), h is (N_cap, F) e4m3 and quantized 1x128 in the
     epilogue (``ws_gemm1_fwd_fp8``'s ``quantize_h``)."""
@@ -782,7 +789,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     h_desc = _desc(h, (n_cap, F), (bm // 2, bn))
     num_n = F // wn
     programs = _programs(dev, layout.n_tiles_cap * num_n, programs)
-    quant_h = _qh_mode if h_scale is not None else 0
+    quant_h = h_scale is not None
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
@@ -812,7 +819,7 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide,
-              PREFETCH=cfg.prefetch, QUANT_H=int(quant_h))
+              PREFETCH=cfg.prefetch, QUANT_H=quant_h)
     if quant_h:
         sig.update(hs_ptr="*fp32", count_ptr="*i32")
     else:

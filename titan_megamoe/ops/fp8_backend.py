@@ -67,7 +67,8 @@ WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
 
 #: h quantized 1x128 in the Gluon FP8 GEMM1's epilogue (``ws_gemm1_fwd_fp8(quantize_h=True)``), not by a separate
-#: pass over the bf16 h: one launch and one read / write of h fewer in the forward, the same bits (session 38,
+#: pass over the bf16 h: one launch and one read / write of h fewer in the forward, the same bits. It runs on the wide
+#: tiles (``FP8_FWD_WIDE_CONFIG``: a tile's 128 h columns are one group), whatever ``FP8_FWD_WIDE`` says (session 38,
 #: ``TITAN_MEGAMOE_FP8_GEMM1_QUANT_H=1``; opt-in until measured on a GPU). Read at import; a same-process switch.
 FP8_GEMM1_QUANT_H = env_flag("TITAN_MEGAMOE_FP8_GEMM1_QUANT_H", False)
 #: The Gluon FP8 GEMM1 dgrad and GEMM2 forward on 128 x 256 tiles (``ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG``,
@@ -430,8 +431,8 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
         if WS_GEMM1_FP8 and not interp and ws_gemm1_fwd_fp8_supported(xq, w1q) is None:
             g1_cfg = FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG
             if FP8_GEMM1_QUANT_H:
-                gate_up, hq, hs = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, cfg=g1_cfg, quantize_h=True,
-                                                   nonfinite_count=count)
+                gate_up, hq, hs = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, cfg=FP8_FWD_WIDE_CONFIG,
+                                                   quantize_h=True, nonfinite_count=count)
                 mark("gemm1")
             else:
                 gate_up, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, cfg=g1_cfg)
@@ -531,14 +532,14 @@ def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
     gate_up = torch.empty((layout.n_cap, 2 * F), dtype=torch.bfloat16, device=dev)
     y = torch.empty((T * K, D), dtype=torch.bfloat16, device=dev)
     if layout.n_tiles_cap:
-        g1_cfg = FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG
         if FP8_GEMM1_QUANT_H:
             hq = torch.empty((layout.n_cap, F), dtype=torch.float8_e4m3fn, device=dev)
             hs = torch.empty((layout.n_cap, F // 128), dtype=torch.float32, device=dev)
-            launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, hq, g1_cfg, None, hs, count)
+            launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, hq, FP8_FWD_WIDE_CONFIG, None, hs, count)
         else:
             h = torch.empty((layout.n_cap, F), dtype=torch.bfloat16, device=dev)
-            launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h, g1_cfg)
+            launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, h,
+                                 FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG)
             hq, hs = launch_quant_act_1x128(h, count, row_valid=layout.row_pair)
         if T * K:
             launch_gemm2_fwd_fp8(hq, hs, w2q, w2s, topk_scores_TK, layout, y, _gemm2_fp8_config(D))
