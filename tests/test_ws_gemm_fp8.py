@@ -301,22 +301,28 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
     for on, want in ((True, [("quant", 40), ("ws_gemm1",), ("quant", N), ("gemm2", torch.float8_e4m3fn)]),
                      (False, [("quant", 40), ("triton_gemm1", True), ("gemm2", torch.float8_e4m3fn)])):
         calls.clear()
-        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1" if on else "0"}):
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1" if on else "0",
+                                "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": "0"}):
             y, gate_up = fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True,
                                             "layers.0.moe")
         assert calls == want, (on, calls)
         assert float(gate_up[0, 0]) == 0.5 and y.shape == (80, 256)
     # FP8_FWD_WIDE (opt-in) reaches the Gluon GEMM1's config
     assert cfgs == [W.FP8_FWD_CONFIG] and switches.SWITCHES["TITAN_MEGAMOE_FP8_FWD_WIDE"].default == "0"
-    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_FWD_WIDE": "1"}):
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_FWD_WIDE": "1",
+                            "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": "0"}):
         fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
     assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG and cfgs[-1].wide
-    # FP8_GEMM1_QUANT_H (opt-in): h quantized in the Gluon GEMM1's epilogue, no 1x128 pass over h
-    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM1_QUANT_H"].default == "0"
-    calls.clear()
-    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": "1"}):
-        fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
-    assert calls == [("quant", 40), ("ws_gemm1", True), ("gemm2", torch.float8_e4m3fn)], calls
+    # FP8_GEMM1_QUANT_H (default "auto": on where D <= 2048, as here): h quantized in the Gluon GEMM1's epilogue on
+    # the wide tiles, no 1x128 pass over h
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM1_QUANT_H"].default == "auto"
+    for value in ("auto", "1"):
+        calls.clear()
+        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": value}):
+            fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
+        assert calls == [("quant", 40), ("ws_gemm1", True), ("gemm2", torch.float8_e4m3fn)], (value, calls)
+        assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG
+    assert fb._gemm1_quant_h(2048) and not fb._gemm1_quant_h(4096)  # auto: 30B on, 235B off
 
 
 @pytest.mark.cuda
