@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU calls planned in session 37 for the next session (one GPU).
+# GPU calls planned in session 37 for session 38 (one GPU; PART a ran at 31868e8, PART b did not: see gpu_s39.sh).
 # PART a: (1) the FP8 Gluon GEMMs' GPU tests (the scale prefetch, Fp8WsConfig.prefetch, bitwise the default) and
 #   their A/B (scale prefetch rows in the three FP8 groups); (2) the 235B layer in every precision beside stock
 #   compiled with today's defaults (the wide FP8 GEMM1 dgrad / GEMM2: README's 235B fp8 row predates them); between
