@@ -326,6 +326,31 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_h_quantized_in_the_epilogue_counts_non_finite_groups_as_the_pass_does_on_gpu():
+    """An inf x scale on token 7 makes the h of its rows non-finite: the epilogue's count (one atomic per consumer and
+    tile) equals the 1x128 pass's count over the bf16 h, and the finite rows keep the pass's bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
+    from titan_megamoe.kernels.ws_gemm_fp8 import FP8_FWD_WIDE_CONFIG, ws_gemm1_fwd_fp8
+
+    lay, xq, xs, w1q, w1s, w3q, w3s = _fp8_operands(1000, 8, 2, 256, 256, "uniform", 5, "cuda")
+    xs = xs.clone()
+    xs[7, 0] = float("inf")  # token 7's rows: gate and up inf / nan in every column
+    n = int(lay.offsets[-1])
+    gu, h = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, cfg=FP8_FWD_WIDE_CONFIG)
+    c_pass = torch.zeros(1, dtype=torch.int32, device="cuda")
+    want_q, want_s = quantize_act_1x128(h, row_valid=lay.row_pair, nonfinite_count=c_pass)
+    c_epi = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _, q, sc = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, cfg=FP8_FWD_WIDE_CONFIG, quantize_h=True,
+                                nonfinite_count=c_epi)
+    assert int(c_pass) > 0 and int(c_epi) == int(c_pass), (int(c_epi), int(c_pass))
+    ok = torch.isfinite(want_s[:n]).all(1)
+    assert torch.equal(q[:n][ok].view(torch.uint8), want_q[:n][ok].view(torch.uint8))
+    assert torch.equal(sc[:n][ok], want_s[:n][ok])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", [
     (4096, 16, 4, 512, 256, "uniform"), (1000, 8, 1, 256, 128, "uniform"), (3000, 32, 4, 384, 256, "zero_expert"),
     (2048, 16, 2, 256, 384, "one_expert"), (16384, 128, 8, 2048, 768, "uniform"),
