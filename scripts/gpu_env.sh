@@ -89,29 +89,22 @@ ci_and_debug_train_fp8() {  # TAG: scripts/gpu_ci.sh, then the debug model 300 s
   python3 -m compare.loss_spread "$OUT/keep/train_debug_fp8_$1.json" \
     --reference qwen3_debugmoe_1gpu_megamoe_triton_bf16 --out "$OUT/keep/loss_spread_fp8_$1.json" 2>&1 | tail -8
 }
-fp8_gemm_tests_ab() {  # TAG: tests/test_ws_gemm_fp8.py's GPU tests, then (if they pass) the A/B of the three FP8
-  # tile groups (scripts/ab_kernels.py: 128 x 128 / wide / scale prefetch rows); returns 1 when the tests did not pass
-  local log="$OUT/keep/tests_gpu_fp8_$1.log"
-  timeout -s KILL $(left 150) python3 -m pytest -q -rfE tests/test_ws_gemm_fp8.py -k "gpu" -p no:cacheprovider \
-    > "$log" 2>&1
-  echo "[t=$((SECONDS - t0))s] FP8 GEMM GPU tests: $(tail -1 "$log")"
+tests_ab() {  # NAME TESTFILE CAP GROUPS TAG: TESTFILE's GPU tests (at most CAP s), then (if they all pass) the A/B of
+  # scripts/ab_kernels.py's GROUPS at both shapes; files *_NAME_TAG.{log,json}; returns 1 when the tests did not pass
+  local log="$OUT/keep/tests_gpu_$1_$5.log"
+  timeout -s KILL $(left $3) python3 -m pytest -q -rfE "$2" -k "gpu" -p no:cacheprovider > "$log" 2>&1
+  echo "[t=$((SECONDS - t0))s] $1 GPU tests: $(tail -1 "$log")"
   grep -E "^(FAILED|ERROR)|^E  " "$log" | head -8
   grep -q " passed" "$log" && ! grep -q "failed" "$log" || return 1
-  timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 \
-    --groups gemm1_fwd_fp8_quant_h,gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide \
-    --out "$OUT/keep/ab_kernels_fp8_$1.json" > "$OUT/keep/ab_kernels_fp8_$1.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_fp8_$1.log"
+  timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 --groups "$4" \
+    --out "$OUT/keep/ab_kernels_$1_$5.json" > "$OUT/keep/ab_kernels_$1_$5.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_$1_$5.log"
 }
-
-wgrad_fp8_tests_ab() {  # TAG: tests/test_ws_wgrad_fp8.py's GPU tests, then (if they pass) the FP8 wgrads' A/B
-  local log="$OUT/keep/tests_gpu_wgrad_fp8_$1.log"
-  timeout -s KILL $(left 120) python3 -m pytest -q -rfE tests/test_ws_wgrad_fp8.py -k "gpu" -p no:cacheprovider \
-    > "$log" 2>&1
-  echo "[t=$((SECONDS - t0))s] FP8 wgrad GPU tests: $(tail -1 "$log")"
-  grep -E "^(FAILED|ERROR)|^E  " "$log" | head -8
-  grep -q " passed" "$log" && ! grep -q "failed" "$log" || return 1
-  timeout $(left 120) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 --groups wgrad_w13_fp8,wgrad_w2_fp8 \
-    --out "$OUT/keep/ab_kernels_wgrad_fp8_$1.json" > "$OUT/keep/ab_kernels_wgrad_fp8_$1.log" 2>&1
-  echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_wgrad_fp8_$1.log"
+fp8_gemm_tests_ab() {  # TAG: the FP8 GEMM1 / dgrad / GEMM2 tests, then the A/B of their tile groups
+  tests_ab fp8 tests/test_ws_gemm_fp8.py 220 \
+    gemm1_fwd_fp8_quant_h,gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide "$1"
+}
+wgrad_fp8_tests_ab() {  # TAG: the FP8 wgrad tests, then the A/B of its staging-tile rows
+  tests_ab wgrad_fp8 tests/test_ws_wgrad_fp8.py 120 wgrad_w13_fp8,wgrad_w2_fp8 "$1"
 }
 
