@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from compare import flops as flop_model
+from compare import numerics
 from titan_megamoe.switches import label as switch_label
 from titan_megamoe.switches import override as override_switches
 from titan_megamoe.switches import parse_switches
@@ -383,17 +384,20 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank, sample
                 device_samples = timed("device", warmup=1, head_start_ms=DEVICE_HEAD_START_MS)
             if plan.cooldown_ms > 0 and device.type == "cuda":
                 cool_samples = timed("cool", warmup=1, cooldown_ms=plan.cooldown_ms)
-            kernels = None
-            if spec.family == "megamoe":  # one more step, untimed: the kernels and configs it launched
-                from titan_megamoe.kernels.launch import kernel_configs, record_launches
+            kernels = fp = None
+            if spec.family == "megamoe":  # one more step, untimed: the kernels and configs it launched, and what
+                from titan_megamoe.kernels.launch import kernel_configs, record_launches  # it computed
 
                 with record_launches() as launched:
                     before_step()
-                    bwd(fwd())
+                    y = fwd()
+                    bwd(y)
                 kernels = kernel_configs(launched)
+                fp = numerics.fingerprint(y, x_in, moe)
+                del y
         return {"status": "ok", "samples": samples, "peak": peak, "counts": tpe, "notes": built.notes,
                 "device_samples": device_samples, "cool_samples": cool_samples, "power": power or None,
-                "kernels": kernels}
+                "kernels": kernels, "fingerprint": fp}
     except Exception as err:  # recorded as status "error"; all ranks still reach the gather
         traceback.print_exc()
         msg = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
@@ -448,6 +452,13 @@ def _fill_measurements(rec: dict, results: list[dict], shape: LayerShape, T: int
     mean = sum(counts) / len(counts)
     rec["load_imbalance"] = max(counts) / mean if mean > 0 else None
     rec["notes"] = rec["notes"] or results[0]["notes"]
+    errs = [r["numerics"] for r in results if r.get("numerics")]
+    if errs:  # a switch row against its default row, worst over ranks (nan first)
+        rec["numerics_vs_default"] = {k: max((e[k] for e in errs), key=lambda v: math.inf if math.isnan(v) else v)
+                                      for k in errs[0]}
+        rec["numerics_flag"] = numerics.flag(rec["numerics_vs_default"])
+        if rec["numerics_flag"]:
+            rec["notes"] = list(rec["notes"]) + [rec["numerics_flag"]]
     fl = flop_model.phase_flops(T, shape.top_k, shape.dim, shape.hidden)
     rec["flops"] = fl
     rec["tflops"] = flop_model.tflops(fl["fwdbwd"], rec["fwdbwd_ms"])
@@ -547,6 +558,7 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
 
 def _run_all(plan: Plan, args, rank: int, mesh, ws: int, T: int, rates, sampler, records: list, bar, say) -> None:
     device = plan.device
+    defaults = {}  # (shape, routing, impl, precision) -> this rank's fingerprint of the row without switches
     for shape in plan.shapes:
         for rspec in plan.routings:
             ids, note, extra = _fixed_ids(rspec, shape, T, ws, rank, args.seed)
@@ -574,9 +586,16 @@ def _run_all(plan: Plan, args, rank: int, mesh, ws: int, T: int, rates, sampler,
                             with override_switches(sw):
                                 local = _run_one(impl, precision, shape, ids, device, mesh, plan, args.seed, rank,
                                                  sampler)
+                            fp, key = local.pop("fingerprint", None), (shape.name, rspec.name, impl, precision)
+                            if fp is not None and not sw:
+                                defaults[key] = fp
+                            elif fp is not None and key in defaults:
+                                local["numerics"] = numerics.rel_errs(fp, defaults[key])
                             _fill_measurements(rec, _gather(local, ws), shape, T, rates, plan.cooldown_ms)
                             if rec["status"] != "ok":
                                 say(f"ERROR {what} {shape.name} {rspec.name}: {rec['reason']}")
+                            elif rec.get("numerics_flag"):
+                                say(f"WARNING {what} {shape.name} {rspec.name}: {rec['numerics_flag']}")
                         records.append(rec)
                         bar.update(1)
 

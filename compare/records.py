@@ -115,7 +115,8 @@ def new_record(*, implementation: str, family: str, backend: str | None, compile
                fwdbwd_cool_ms=None, cooldown_ms=None, power=None)
     rec.update(peak_gib=None, kernel_configs=None, flops=None, tflops=None, tflops_fwd=None, tflops_bwd=None,
                floor_ms=None, floor_fwd_ms=None, floor_ratio=None, floor_ratio_fwd=None,
-               speedup_vs={}, status="pending", reason=None, notes=[])
+               speedup_vs={}, status="pending", reason=None, notes=[], numerics_vs_default=None,
+               numerics_flag=None)
     return rec
 
 
@@ -365,7 +366,7 @@ def markdown_table(records: list[dict]) -> str:
             fb = f"{_fmt(r['fwdbwd_ms'], '.4g')} [{_fmt(r['fwdbwd_p20_ms'], '.4g')}-{_fmt(r['fwdbwd_p80_ms'], '.4g')}]"
             sp = ", ".join(f"{k} {v['fwdbwd']:.2f}x" for k, v in r["speedup_vs"].items()
                            if v.get("fwdbwd") is not None and k != f"{r['implementation']}/{r['precision']}")
-            status = "ok"
+            status = "ok" if not r.get("numerics_flag") else f"ok, but {r['numerics_flag']}"
         else:
             fb, sp = "-", ""
             status = f"{r['status']}: {r['reason']}"

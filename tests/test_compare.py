@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 import pytest
@@ -370,6 +371,51 @@ def test_switches_add_same_process_megamoe_rows(tmp_path, capsys, monkeypatch):
     assert all(r["status"] == "ok" and "tt-eager/bf16" in r["speedup_vs"] for r in recs)
     stdout = capsys.readouterr().out
     assert "| megamoe-reference[FUSED_ROUTER=0,PERSISTENT_GEMM2=0] | bf16 |" in stdout
+
+
+def test_switch_rows_are_checked_against_their_default_row(tmp_path, capsys, monkeypatch):
+    """Each switch row's output, dx and weight gradients (strided samples of one step) are compared with its default
+    row's: a switch that leaves the math alone reads error 0 and no flag; one whose results differ (here: the row's
+    output sample doubled, as a wrong epilogue would) is flagged in the record, its notes, the table and a warning."""
+    import compare.layer as cl
+
+    real = cl._run_one
+    calls = []
+
+    def spy(impl, *a, **kw):
+        local = real(impl, *a, **kw)
+        calls.append(impl)
+        if len(calls) == 3:  # the second switch row
+            local["fingerprint"]["out"] = local["fingerprint"]["out"] * 2
+        return local
+
+    monkeypatch.setattr(cl, "_run_one", spy)
+    out = tmp_path / "layer.json"
+    assert cl.main(["--tiny", "--out", str(out), "--routings", "random", "--impls", "megamoe-reference",
+                    "--precisions", "bf16", "--no-plot", "--switches", "PERSISTENT_GEMM2=0", "WGRAD=triton"]) == 0
+    default, same, bad = json.loads(out.read_text())["records"]
+    assert default["numerics_vs_default"] is None and default["numerics_flag"] is None
+    errs = same["numerics_vs_default"]
+    assert {"out", "dx"} <= set(errs) and any(k.startswith("grad ") for k in errs), errs
+    assert max(errs.values()) == 0.0 and same["numerics_flag"] is None, errs
+    assert bad["numerics_vs_default"]["out"] == pytest.approx(1.0) and bad["numerics_vs_default"]["dx"] == 0.0
+    assert "out rel err 1" in bad["numerics_flag"] and bad["numerics_flag"] in bad["notes"]
+    stdout = capsys.readouterr().out
+    assert "ok, but differs from the default row: out rel err 1" in stdout and "WARNING" in stdout
+
+
+def test_numerics_rel_errs_and_flag():
+    from compare import numerics
+
+    w = {"out": torch.tensor([3.0, 4.0]), "dx": torch.zeros(2)}
+    assert numerics.rel_errs({"out": torch.tensor([3.0, 4.0]), "dx": torch.zeros(2)}, w) == {"out": 0.0, "dx": 0.0}
+    e = numerics.rel_errs({"out": torch.tensor([3.0, 4.5]), "dx": torch.ones(2)}, w)
+    assert e["out"] == pytest.approx(0.1) and e["dx"] == float("inf")
+    e = numerics.rel_errs({"out": torch.tensor([float("nan"), 4.0])}, w)
+    assert math.isnan(e["out"]) and math.isnan(e["dx"])  # nan in the sample; a missing sample
+    assert numerics.flag({"out": 0.01}) is None
+    assert "out rel err 0.1" in numerics.flag({"out": 0.1, "dx": 0.0})
+    assert "dx rel err nan" in numerics.flag({"out": 0.1, "dx": float("nan")})
 
 
 # ---------------------------------------------------------------------------------- capture_topk

@@ -1,0 +1,63 @@
+"""Whether a compare.layer switch row computed what its default row computed.
+
+A ``--switches`` row is an A/B of speed: the switch should change how the layer is computed, not what. compare.layer
+keeps a fingerprint of one fwd + bwd step of each default megamoe row (strided samples of the output, dx and every
+weight gradient) and compares each switch row's with it. A row whose relative error passes
+:data:`FLAG_REL_ERR` is flagged in its record, its notes and the table. Session 38's first fused-quantization epilogue
+wrote wrong h scales and its rows still read "ok": the timing was of wrong numerics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["FLAG_REL_ERR", "fingerprint", "flag", "rel_errs"]
+
+#: Relative error (||a - b|| / ||b|| over the sampled elements) above which a switch row is flagged. Rounding-level
+#: differences (a different bf16 summation order, an fp32 accumulation of a router gradient) stay far below it;
+#: wrong scales, a missed tile or a race do not.
+FLAG_REL_ERR = 0.05
+
+_MAX_SAMPLES = 1 << 20
+
+
+def fingerprint(y: Tensor, x: Tensor, module: torch.nn.Module) -> dict[str, Tensor]:
+    """Strided samples (fp32, CPU, at most ~1M elements each) of one step's output ``y``, input gradient ``x.grad``
+    and every weight gradient of ``module`` (by parameter name; a DTensor's local shard)."""
+    items = [("out", y), ("dx", x.grad)] + [(f"grad {n}", p.grad) for n, p in module.named_parameters()]
+    out = {}
+    for name, t in items:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // _MAX_SAMPLES) | 1  # odd: no alignment with power-of-two row lengths
+        out[name] = flat[::step].float().cpu()
+    return out
+
+
+def rel_errs(got: dict[str, Tensor], want: dict[str, Tensor]) -> dict[str, float]:
+    """{name: ||got - want|| / ||want||} for every sample of ``want``; nan where ``got`` lacks it or has another
+    shape, or holds non-finite values; 0 for two equal all-zero samples."""
+    res = {}
+    for name, w in want.items():
+        g = got.get(name)
+        if g is None or g.shape != w.shape:
+            res[name] = math.nan
+            continue
+        num, den = (g - w).norm().item(), w.norm().item()
+        res[name] = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+    return res
+
+
+def flag(errs: dict[str, float], limit: float = FLAG_REL_ERR) -> str | None:
+    """None if every error is at most ``limit``, else a short text naming the worst (nan counts as worst)."""
+    bad = {k: v for k, v in errs.items() if not v <= limit}
+    if not bad:
+        return None
+    name = max(bad, key=lambda k: math.inf if math.isnan(bad[k]) else bad[k])
+    return f"differs from the default row: {name} rel err {bad[name]:.3g} (> {limit:g})"
