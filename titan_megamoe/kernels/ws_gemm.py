@@ -599,22 +599,21 @@ if HAVE_GLUON:
         _post_tile(tiles, tile_ready, tile_empty, j, -1)
 
     @gluon.jit
+    def _staged_store(t, desc, c_smem, row, col):
+        """t as bf16 to desc[row, col] by TMA through the staging tile c_smem, once its previous store has read it."""
+        tma.store_wait(pendings=0)
+        c_smem.store(t.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [row, col], c_smem)
+
+    @gluon.jit
     def _swiglu_store(gate, up, gu_desc, h_desc, c_smem, row0, col0, F: gl.constexpr):
         """GEMM1 forward epilogue (bf16 and FP8 kernels): SwiGLU in fp32 as the Triton kernel writes it, then gate, up
         and h as bf16 through one staging tile and TMA stores (padding rows already zero in gate / up)."""
-        tma.store_wait(pendings=0)
-        c_smem.store(gate.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+        _staged_store(gate, gu_desc, c_smem, row0, col0)
         h = gate / (1.0 + gl.exp(-gate)) * up
-        tma.store_wait(pendings=0)
-        c_smem.store(up.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
-        tma.store_wait(pendings=0)
-        c_smem.store(h.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(h_desc, [row0, col0], c_smem)
+        _staged_store(up, gu_desc, c_smem, row0, F + col0)
+        _staged_store(h, h_desc, c_smem, row0, col0)
 
     @gluon.jit
     def _g1f_tile(gu_desc, h_desc, row_pair_ptr, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, j, pid_m,

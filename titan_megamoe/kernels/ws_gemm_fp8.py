@@ -66,7 +66,8 @@ if HAVE_GLUON:
     )
 
     from titan_megamoe.kernels.gl_quant_bwd import _amax_bits, _e4m3, _scale_rcp
-    from titan_megamoe.kernels.ws_gemm import _g1f_producer, _num_tiles, _store_halves, _swiglu_store, _tile_of
+    from titan_megamoe.kernels.ws_gemm import (_g1f_producer, _num_tiles, _staged_store, _store_halves, _swiglu_store,
+                                               _tile_of)
 
 __all__ = ["DGRAD_FP8_CONFIG", "DGRAD_FP8_WIDE_CONFIG", "FP8_FWD_CONFIG", "FP8_FWD_WIDE_CONFIG", "Fp8WsConfig",
            "GEMM2_FP8_CONFIG", "GEMM2_FP8_WIDE_CONFIG", "sm90_compile_args_dgrad_fp8",
@@ -183,24 +184,12 @@ if HAVE_GLUON:
         scales to hs[row, col0 / 128], non-finite scales counted into count_ptr."""
         BMC: gl.constexpr = h_desc.block_type.shape[0]
         BN: gl.constexpr = h_desc.block_type.shape[1]
-        tma.store_wait(pendings=0)
-        c_smem.store(g0.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, col0], c_smem)
+        _staged_store(g0, gu_desc, c_smem, row0, col0)
         h0 = (g0 / (1.0 + gl.exp(-g0)) * u0).to(gl.bfloat16)
-        tma.store_wait(pendings=0)
-        c_smem.store(u0.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, F + col0], c_smem)
-        tma.store_wait(pendings=0)
-        c_smem.store(g1.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, col0 + BN], c_smem)
+        _staged_store(u0, gu_desc, c_smem, row0, F + col0)
+        _staged_store(g1, gu_desc, c_smem, row0, col0 + BN)
         h1 = (g1 / (1.0 + gl.exp(-g1)) * u1).to(gl.bfloat16)
-        tma.store_wait(pendings=0)
-        c_smem.store(u1.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, F + col0 + BN], c_smem)
+        _staged_store(u1, gu_desc, c_smem, row0, F + col0 + BN)
         scale, rcp = _scale_rcp(gl.maximum(_amax_bits(h0, 1), _amax_bits(h1, 1)), 1e-12)  # AMAX_EPS of fp8_quant
         ns, rc = gl.expand_dims(-scale, 1), gl.expand_dims(rcp, 1)
         q0 = _e4m3(h0.to(gl.float32), ns, rc)
