@@ -11,7 +11,7 @@ REV=${REV:-unknown}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
 
-# The shared frame of a session script (gpu_s12.sh on; the earlier ones spell it out):
+# The shared frame of a session script (scripts/sessions/gpu_s12.sh on; the earlier ones spell it out):
 #   session_start          after sourcing: record REV, keep going past failures, start the clock,
 #                          PART (default a), $OUT/keep for the files to bring back
 #   session_pack TAG       at the end: logs tarred as $OUT/logs_TAG.tgz, the kept files moved up into $OUT
@@ -27,7 +27,7 @@ session_pack() {
    mv keep/* . ; rmdir keep ; mv "/tmp/logs_$1.tgz" . ; ls "$OUT")
 }
 
-# Helpers of the session scripts (gpu_s24.sh on):
+# Helpers of the session scripts (scripts/sessions/gpu_s24.sh on):
 left() {  # left CAP: the seconds a step may take, at most CAP, within the call's BUDGET (default 575); at least 5
   local l=$((${BUDGET:-575} - SECONDS + t0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l
 }

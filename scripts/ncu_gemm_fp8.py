@@ -4,7 +4,7 @@ forward and GEMM2 dgrad (both schedules) at one shape, each ``--reps`` + 1 times
 
     ncu --clock-control none --launch-skip 1 -k regex:"_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" \
         --section SpeedOfLight --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.*" \
-        python scripts/ncu_gemm_fp8.py      (scripts/gpu_s34.sh PART c runs it with the full metric list)
+        python scripts/ncu_gemm_fp8.py      (scripts/sessions/gpu_s34.sh PART c runs it with the full metric list)
 
 Why (docs/NOTES.md, sessions 24-35): the FP8 GEMMs run at 750-900 TF/s on an H100, about the bf16 kernels' 600-700,
 against 1,200-1,300 for a dense rowwise e4m3 GEMM; the wgrad's ablation put the bound in the per-K-block scaling
