@@ -313,16 +313,14 @@ def test_fp8_forward_takes_the_gluon_gemm1_only_when_switched_on(monkeypatch):
                             "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": "0"}):
         fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
     assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG and cfgs[-1].wide
-    # FP8_GEMM1_QUANT_H (default "auto": on where D <= 2048, as here): h quantized in the Gluon GEMM1's epilogue on
-    # the wide tiles, no 1x128 pass over h
-    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM1_QUANT_H"].default == "auto"
-    for value in ("auto", "1"):
-        calls.clear()
-        with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1", "TITAN_MEGAMOE_FP8_GEMM1_QUANT_H": value}):
-            fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
-        assert calls == [("quant", 40), ("ws_gemm1", True), ("gemm2", torch.float8_e4m3fn)], (value, calls)
-        assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG
-    assert fb._gemm1_quant_h(2048) and not fb._gemm1_quant_h(4096)  # auto: 30B on, 235B off
+    # FP8_GEMM1_QUANT_H (default on since session 39): h quantized in the Gluon GEMM1's epilogue on the wide tiles,
+    # no 1x128 pass over h
+    assert switches.SWITCHES["TITAN_MEGAMOE_FP8_GEMM1_QUANT_H"].default == "1" and fb.FP8_GEMM1_QUANT_H
+    calls.clear()
+    with switches.override({"TITAN_MEGAMOE_WS_GEMM1_FP8": "1"}):
+        fb.fp8_experts_fwd(x, torch.rand(40, 2), lay, w, w.transpose(1, 2), w, wq, True, "layers.0.moe")
+    assert calls == [("quant", 40), ("ws_gemm1", True), ("gemm2", torch.float8_e4m3fn)], calls
+    assert cfgs[-1] == W.FP8_FWD_WIDE_CONFIG
 
 
 @pytest.mark.cuda

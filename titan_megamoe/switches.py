@@ -88,7 +88,7 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_FP8_WGRAD_CONSUMER", "smem", values=("smem", "v1"),
            attrs=(("titan_megamoe.kernels.ws_wgrad_fp8", "CONSUMER"),)),
     Switch("TITAN_MEGAMOE_FP8_FWD_WIDE", "0", attrs=(("titan_megamoe.ops.fp8_backend", "FP8_FWD_WIDE"),)),
-    Switch("TITAN_MEGAMOE_FP8_GEMM1_QUANT_H", "auto", values=("auto", "0", "1"),
+    Switch("TITAN_MEGAMOE_FP8_GEMM1_QUANT_H", "1",
            attrs=(("titan_megamoe.ops.fp8_backend", "FP8_GEMM1_QUANT_H"),)),
     Switch("TITAN_MEGAMOE_FP8_DGRAD_WIDE", "1", attrs=(("titan_megamoe.ops.fp8_backend", "FP8_DGRAD_WIDE"),)),
     Switch("TITAN_MEGAMOE_FP8_GEMM2_WIDE", "1", attrs=(("titan_megamoe.ops.fp8_backend", "FP8_GEMM2_WIDE"),)),

@@ -68,18 +68,13 @@ FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
 
 #: h quantized 1x128 in the Gluon FP8 GEMM1's epilogue (``ws_gemm1_fwd_fp8(quantize_h=True)``), not by a separate
 #: pass over the bf16 h: one launch and one read / write of h fewer in the forward, the same bits. It runs on the wide
-#: tiles (``FP8_FWD_WIDE_CONFIG``: a tile's 128 h columns are one group), whatever ``FP8_FWD_WIDE`` says.
-#: ``TITAN_MEGAMOE_FP8_GEMM1_QUANT_H``: "auto" (default) where D <= 2048, "1" always, "0" never. Session 38, one H100,
-#: 30B fp8 layer in one process (``layer_1xh100_ep1_30b_fp8_quant_h_s38b_20261207.json``): 7.164 -> 6.925 ms from
-#: idle, device 6.525 -> 6.304 (the wide tiles alone: 7.089, 6.517), bitwise (``scripts/probe_quant_h.py``). At 235B
-#: the wide forward itself was 0.28 ms slower (session 37) and the fused epilogue is unmeasured: off there. Read at
-#: import; a same-process switch.
-FP8_GEMM1_QUANT_H = env_choice("TITAN_MEGAMOE_FP8_GEMM1_QUANT_H", "auto", ("auto", "0", "1"))
-
-
-def _gemm1_quant_h(D: int) -> bool:
-    """Whether the FP8 forward quantizes h in the Gluon GEMM1's epilogue at model dim D (:data:`FP8_GEMM1_QUANT_H`)."""
-    return FP8_GEMM1_QUANT_H == "1" or (FP8_GEMM1_QUANT_H == "auto" and D <= 2048)
+#: tiles (``FP8_FWD_WIDE_CONFIG``: a tile's 128 h columns are one group), whatever ``FP8_FWD_WIDE`` says. On by
+#: default (``TITAN_MEGAMOE_FP8_GEMM1_QUANT_H=0`` gives the separate pass back). One H100: session 38, 30B layer in one
+#: process 7.164 -> 6.925 ms from idle, device 6.525 -> 6.304 (``layer_1xh100_ep1_30b_fp8_quant_h_s38b_20261207.json``);
+#: session 39, kernel A/B against GEMM1 + the 1x128 pass, bitwise, 30B 1.270 -> 1.019 ms, 235B 4.613 -> 3.620
+#: (``ab_kernels_fp8_quant_h_prefetch_1xh100_s39a_20261207.json``), 235B layer device fwd+bwd 20.71 -> 19.99 ms
+#: (``layer_1xh100_ep1_235b_fp8_quant_h_s39a_20261207.json``). Read at import; a same-process switch.
+FP8_GEMM1_QUANT_H = env_flag("TITAN_MEGAMOE_FP8_GEMM1_QUANT_H", True)
 #: The Gluon FP8 GEMM1 dgrad and GEMM2 forward on 128 x 256 tiles (``ws_gemm_fp8.DGRAD_FP8_WIDE_CONFIG``,
 #: ``GEMM2_FP8_WIDE_CONFIG``: a stage's 128 A rows feed 256 output columns; bitwise the default tiles) where D is a
 #: multiple of 256. On by default since session 37 (one H100, 8 rotated rounds: GEMM1 dgrad 0.971 -> 0.787 ms at 30B,
@@ -439,7 +434,7 @@ def fp8_experts_fwd(x_rows: Tensor | None, scores: Tensor, layout: RoutingLayout
             mark("quant_x")
         if WS_GEMM1_FP8 and not interp and ws_gemm1_fwd_fp8_supported(xq, w1q) is None:
             g1_cfg = FP8_FWD_WIDE_CONFIG if FP8_FWD_WIDE else FP8_FWD_CONFIG
-            if _gemm1_quant_h(D):
+            if FP8_GEMM1_QUANT_H:
                 gate_up, hq, hs = ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, cfg=FP8_FWD_WIDE_CONFIG,
                                                    quantize_h=True, nonfinite_count=count)
                 mark("gemm1")
@@ -541,7 +536,7 @@ def fp8_fwd_unchecked(x_TD: Tensor, topk_ids_TK: Tensor, topk_scores_TK: Tensor,
     gate_up = torch.empty((layout.n_cap, 2 * F), dtype=torch.bfloat16, device=dev)
     y = torch.empty((T * K, D), dtype=torch.bfloat16, device=dev)
     if layout.n_tiles_cap:
-        if _gemm1_quant_h(D):
+        if FP8_GEMM1_QUANT_H:
             hq = torch.empty((layout.n_cap, F), dtype=torch.float8_e4m3fn, device=dev)
             hs = torch.empty((layout.n_cap, F // 128), dtype=torch.float32, device=dev)
             launch_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, layout, gate_up, hq, FP8_FWD_WIDE_CONFIG, None, hs, count)
