@@ -280,8 +280,7 @@ def _groups(shape: str):
         ("wide 232/48 regs", lambda: g1f8(FP8_FWD_WIDE_CONFIG)),
         ("wide 216/72 regs", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, consumer_regs=216,
                                                               producer_regs=72))),
-        ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3))),
-        ("128x128 scale prefetch", lambda: g1f8(dataclasses.replace(FP8_FWD_CONFIG, prefetch=True)))]
+        ("wide 3 stages", lambda: g1f8(dataclasses.replace(FP8_FWD_WIDE_CONFIG, stages=3)))]
     flops["gemm1_fwd_fp8_wide"] = 4 * T * K * D * F
 
     # h quantized in the GEMM1 epilogue (session 38, FP8_GEMM1_QUANT_H) against GEMM1 then the 1x128 pass over the
@@ -337,16 +336,12 @@ def _groups(shape: str):
     groups["gemm1_dgrad_fp8_wide"] = [("default 128x128", lambda: k8("dgrad", DGRAD_FP8_CONFIG)),
                                       ("wide 4 stages", lambda: k8("dgrad", DGRAD_FP8_WIDE_CONFIG)),
                                       ("wide 3 stages", lambda: k8("dgrad", dataclasses.replace(DGRAD_FP8_WIDE_CONFIG,
-                                                                                                stages=3))),
-                                      ("wide scale prefetch", lambda: k8("dgrad", dataclasses.replace(
-                                          DGRAD_FP8_WIDE_CONFIG, prefetch=True)))]
+                                                                                                stages=3)))]
     flops["gemm1_dgrad_fp8_wide"] = 4 * T * K * D * F
     groups["gemm2_fwd_fp8_wide"] = [("default 128x128", lambda: k8("gemm2", GEMM2_FP8_CONFIG)),
                                     ("wide 4 stages", lambda: k8("gemm2", GEMM2_FP8_WIDE_CONFIG)),
                                     ("wide 3 stages", lambda: k8("gemm2", dataclasses.replace(GEMM2_FP8_WIDE_CONFIG,
-                                                                                              stages=3))),
-                                    ("wide scale prefetch", lambda: k8("gemm2", dataclasses.replace(
-                                        GEMM2_FP8_WIDE_CONFIG, prefetch=True)))]
+                                                                                              stages=3)))]
     flops["gemm2_fwd_fp8_wide"] = 2 * T * K * D * F
     # the FP8 wgrads (the op's operands: dout, x gathered 128x1; s * h, dgate_up dual-quantized) with one or two
     # output staging tiles per consumer (session 38, opt-in); bitwise the default, first launch poisoned

@@ -43,20 +43,14 @@ def _compile_sm90_all() -> list[dict]:
     for name, cfg, args, kernel in (
             ("dgrad_fp8_wide", W.DGRAD_FP8_WIDE_CONFIG, W.sm90_compile_args_dgrad_fp8, W._gemm1_dgrad_fp8_ws_kernel),
             ("gemm2_fp8_wide", W.GEMM2_FP8_WIDE_CONFIG, W.sm90_compile_args_gemm2_fp8, W._gemm2_fwd_fp8_ws_kernel)):
-        for prefetch in (False, True):
-            c = dataclasses.replace(cfg, prefetch=prefetch)
-            sig, cx = args(c, D, F)
-            r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=c.maxnreg)
-            out.append(dict(label=f"{name}{'_prefetch' if prefetch else ''}_30b", **r))
+        sig, cx = args(cfg, D, F)
+        r = compile_sm90(kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+        out.append(dict(label=f"{name}_30b", **r))
     for shape, (D2, F2) in SHAPES.items():  # h quantized in the wide tiles' epilogue (FP8_GEMM1_QUANT_H)
         cfg = W.FP8_FWD_WIDE_CONFIG
         sig, cx = W.sm90_compile_args_fp8(cfg, D2, F2, quant_h=True)
         r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
         out.append(dict(label=f"fwd_fp8_wide_quant_h_{shape}", **r))
-    cfg = dataclasses.replace(W.FP8_FWD_CONFIG, prefetch=True)
-    sig, cx = W.sm90_compile_args_fp8(cfg, D, F)
-    r = compile_sm90(W._gemm1_fwd_fp8_ws_kernel, sig, cx, num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
-    out.append(dict(label="fwd_fp8_prefetch_30b", **r))
     for name, base, args, kernel in _kernels(W):
         cfg = dataclasses.replace(base, ordered=True)
         sig, cx = args(cfg, D, F)
@@ -181,19 +175,6 @@ def test_ws_gemm1_dgrad_and_gemm2_fp8_wide_tiles_build_for_sm90a_without_spills_
     assert "REG:168" in r["usage"] and stack <= 16, r["usage"]
     assert r["mma_loop_spills"] in (None, [0, 0]), r["mma_loop_spills"]  # one K loop per consumer, no spill in it
     assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
-
-
-@pytest.mark.parametrize("label,waits,max_loop_spills", [
-    ("fwd_fp8_prefetch_30b", ["1", "0"] * 2, 0), ("dgrad_fp8_wide_prefetch_30b", ["1", "1", "1", "0"] * 2, 0),
-    ("gemm2_fp8_wide_prefetch_30b", ["1", "1", "1", "0"] * 2, 4)])
-def test_scale_prefetch_builds_for_sm90a_with_the_same_mma_waits(label, waits, max_loop_spills):
-    """``Fp8WsConfig.prefetch`` (the next K step's scales loaded during this one): the same wgmma waits, no
-    serialization; at most ``max_loop_spills`` spill instructions in a K loop (the wide GEMM2's consumer 1 had 2 in
-    session 37's build)."""
-    r = sm90_result(__file__, label)
-    assert r["target"] and r["wgmma_waits"] == waits, r["wgmma_waits"]
-    assert r["wgmma_serialized"] == "", r["wgmma_serialized"]
-    assert r["mma_loop_spills"] is None or max(r["mma_loop_spills"]) <= max_loop_spills, r["mma_loop_spills"]
 
 
 @pytest.mark.parametrize("shape", ["30b", "235b"])
@@ -370,12 +351,12 @@ def test_ws_gemm1_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     n = int(lay.offsets[-1])
     # the same partials in the same order, whichever consumer issues first, and on the wide tiles
     for base, ordered in ((FP8_FWD_CONFIG, False), (FP8_FWD_CONFIG, True), (FP8_FWD_WIDE_CONFIG, False),
-                          (FP8_FWD_WIDE_CONFIG, True), (dataclasses.replace(FP8_FWD_CONFIG, prefetch=True), False)):
+                          (FP8_FWD_WIDE_CONFIG, True)):
         ogu, oh = torch.full_like(gu, float("nan")), torch.full_like(h, float("nan"))  # poisoned: a missed tile shows
         ws_gemm1_fwd_fp8(xq, xs, w1q, w1s, w3q, w3s, lay, gate_up_out=ogu, h_out=oh,
                          cfg=dataclasses.replace(base, ordered=ordered))
         assert torch.equal(ogu[:n], gu[:n]) and torch.equal(oh[:n], h[:n]), \
-            f"wide={base.wide} prefetch={base.prefetch} ordered={ordered}"
+            f"wide={base.wide} ordered={ordered}"
     # h quantized in the epilogue: the bits of the 1x128 pass over the bf16 h (on every row of the live tiles)
     from titan_megamoe.kernels.fp8_quant import quantize_act_1x128
 
@@ -495,13 +476,12 @@ def test_ws_gemm1_dgrad_fp8_matches_triton_and_fp32_on_gpu(case):
     from titan_megamoe.kernels.ws_gemm_fp8 import DGRAD_FP8_CONFIG, DGRAD_FP8_WIDE_CONFIG
     # the same partials in the same order, whichever consumer issues first, and on the wide tiles (D % 256 == 0)
     for base, ordered in ((DGRAD_FP8_CONFIG, False), (DGRAD_FP8_CONFIG, True), (DGRAD_FP8_WIDE_CONFIG, False),
-                          (DGRAD_FP8_WIDE_CONFIG, True),
-                          (dataclasses.replace(DGRAD_FP8_WIDE_CONFIG, prefetch=True), False)):
+                          (DGRAD_FP8_WIDE_CONFIG, True)):
         if base.wide and D % 256:
             continue
         odx = torch.full_like(dx, float("nan"))  # poisoned: a missed tile shows
         ws_gemm1_dgrad_fp8(dq, ds, w1q, w1s, w3q, w3s, lay, out=odx, cfg=dataclasses.replace(base, ordered=ordered))
-        assert torch.equal(odx[:n], dx[:n]), f"wide={base.wide} prefetch={base.prefetch} ordered={ordered} differs"
+        assert torch.equal(odx[:n], dx[:n]), f"wide={base.wide} ordered={ordered} differs"
     valid = lay.row_pair[:n] >= 0
     assert not torch.isnan(dx[:n]).any(), "live rows left unwritten"
     assert (dx[:n][~valid] == 0).all(), "padding rows must be zero"
@@ -616,13 +596,12 @@ def test_ws_gemm2_fwd_fp8_matches_triton_and_fp32_on_gpu(case):
     from titan_megamoe.kernels.ws_gemm_fp8 import GEMM2_FP8_CONFIG, GEMM2_FP8_WIDE_CONFIG
     # the same partials in the same order, whichever consumer issues first, and on the wide tiles (D % 256 == 0)
     for base, ordered in ((GEMM2_FP8_CONFIG, False), (GEMM2_FP8_CONFIG, True), (GEMM2_FP8_WIDE_CONFIG, False),
-                          (GEMM2_FP8_WIDE_CONFIG, True),
-                          (dataclasses.replace(GEMM2_FP8_WIDE_CONFIG, prefetch=True), False)):
+                          (GEMM2_FP8_WIDE_CONFIG, True)):
         if base.wide and D % 256:
             continue
         oy = torch.full_like(y, float("nan"))  # poisoned: a missed row shows
         ws_gemm2_fwd_fp8(hq, hs, w2q, w2s, scores, lay, out=oy, cfg=dataclasses.replace(base, ordered=ordered))
-        assert torch.equal(oy, y), f"wide={base.wide} prefetch={base.prefetch} ordered={ordered} differs"
+        assert torch.equal(oy, y), f"wide={base.wide} ordered={ordered} differs"
     assert not torch.isnan(y).any(), "a pair row left unwritten"
     n = int(lay.offsets[-1])
     rows = (lay.row_pair[:n] >= 0).nonzero().squeeze(1)

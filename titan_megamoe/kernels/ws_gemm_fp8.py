@@ -97,9 +97,6 @@ class Fp8WsConfig:
         wide: two BN-column chunks of gate and of up per tile in the FP8 GEMM1 forward, so the gathered x rows of a
             stage feed twice the MMAs (the weight tiles are 2 BN rows); 2 BN output columns per tile (four BN / 2
             chunks) in the FP8 GEMM1 dgrad and GEMM2 forward. The GEMM2 dgrad ignores it.
-        prefetch: the consumers load the scales of K step k + 1 (the A rows' 1x128 scales and the weight block scales)
-            during step k, so their global-load latency lies under a whole step; the FP8 GEMM1 forward's 128 x 128
-            tiles and the wide GEMM1 dgrad / GEMM2 tiles only (others ignore it). The same values: the same bits.
     """
 
     block_m: int = 128
@@ -113,7 +110,6 @@ class Fp8WsConfig:
     ordered: bool | None = None
     pingpong: bool = False
     wide: bool = False
-    prefetch: bool = False
 
     def smem_bytes(self) -> int:
         """Shared memory of the FP8 GEMM1 forward's operand ring and its two bf16 epilogue tiles."""
@@ -282,8 +278,8 @@ if HAVE_GLUON:
     def _g1f8_consumer(gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                        a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c_smem, C: gl.constexpr, D: gl.constexpr,
                        F: gl.constexpr, TOPK: gl.constexpr, NUM_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr, PREFETCH: gl.constexpr,
-                       hs_ptr, count_ptr, QUANT_H: gl.constexpr):
+                       STAGES: gl.constexpr, turns, ORDERED: gl.constexpr, WIDE: gl.constexpr, hs_ptr, count_ptr,
+                       QUANT_H: gl.constexpr):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); WIDE: the tile has
         # two BN-column chunks of gate and up (the weight tiles are 2 BN rows), each computed as its own tile would be
         BMC: gl.constexpr = h_desc.block_type.shape[0]
@@ -316,24 +312,13 @@ if HAVE_GLUON:
                 p_g = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
                 p_u = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
                 idx0 = j * KT
-                if PREFETCH:
-                    a_n = gl.load(xs_row, mask=ok, other=0.0)
-                    s1_n = gl.load(w1s_ptr + ws_off)
-                    s3_n = gl.load(w3s_ptr + ws_off)
                 for k in range(KT):
                     idx = idx0 + k
                     s = idx % STAGES
                     ph = (idx // STAGES) & 1
-                    if PREFETCH:  # step k's scales came during step k - 1; step k + 1's load now (the last reloads)
-                        a_s, s1, s3 = a_n, s1_n, s3_n
-                        kn = gl.minimum(k + 1, KT - 1)
-                        a_n = gl.load(xs_row + kn, mask=ok, other=0.0)
-                        s1_n = gl.load(w1s_ptr + ws_off + kn)
-                        s3_n = gl.load(w3s_ptr + ws_off + kn)
-                    else:
-                        a_s = gl.load(xs_row + k, mask=ok, other=0.0)
-                        s1 = gl.load(w1s_ptr + ws_off + k)
-                        s3 = gl.load(w3s_ptr + ws_off + k)
+                    a_s = gl.load(xs_row + k, mask=ok, other=0.0)
+                    s1 = gl.load(w1s_ptr + ws_off + k)
+                    s3 = gl.load(w3s_ptr + ws_off + k)
                     mbarrier.wait(ready_a.index(s), ph)
                     mbarrier.wait(ready_b.index(s), ph)
                     fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads via the async one
@@ -360,8 +345,7 @@ if HAVE_GLUON:
                                  STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                  ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False,
-                                 PREFETCH: gl.constexpr = False, hs_ptr=None, count_ptr=None,
-                                 QUANT_H: gl.constexpr = False):
+                                 hs_ptr=None, count_ptr=None, QUANT_H: gl.constexpr = False):
         """Blockwise-FP8 gate_up / h of every live row tile (module docstring). Grid: (programs,). ORDERED: the
         consumers issue their MMAs in turn (``_turn_wait``). WIDE: two BN-column chunks per tile (``Fp8WsConfig.wide``;
         the weight descriptors' tiles are 2 BN rows, NUM_N = F / (2 BN)). QUANT_H (WIDE only: a tile's 2 BN = 128 h
@@ -386,10 +370,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c0, 0, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
+                              STAGES, turns, ORDERED, WIDE, hs_ptr, count_ptr, QUANT_H)),
             (_g1f8_consumer, (gu_desc, h_desc, xs_ptr, w1s_ptr, w3s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr,
                               E, a_bufs, b1_bufs, b3_bufs, ready_a, ready_b, empty, c1, 1, D, F, TOPK, NUM_N, GROUP_M,
-                              STAGES, turns, ORDERED, WIDE, PREFETCH, hs_ptr, count_ptr, QUANT_H)),
+                              STAGES, turns, ORDERED, WIDE, hs_ptr, count_ptr, QUANT_H)),
             (_g1f_producer, (x_ptr, w1_desc, w3_desc, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs, b1_bufs,
                              b3_bufs, ready_a, ready_b, empty, D, F, TOPK, NUM_N, GROUP_M, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -447,8 +431,7 @@ if HAVE_GLUON:
     def _g1d8_wide_tiles(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, n_live, count, a_bufs,
                          b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                          NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
-                         scores_ptr, out_ptr, SCATTER: gl.constexpr, turns, ORDERED: gl.constexpr,
-                         PREFETCH: gl.constexpr = False):
+                         scores_ptr, out_ptr, SCATTER: gl.constexpr, turns, ORDERED: gl.constexpr):
         """The wide tiles of consumer C (``Fp8WsConfig.wide``, GEMM1 dgrad and GEMM2): rows [C BM / 2, (C + 1) BM / 2)
         of each tile, 4 BH columns (two 128-column weight scale blocks) as four BH-column chunks. Per K step the MMAs of
         chunks 0 and 1, then each partial scaled under the next MMA (chunks 2 and 3 issued as 0 and 1 are consumed),
@@ -479,18 +462,11 @@ if HAVE_GLUON:
             p0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             p1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
             idx0 = j * HALVES * KH
-            if PREFETCH:
-                a_n, wa_n, wb_n = _g1d8_wide_scales(as_row, ok, w1ts_ptr, w3ts_ptr, ws_off, 0, KH, HALVES)
             # one loop over both halves of K (dgate x w1, then dup x w3): two unrolled loops spill in the main loop
             for kk in range(HALVES * KH):
                 idx = idx0 + kk
                 s = idx % STAGES
-                if PREFETCH:  # step kk's scales came during step kk - 1; step kk + 1's load now (the last reloads)
-                    a_s, wa, wb = a_n, wa_n, wb_n
-                    a_n, wa_n, wb_n = _g1d8_wide_scales(as_row, ok, w1ts_ptr, w3ts_ptr, ws_off,
-                                                        gl.minimum(kk + 1, HALVES * KH - 1), KH, HALVES)
-                else:
-                    a_s, wa, wb = _g1d8_wide_scales(as_row, ok, w1ts_ptr, w3ts_ptr, ws_off, kk, KH, HALVES)
+                a_s, wa, wb = _g1d8_wide_scales(as_row, ok, w1ts_ptr, w3ts_ptr, ws_off, kk, KH, HALVES)
                 sa = gl.expand_dims(a_s * wa, 1)
                 sb = gl.expand_dims(a_s * wb, 1)
                 mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
@@ -527,7 +503,7 @@ if HAVE_GLUON:
                        b_bufs, ready, empty, c_smem, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
                        NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr = 2,
                        scores_ptr=None, out_ptr=None, SCATTER: gl.constexpr = False, turns=None,
-                       ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False, PREFETCH: gl.constexpr = False):
+                       ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         # cooperative: both consumers take every tile, C the rows [C * BM / 2, (C + 1) * BM / 2); the tile's BN
         # columns as two BN / 2 halves, both MMAs of a K step in flight, the first scaled under the second.
         # SCATTER (GEMM2, HALVES = 1): rows scaled by their routing score and stored at their pair's row of out.
@@ -545,7 +521,7 @@ if HAVE_GLUON:
         if WIDE:
             _g1d8_wide_tiles(dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, n_live, count,
                              a_bufs, b_bufs, ready, empty, c_smem, C, D, F, NUM_N, GROUP_M, STAGES, HALVES,
-                             scores_ptr, out_ptr, SCATTER, turns, ORDERED, PREFETCH)
+                             scores_ptr, out_ptr, SCATTER, turns, ORDERED)
         else:
             for j in range(count):
                 pid_m, pid_n = _tile_of(j, n_live, NUM_N, GROUP_M)
@@ -611,8 +587,7 @@ if HAVE_GLUON:
                                    tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                    NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False,
-                                   PREFETCH: gl.constexpr = False):
+                                   ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         """Blockwise-FP8 dx_rows of every live row tile (``ws_gemm1_dgrad_fp8``). Grid: (programs,). ORDERED: the
         consumers issue their MMAs in turn (``_turn_wait``). WIDE: the weight tiles are 2 BN rows, four BN / 2 column
         chunks per tile (``Fp8WsConfig.wide``; NUM_N = D / (2 BN))."""
@@ -630,10 +605,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                               a_bufs, b_bufs, ready, empty, c0, 0, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
-                              turns, ORDERED, WIDE, PREFETCH)),
+                              turns, ORDERED, WIDE)),
             (_g1d8_consumer, (dx_desc, as_ptr, w1ts_ptr, w3ts_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E,
                               a_bufs, b_bufs, ready, empty, c1, 1, D, F, NUM_N, GROUP_M, STAGES, 2, None, None, False,
-                              turns, ORDERED, WIDE, PREFETCH)),
+                              turns, ORDERED, WIDE)),
             (_g1d8_producer, (a_desc, w1t_desc, w3t_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready,
                               empty, D, F, NUM_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -648,8 +623,7 @@ if HAVE_GLUON:
                                  tile_expert_ptr, offsets_ptr, E, D: gl.constexpr, F: gl.constexpr,
                                  NUM_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False,
-                                 PREFETCH: gl.constexpr = False):
+                                 ORDERED: gl.constexpr = False, WIDE: gl.constexpr = False):
         """Blockwise-FP8 GEMM2 of every live row tile (``ws_gemm2_fwd_fp8``): the GEMM1 dgrad's producer and consumers
         with one K segment (h x w2) and a scatter epilogue. ``y_desc`` only gives the consumers' tile shape.
         Grid: (programs,). ORDERED: the consumers issue their MMAs in turn (``_turn_wait``). WIDE: as the dgrad's."""
@@ -665,10 +639,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 0, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True, turns, ORDERED, WIDE, PREFETCH)),
+                              True, turns, ORDERED, WIDE)),
             (_g1d8_consumer, (y_desc, as_ptr, w2s_ptr, w2s_ptr, row_pair_ptr, tile_expert_ptr, offsets_ptr, E, a_bufs,
                               b_bufs, ready, empty, a_bufs, 1, D, F, NUM_N, GROUP_M, STAGES, 1, scores_ptr, out_ptr,
-                              True, turns, ORDERED, WIDE, PREFETCH)),
+                              True, turns, ORDERED, WIDE)),
             (_g1d8_producer, (a_desc, w2_desc, w2_desc, tile_expert_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                               D, F, NUM_N, GROUP_M, STAGES, 1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -782,7 +756,7 @@ def launch_gemm1_fwd_fp8(x_fp8: Tensor, x_scale: Tensor, w1_fp8: Tensor, w1_scal
     launch(_gemm1_fwd_fp8_ws_kernel, (programs,),
            x_fp8, x_scale, w1_desc, w3_desc, w1_scale, w3_scale, gu_desc, h_desc, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, layout.top_k, num_n, cfg.group_m, cfg.stages, bm, bk, cfg.producer_regs,
-           cfg.consumer_regs, _ordered(cfg), cfg.wide, cfg.prefetch, h_scale, nonfinite_count, quant_h, num_warps=4,
+           cfg.consumer_regs, _ordered(cfg), cfg.wide, h_scale, nonfinite_count, quant_h, num_warps=4,
            maxnreg=cfg.maxnreg)
     return gu, h
 
@@ -808,7 +782,7 @@ def sm90_compile_args_fp8(cfg: Fp8WsConfig, D: int, F: int, top_k: int = 8,
            "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, TOPK=top_k, NUM_N=F // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, BM=bm, BK=bk,
               PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide,
-              PREFETCH=cfg.prefetch, QUANT_H=quant_h)
+              QUANT_H=quant_h)
     if quant_h:
         sig.update(hs_ptr="*fp32", count_ptr="*i32")
     else:
@@ -913,7 +887,7 @@ def launch_gemm1_dgrad_fp8(dgu_fp8, dgu_scale, w1t_fp8, w1t_scale, w3t_fp8, w3t_
     launch(_gemm1_dgrad_fp8_ws_kernel, (programs,),
            a_desc, w1t_desc, w3t_desc, dx_desc, dgu_scale, w1t_scale, w3t_scale, layout.row_pair, layout.tile_expert,
            layout.offsets, E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs,
-           _ordered(cfg), cfg.wide, cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg)
+           _ordered(cfg), cfg.wide, num_warps=4, maxnreg=cfg.maxnreg)
     return dx
 
 
@@ -926,7 +900,7 @@ def sm90_compile_args_dgrad_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
            "dx_desc": _sig_desc([bm // 2, bn // 2], fp8=False), "as_ptr": "*fp32", "w1ts_ptr": "*fp32",
            "w3ts_ptr": "*fp32", "row_pair_ptr": "*i32", "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide, PREFETCH=cfg.prefetch)
+              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide)
     return sig, cx
 
 
@@ -1008,7 +982,7 @@ def launch_gemm2_fwd_fp8(h_fp8, h_scale, w2_fp8, w2_scale, scores, layout, y: Te
     launch(_gemm2_fwd_fp8_ws_kernel, (programs,),
            a_desc, w2_desc, y_desc, h_scale, w2_scale, scores, y, layout.row_pair, layout.tile_expert, layout.offsets,
            E, D, F, num_n, cfg.group_m, cfg.stages, cfg.producer_regs, cfg.consumer_regs, _ordered(cfg), cfg.wide,
-           cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg)
+           num_warps=4, maxnreg=cfg.maxnreg)
     return y
 
 
@@ -1022,5 +996,5 @@ def sm90_compile_args_gemm2_fp8(cfg: Fp8WsConfig, D: int, F: int) -> tuple[dict,
            "as_ptr": "*fp32", "w2s_ptr": "*fp32", "scores_ptr": "*fp32", "out_ptr": "*bf16", "row_pair_ptr": "*i32",
            "tile_expert_ptr": "*i32", "offsets_ptr": "*i32", "E": "i32"}
     cx = dict(D=D, F=F, NUM_N=D // wn, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
-              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide, PREFETCH=cfg.prefetch)
+              CONSUMER_REGS=cfg.consumer_regs, ORDERED=_ordered(cfg), WIDE=cfg.wide)
     return sig, cx
