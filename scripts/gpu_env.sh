@@ -108,3 +108,17 @@ wgrad_fp8_tests_ab() {  # TAG: the FP8 wgrad tests, then the A/B of its staging-
   tests_ab wgrad_fp8 tests/test_ws_wgrad_fp8.py 120 wgrad_w13_fp8,wgrad_w2_fp8 "$1"
 }
 
+debug_train_seed() {  # TAG SEED LABELS...: the debug model 300 steps at --seed SEED, one run per label of
+  # bf16 / fp8 / fp8_bwd (issue 6's accuracy item over seeds; compare.loss_spread combines the records afterwards)
+  local tag=$1 seed=$2; shift 2
+  local cfgs=() labels=()
+  for l in "$@"; do
+    case $l in bf16) cfgs+=(train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml) ;;
+      *) cfgs+=("train_configs/qwen3_debugmoe_1gpu_megamoe_$l.toml") ;; esac
+    labels+=("triton-$l")
+  done
+  timeout $(left 420) python3 -m compare.train --ngpu 1 --steps 300 --skip 10 --seed "$seed" --configs "${cfgs[@]}" \
+    --labels "${labels[@]}" --out "$OUT/keep/train_debug_fp8_seed${seed}_$tag.json" \
+    > "$OUT/keep/train_debug_fp8_seed${seed}_$tag.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] train seed $seed rc $?"; grep "^| triton" "$OUT/keep/train_debug_fp8_seed${seed}_$tag.log"
+}

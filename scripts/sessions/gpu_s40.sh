@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU calls planned in session 39 for the next session (one GPU).
+# PART a: issue 6's accuracy item over three seeds with today's kernels. Session 39 ran seed 42 (bf16 / fp8 / fp8_bwd)
+#   and seed 7 (bf16 / fp8_bwd): fp8_bwd +2.04 % of bf16 (seed 42 +3.7 % after a loss spike at step 61). Here seed
+#   123 in all three precisions, then seed 7 fp8; compare.loss_spread then combines all five records (on any machine).
+# PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged) and the 235B layer in every
+#   precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B fp8 rows predate it).
+# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh   (carry .whl; see scripts/gpu_env.sh)
+source scripts/gpu_env.sh
+session_start
+if [ "$PART" = a ]; then
+  debug_train_seed a 123 bf16 fp8 fp8_bwd
+  [ "$(left 200)" -ge 100 ] && debug_train_seed a 7 fp8
+fi
+if [ "$PART" = b ]; then
+  gpu_tests fp8_b tests/test_ws_gemm_fp8.py -k gpu
+  [ "$(left 300)" -ge 200 ] && layer_ab 235b_b "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
+fi
+(cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
+session_pack "s40$PART"
