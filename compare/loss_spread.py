@@ -145,9 +145,19 @@ def group_key(run: dict, group_by: str) -> str:
     raise LossSpreadError(f"--group-by: unknown key {group_by!r}; allowed: {', '.join(GROUP_KEYS)}")
 
 
+def _max_grad_norm(run: dict) -> list | None:
+    """[largest grad norm, its step] of a run's logged steps, None without per-step grad norms."""
+    rows = [r for r in (run.get("steps") or []) if r.get("grad_norm") is not None]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: r["grad_norm"])
+    return [float(top["grad_norm"]), int(top["step"])]
+
+
 def collect_runs(records: list[tuple[str, dict]], window: int, group_by: str) -> tuple[list[dict], list[str]]:
     """One entry per run of every file (file, label, config, group, family, seed, status, value,
-    window_steps, source, excluded: reason or None) and the exclusion warnings."""
+    window_steps, source, max_grad_norm: [value, step] or None (a loss spike shows there, where the final-window
+    loss may hide it), excluded: reason or None) and the exclusion warnings."""
     runs, warnings = [], []
     for path, data in records:
         options = (data.get("run") or {}).get("options") or {}
@@ -157,8 +167,8 @@ def collect_runs(records: list[tuple[str, dict]], window: int, group_by: str) ->
                          group=group_key(run, group_by), family="torchtitan" if _is_stock(run) else "megamoe",
                          seed=options.get("seed"), git_rev=(data.get("run") or {}).get("git_rev"),
                          lr_schedule=lr_schedule(options)[0] if options else None,
-                         status=run.get("status"), value=value, window_steps=steps, source=source, excluded=None,
-                         _run=run)
+                         status=run.get("status"), value=value, window_steps=steps, source=source,
+                         max_grad_norm=_max_grad_norm(run), excluded=None, _run=run)
             if run.get("status") != "ok":
                 entry["excluded"] = f"status {run.get('status')!r}: {run.get('reason')}"
             elif value is None:
@@ -254,6 +264,10 @@ def spread(runs: list[dict], reference: str, rel_tolerance: float,
 
 # ------------------------------------------------------------------------------------ output
 
+def _gn(m: list | None) -> str:
+    return "-" if not m else f"{m[0]:.3g} ({m[1]})"
+
+
 def _f(x, spec=".4f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -278,13 +292,13 @@ def markdown(groups: list[dict], runs: list[dict], ref_key: str, window: int, gr
         lines.append(f"| {g['key']} | {g['family']} | {g['n']} | {_f(g['mean'])} | {_f(g['std'])} | "
                      f"{_f(g['min'])} | {_f(g['max'])} | {rel} | {_yes(g['within_rel_tolerance'])} | "
                      f"{_yes(g['within_reference_spread'])} |")
-    lines += ["", "| group | file | label | seed | final-window loss | steps | status |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| group | file | label | seed | final-window loss | steps | max grad norm (step) | status |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         steps = f"{r['window_steps'][0]}-{r['window_steps'][1]}" if r["window_steps"] else r["source"] or "-"
         status = f"excluded: {r['excluded']}" if r["excluded"] else "ok"
         lines.append(f"| {r['group']} | {r['file']} | {r['label']} | {r['seed'] if r['seed'] is not None else '-'} | "
-                     f"{_f(r['value'])} | {steps} | {status} |")
+                     f"{_f(r['value'])} | {steps} | {_gn(r.get('max_grad_norm'))} | {status} |")
     return "\n".join(lines)
 
 

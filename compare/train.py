@@ -12,7 +12,8 @@ For each config, in order, runs (as a subprocess, with the same seed and step co
 ``<out dir>/<out stem>_<label>.log``, parses the log with :func:`compare.trainlog.parse_metrics` /
 :func:`compare.trainlog.summarize`, and prints a markdown table: median tokens/s/GPU after the
 first ``--skip`` steps, speedup vs the first config, peak memory, median MFU, final loss (mean of
-the last 10 steps). Also writes the JSON record (provenance + per-run summary and steps) and a PNG
+the last 10 steps), and for every run after the first the step whose loss most exceeds the first run's at the
+same step (same seed, same batches: a loss spike the final loss hides). Also writes the JSON record (provenance + per-run summary and steps) and a PNG
 (loss curves + throughput, :func:`compare.trainlog._plot`).
 
 A run that exits non-zero or logs no metrics line is reported with the last 30 lines of its log and
@@ -31,7 +32,8 @@ JSON layout (``SCHEMA = "titan_megamoe.compare.train/1"``)::
                                      activation_checkpoint} (the config file's tables; compare.regress
                                      refuses to compare runs whose tables differ), command, log, returncode,
                status: "ok" | "error", reason, summary (compare.trainlog.summarize) | null,
-               speedup_vs_first | null, steps: [per-step metrics]}]}
+               speedup_vs_first | null, worst_step_vs_first (compare.trainlog.worst_step_vs against the
+               first run) | null, steps: [per-step metrics]}]}
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import sys
 from pathlib import Path
 
 from compare.records import REPO_ROOT, _pkg_version, _version, git_revision
-from compare.trainlog import _plot, parse_metrics, summarize
+from compare.trainlog import _plot, parse_metrics, summarize, worst_step_vs
 
 __all__ = ["SCHEMA", "DEFAULT_LAUNCHER", "launcher_argv", "run_command", "markdown_table", "main"]
 
@@ -134,16 +136,26 @@ def _fmt(x, spec: str) -> str:
 
 def markdown_table(runs: list[dict]) -> str:
     first = runs[0]["label"] if runs else "-"
-    lines = [f"| run | steps | median tokens/s/GPU | x {first} | peak GiB | MFU % | final loss (mean last 10) | status |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| run | steps | median tokens/s/GPU | x {first} | peak GiB | MFU % | final loss (mean last 10) | "
+             f"worst step vs {first} | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r["summary"] or {}
         status = "ok" if r["status"] == "ok" else f"error: {r['reason']}"
         lines.append(
             f"| {r['label']} | {s.get('steps', '-')} | {_fmt(s.get('median_tps'), ',.0f')} | "
             f"{_fmt(r['speedup_vs_first'], '.2f')} | {_fmt(s.get('peak_memory_gib'), '.2f')} | "
-            f"{_fmt(s.get('median_mfu_pct'), '.2f')} | {_fmt(s.get('final_loss_mean10'), '.4f')} | {status} |")
+            f"{_fmt(s.get('median_mfu_pct'), '.2f')} | {_fmt(s.get('final_loss_mean10'), '.4f')} | "
+            f"{_worst(r.get('worst_step_vs_first'))} | {status} |")
     return "\n".join(lines)
+
+
+def _worst(w: dict | None) -> str:
+    """Table cell of ``worst_step_vs_first``: "step 61: 8.842 vs 5.938 (+48.9 %), grad norm 19.5 vs 0.56"."""
+    if not w:
+        return "-"
+    return (f"step {w['step']}: {w['loss']:.4g} vs {w['ref_loss']:.4g} ({100 * w['rel']:+.1f} %), "
+            f"grad norm {w['grad_norm']:.3g} vs {w['ref_grad_norm']:.3g}")
 
 
 def _default_out() -> Path:
@@ -232,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             label=label, config=str(config), toml={k: toml.get(k, {}) for k in TOML_TABLES},
             command=shlex.join(cmd), log=str(log), returncode=rc,
             status="ok" if reason is None else "error", reason=reason,
-            summary=summary, speedup_vs_first=None, steps=rows,
+            summary=summary, speedup_vs_first=None, worst_step_vs_first=None, steps=rows,
             log_tail=None if reason is None else _tail(text),
         ))
 
@@ -240,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         if base and r["summary"] and base["median_tps"]:
             r["speedup_vs_first"] = r["summary"]["median_tps"] / base["median_tps"]
+        if base and r["summary"] and r is not runs[0]:
+            r["worst_step_vs_first"] = worst_step_vs(r["steps"], runs[0]["steps"])
 
     print(markdown_table(runs))
     options = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)

@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-__all__ = ["parse_metrics", "summarize", "main"]
+__all__ = ["parse_metrics", "summarize", "worst_step_vs", "main"]
 
 _LINE = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)\s+grad_norm:\s*(?P<grad_norm>[-+0-9.eEnaif]+)"
@@ -65,7 +65,34 @@ def summarize(rows: list[dict], skip: int = 5) -> dict:
         peak_memory_gib=max(r["memory_gib"] for r in rows),
         median_mfu_pct=statistics.median(r["mfu_pct"] for r in steady),
         skipped_warmup_steps=skip,
+        max_grad_norm=max(r["grad_norm"] for r in rows),
+        max_grad_norm_step=max(rows, key=lambda r: r["grad_norm"])["step"],
     )
+
+
+def worst_step_vs(rows: list[dict], ref_rows: list[dict]) -> dict | None:
+    """The step where a run's loss exceeds a reference run's the most, relative to the reference's loss at that
+    step (same seed, so the same batches: a gap at one step is the run's, not the data's; a precision's loss spike
+    shows here where the final loss alone hides it).
+
+    Args:
+        rows, ref_rows: per-step metrics (:func:`parse_metrics`) of the run and of the reference run.
+
+    Returns:
+        {step, loss, ref_loss, rel (loss / ref_loss - 1), grad_norm, ref_grad_norm} of that step, or None when the
+        runs share no step with a positive reference loss.
+    """
+    ref = {r["step"]: r for r in ref_rows}
+    best = None
+    for r in rows:
+        q = ref.get(r["step"])
+        if q is None or not q["loss"] > 0:
+            continue
+        rel = r["loss"] / q["loss"] - 1
+        if best is None or rel > best["rel"]:
+            best = dict(step=r["step"], loss=r["loss"], ref_loss=q["loss"], rel=rel, grad_norm=r["grad_norm"],
+                        ref_grad_norm=q["grad_norm"])
+    return best
 
 
 def _plot(runs: dict[str, list[dict]], out_png: Path) -> None:

@@ -22,7 +22,8 @@ def _run(label, config, final, n_steps=100, status="ok", converters=None, steps=
     """A compare.train run whose last 10 steps average to ``final`` (a straight line elsewhere)."""
     if converters is None:
         converters = ["megamoe"] if "megamoe" in config else []
-    rows = [dict(step=s, loss=8.0 - 0.02 * s, tps=1000) for s in range(1, n_steps + 1)]
+    rows = [dict(step=s, loss=8.0 - 0.02 * s, tps=1000, grad_norm=0.5 + (19.0 if s == 61 else 0.0))
+            for s in range(1, n_steps + 1)]
     if n_steps >= 10:
         shift = final - statistics.fmean(r["loss"] for r in rows[-10:])
         for r in rows[-10:]:
@@ -130,7 +131,7 @@ def test_not_ok_and_diverged_runs_are_excluded_with_a_warning(tmp_path, capsys):
     assert f"warning: excluded {files[2]}: run 'megamoe-triton' ({MEGA_STEM}): status 'error': exit code 1" in err
     assert "run 'torchtitan-baseline' (qwen3_debugmoe_1gpu_baseline_bf16): final-window loss is nan" in err
     assert _row(out, MEGA_STEM).startswith(f"| {MEGA_STEM} | megamoe | 2 |")  # seeds 42 and 43 only
-    assert f"| {MEGA_STEM} | {files[2]} | megamoe-triton | 44 | n/a | - | excluded: status 'error'" in out
+    assert f"| {MEGA_STEM} | {files[2]} | megamoe-triton | 44 | n/a | - | - | excluded: status 'error'" in out
     rec = json.loads(out_json.read_text())  # strict JSON: no NaN written
     assert [(e["label"], e["reason"].split(":")[0]) for e in rec["excluded"]] == [
         ("megamoe-triton", "status 'error'"), ("torchtitan-baseline", "final-window loss is nan (the run diverged")]
@@ -163,7 +164,8 @@ def test_group_warnings_and_summary_fallback(tmp_path, capsys):
     rc, out, err = _main([a, b, c, "--reference", MEGA_STEM, "--out", out_json], capsys)
     assert rc == 0
     assert _row(out, MEGA_STEM).startswith(f"| {MEGA_STEM} | megamoe | 3 | 5.4000 | 0.1000 |")
-    assert f"| {MEGA_STEM} | {c} | mega | 44 | 5.4000 | summary | ok |" in out
+    assert f"| {MEGA_STEM} | {c} | mega | 44 | 5.4000 | summary | - | ok |" in out
+    assert f"| {MEGA_STEM} | {a} | mega | 42 | 5.5000 | 91-100 | 19.5 (61) | ok |" in out  # a spike's step
     assert f"group {MEGA_STEM}: runs end at different steps (100, 200)" in err
     assert "different LR schedule lengths (100, 200)" in err
     assert "runs from different git revisions (1111111aaaabbbbccccddddeeeeffff000011112, 2222222)" in err

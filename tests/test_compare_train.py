@@ -40,10 +40,12 @@ FAKE = textwrap.dedent('''
         print("trained nothing")
         sys.exit(0)
     base = 1500 if "megamoe" in a.config else 1000
+    spike = os.environ.get("FAKE_SPIKE") and os.environ["FAKE_SPIKE"] in a.config
     for s in range(1, a.steps + 1):
         tps = 50 if s <= 2 else base + 10 * s
-        print(f"[rank0]:[titan] 2026-11-29 12:00:00,000 - root - INFO - step: {s:2d}  loss: {10 - 0.5 * s:8.5f}"
-              f"  grad_norm:  1.2345  memory:  {1.0 + 0.1 * s:.2f}GiB(1.00%)  tps: {tps:,}"
+        loss, gn = (10 - 0.5 * s + 3, 19.5) if spike and s == 7 else (10 - 0.5 * s, 1.2345)
+        print(f"[rank0]:[titan] 2026-11-29 12:00:00,000 - root - INFO - step: {s:2d}  loss: {loss:8.5f}"
+              f"  grad_norm:  {gn:.4f}  memory:  {1.0 + 0.1 * s:.2f}GiB(1.00%)  tps: {tps:,}"
               f"  tflops: 12.34  mfu: {2.0 + 0.1 * s:.2f}%")
 ''')
 
@@ -102,10 +104,38 @@ def test_two_configs(tmp_path, fake, capsys):
     assert "parallelism" in a["toml"] and "megamoe" not in a["toml"]["model"].get("converters", [])
     # table rows with the numbers; PNG exists
     assert ea["final_loss_mean10"] == 7.25 and ea["median_mfu_pct"] == pytest.approx(2.65)
-    assert "| stock | 10 | 1,065 | 1.00 | 2.00 | 2.65 | 7.2500 | ok |" in table
-    assert f"| mega | 10 | 1,565 | {1565 / 1065:.2f} | 2.00 | 2.65 | 7.2500 | ok |" in table
+    assert "| stock | 10 | 1,065 | 1.00 | 2.00 | 2.65 | 7.2500 | - | ok |" in table
+    # the same losses: the worst step is the first one at +0.0 %
+    assert b["worst_step_vs_first"]["rel"] == 0 and a["worst_step_vs_first"] is None
+    assert (f"| mega | 10 | 1,565 | {1565 / 1065:.2f} | 2.00 | 2.65 | 7.2500 | step 1: 9.5 vs 9.5 (+0.0 %), "
+            "grad norm 1.23 vs 1.23 | ok |") in table
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_loss_spike_is_named_by_its_step_against_the_first_run(tmp_path, fake, capsys, monkeypatch):
+    """A run whose loss jumps at one step (same seed, so the same batches as the first run) gets that step in its
+    record and its table row, though its final loss (mean of the last 10 steps) hides most of it."""
+    out = tmp_path / "cmp.json"
+    rc = _main(["--configs", CFG_A, CFG_B, "--steps", 10, "--skip", 2, "--labels", "stock", "mega", "--out", out,
+                "--launcher", fake], monkeypatch, {"FAKE_SPIKE": "megamoe"})
+    assert rc == 0
+    table = capsys.readouterr().out
+    w = json.loads(out.read_text())["runs"][1]["worst_step_vs_first"]
+    assert w == dict(step=7, loss=9.5, ref_loss=6.5, rel=pytest.approx(9.5 / 6.5 - 1), grad_norm=19.5,
+                     ref_grad_norm=1.2345)
+    assert "step 7: 9.5 vs 6.5 (+46.2 %), grad norm 19.5 vs 1.23" in table
+    s = json.loads(out.read_text())["runs"][1]["summary"]
+    assert s["max_grad_norm"] == 19.5 and s["max_grad_norm_step"] == 7
+
+
+def test_worst_step_vs_skips_steps_the_reference_lacks():
+    from compare.trainlog import worst_step_vs
+
+    rows = [dict(step=s, loss=l, grad_norm=1.0) for s, l in ((1, 5.0), (2, 9.0), (3, 4.0))]
+    ref = [dict(step=1, loss=5.0, grad_norm=1.0), dict(step=3, loss=2.0, grad_norm=0.5)]
+    assert worst_step_vs(rows, ref) == dict(step=3, loss=4.0, ref_loss=2.0, rel=1.0, grad_norm=1.0, ref_grad_norm=0.5)
+    assert worst_step_vs(rows, []) is None
 
 
 def test_failure_reported_others_still_run(tmp_path, fake, capsys, monkeypatch):
