@@ -6,8 +6,10 @@
 #   Then seed 42 fp8_bwd with the bf16 weight gradients (FP8_WGRAD=bf16): session 39's fp8_bwd runs had grad-norm
 #   spikes (12.7 / 19.5 / 11.7 at steps 30 / 61 / 63, seed 42; 21.3 at step 33, seed 7) where bf16 peaked at 5.4;
 #   if they vanish with bf16 wgrads, the FP8 wgrads are where to look.
-# PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged) and the 235B layer in every
-#   precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B fp8 rows predate it).
+# PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged), the fused FP8 node against the
+#   modular op at the 30B dims (new: training runs the node; its gradients had only a finite check on the GPU), and
+#   the 235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B fp8
+#   rows predate it).
 # Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -17,7 +19,7 @@ if [ "$PART" = a ]; then
   [ "$(left 200)" -ge 100 ] && TITAN_MEGAMOE_FP8_WGRAD=bf16 debug_train_seed a_wgrad_bf16 42 fp8_bwd
 fi
 if [ "$PART" = b ]; then
-  gpu_tests fp8_b tests/test_ws_gemm_fp8.py -k gpu
+  gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
   [ "$(left 300)" -ge 200 ] && layer_ab 235b_b "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
