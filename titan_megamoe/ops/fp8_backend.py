@@ -61,9 +61,9 @@ FUSE_H_QUANT = True
 #: turns it off. Read at import; a same-process switch.
 WS_GEMM1_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM1_FP8", True)
 #: The Gluon FP8 GEMM1 forward on 128 x 256 tiles (``ws_gemm_fp8.FP8_FWD_WIDE_CONFIG``: the gathered x rows of a stage
-#: feed 128 gate and 128 up columns, a quarter fewer L2 -> SM bytes per FLOP; bitwise the default tiles). Opt-in
-#: (``TITAN_MEGAMOE_FP8_FWD_WIDE=1``), built in session 36 and not yet measured on a GPU. Read at import; a
-#: same-process switch.
+#: feed 128 gate and 128 up columns, a quarter fewer L2 -> SM bytes per FLOP; bitwise the default tiles) where h is
+#: not quantized in the epilogue (``FP8_GEMM1_QUANT_H=0``; the default runs the wide tiles anyway). Opt-in
+#: (``TITAN_MEGAMOE_FP8_FWD_WIDE=1``): alone it measured no faster (session 37). Read at import; a same-process switch.
 FP8_FWD_WIDE = env_flag("TITAN_MEGAMOE_FP8_FWD_WIDE", False)
 
 #: h quantized 1x128 in the Gluon FP8 GEMM1's epilogue (``ws_gemm1_fwd_fp8(quantize_h=True)``), not by a separate
