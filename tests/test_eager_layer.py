@@ -103,14 +103,20 @@ FP8_CASES = [  # (precision, T, E, K, score_func, shared): the edge each row cov
 
 def _fused_fp8_against_modular(case, monkeypatch):
     """(modular path's step, fused node's step) of an FP8_CASES row, the node's call checked to have run."""
-    from titan_megamoe.ops import eager_layer_fp8
-
     precision, T, E, K, score_func, shared = case
     layer = _layer(128, 128, E, K, score_func=score_func, route_norm=score_func == "softmax", shared=shared,
                    precision=precision)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(1, T, 128, generator=g).bfloat16().to(DEV)
-    dy = torch.randn(1, T, 128, generator=g).bfloat16().to(DEV)
+    return _modular_and_fused_steps(layer, T, 5, monkeypatch)
+
+
+def _modular_and_fused_steps(layer, T, seed, monkeypatch):
+    """(modular path's step, fused FP8 node's step) of ``layer`` on T random tokens, the node checked to have run."""
+    from titan_megamoe.ops import eager_layer_fp8
+
+    D = layer.experts.w1.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, T, D, generator=g).bfloat16().to(DEV)
+    dy = torch.randn(1, T, D, generator=g).bfloat16().to(DEV)
     calls = []
     real = eager_layer_fp8.FusedFp8LayerFunction.apply
     monkeypatch.setattr(eager_layer_fp8.FusedFp8LayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
@@ -150,24 +156,9 @@ def test_fused_fp8_layer_matches_the_modular_path_on_gpu(precision, monkeypatch)
     Gluon kernels, wide tiles, h quantized in GEMM1) with 16 experts, top-4, 1000 tokens: the output, counts and
     expert-weight gradients bitwise, dx and the gate gradient within bf16 error. On the CPU machine only D = F = 128
     runs (above); fp8_bwd's training runs had grad-norm spikes the op-level GPU tests would not see (session 39)."""
-    from titan_megamoe.ops import eager_layer_fp8
-
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
-    layer = _layer(2048, 768, 16, 4, precision=precision)
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(1, 1000, 2048, generator=g).bfloat16().to(DEV)
-    dy = torch.randn(1, 1000, 2048, generator=g).bfloat16().to(DEV)
-    calls = []
-    real = eager_layer_fp8.FusedFp8LayerFunction.apply
-    monkeypatch.setattr(eager_layer_fp8.FusedFp8LayerFunction, "apply", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(eager_layer, "FUSED_GATE", False)
-    monkeypatch.setattr(eager_layer, "ENABLED", False)
-    ref = _step(layer, x, dy)
-    assert not calls
-    monkeypatch.setattr(eager_layer, "ENABLED", True)
-    got = _step(layer, x, dy)
-    assert calls, "the fused FP8 layer path did not run"
+    ref, got = _modular_and_fused_steps(_layer(2048, 768, 16, 4, precision=precision), 1000, 11, monkeypatch)
     for name, t in got[2].items():
         assert torch.isfinite(t).all() and t.abs().sum() > 0, name
     _assert_fused_fp8_matches(ref, got)
