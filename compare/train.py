@@ -12,9 +12,10 @@ For each config, in order, runs (as a subprocess, with the same seed and step co
 ``<out dir>/<out stem>_<label>.log``, parses the log with :func:`compare.trainlog.parse_metrics` /
 :func:`compare.trainlog.summarize`, and prints a markdown table: median tokens/s/GPU after the
 first ``--skip`` steps, speedup vs the first config, peak memory, median MFU, final loss (mean of
-the last 10 steps), and for every run after the first the step whose loss most exceeds the first run's at the
-same step (same seed, same batches: a loss spike the final loss hides). Also writes the JSON record (provenance + per-run summary and steps) and a PNG
-(loss curves + throughput, :func:`compare.trainlog._plot`).
+the last 10 steps), and for every run after the first the step whose loss most exceeds the first
+run's at the same step (same seed, same batches: a loss spike the final loss hides). Also writes the
+JSON record (provenance + per-run summary and steps) and a PNG (loss curves + throughput,
+:func:`compare.trainlog._plot`).
 
 A run that exits non-zero or logs no metrics line is reported with the last 30 lines of its log and
 recorded with ``status: "error"``; the other configs still run; the exit code is then 1. Bad options
