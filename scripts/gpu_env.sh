@@ -66,15 +66,20 @@ dynamic_tests_ab() {  # the counter schedule's GPU tests, then its A/B (scripts/
     > "$OUT/keep/ab_kernels_dynamic_a.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab dynamic rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_dynamic_a.log"
 }
-ncu_fp8() {  # ncu_fp8 TAG COUNT: Nsight Compute on scripts/ncu_gemm_fp8.py at 30B (stall reasons, L2, tensor pipe)
-  timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip 1 --launch-count "$2" \
-    -k "regex:_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" --section SpeedOfLight --section SchedulerStats \
+ncu_run() {  # FILE REGEX SKIP COUNT CMD...: Nsight Compute on CMD's kernels matching REGEX (stall reasons, L2 -> SM
+  # bytes, tensor pipe) into $OUT/keep/FILE.txt, and its summary lines
+  timeout $(left 240) "$(ncu_bin)" --clock-control none --launch-skip "$3" --launch-count "$4" -k "regex:$2" \
+    --section SpeedOfLight --section SchedulerStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second" \
-    python3 scripts/ncu_gemm_fp8.py --shape 30b > "$OUT/keep/ncu_gemm_fp8_$1.txt" 2> "$OUT/keep/ncu_gemm_fp8_$1.err"
-  echo "[t=$((SECONDS - t0))s] ncu rc $?"
+    "${@:5}" > "$OUT/keep/$1.txt" 2> "$OUT/keep/$1.err"
+  echo "[t=$((SECONDS - t0))s] ncu $1 rc $?"
   awk '/^  [_a-zA-Z]/{print; next} /Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes|gmma_cycles|per_second|Issued Warp|stalled/' \
-    "$OUT/keep/ncu_gemm_fp8_$1.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -200
-  tail -3 "$OUT/keep/ncu_gemm_fp8_$1.err" | cut -c1-200
+    "$OUT/keep/$1.txt" | awk '$NF+0 >= 0.15 || !/stalled/' | cut -c1-120 | head -200
+  tail -3 "$OUT/keep/$1.err" | cut -c1-200
+}
+ncu_fp8() {  # TAG COUNT: Nsight Compute on scripts/ncu_gemm_fp8.py at 30B (the Gluon FP8 GEMMs beside cuBLAS's dense one)
+  ncu_run "ncu_gemm_fp8_$1" "_fp8_ws_kernel|gemm|nvjet|sm90|cutlass|device_kernel" 1 "$2" \
+    python3 scripts/ncu_gemm_fp8.py --shape 30b
   timeout $(left 60) python3 scripts/ncu_gemm_fp8.py --shape 30b --time
 }
 ci_and_debug_train_fp8() {  # TAG: scripts/gpu_ci.sh, then the debug model 300 steps in bf16 / fp8 / fp8_bwd and
@@ -121,4 +126,9 @@ debug_train_seed() {  # TAG SEED LABELS...: the debug model 300 steps at --seed 
     --labels "${labels[@]}" --out "$OUT/keep/train_debug_fp8_seed${seed}_$tag.json" \
     > "$OUT/keep/train_debug_fp8_seed${seed}_$tag.log" 2>&1
   echo "[t=$((SECONDS - t0))s] train seed $seed rc $?"; grep "^| triton" "$OUT/keep/train_debug_fp8_seed${seed}_$tag.log"
+}
+ncu_wgrad() {  # TAG SHAPE: Nsight Compute on the FP8 wgrads as the op launches them (dw2's 2nd launch, dw1 | dw3's
+  # two; scripts/bench_wgrad_fp8.py --ncu --default-only; never profiled before session 40)
+  ncu_run "ncu_wgrad_fp8_$1" "_wgrad_fp8_ws_kernel" 1 3 python3 scripts/bench_wgrad_fp8.py --ncu --default-only \
+    --shapes "$2"
 }

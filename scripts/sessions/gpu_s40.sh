@@ -9,7 +9,7 @@
 # PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged), the fused FP8 node against the
 #   modular op at the 30B dims (new: training runs the node; its gradients had only a finite check on the GPU), and
 #   the 235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B fp8
-#   rows predate it).
+#   rows predate it); then Nsight Compute on the FP8 wgrads at 30B (the largest FP8 cost, never profiled).
 # Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh   (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
@@ -21,6 +21,7 @@ fi
 if [ "$PART" = b ]; then
   gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
   [ "$(left 300)" -ge 200 ] && layer_ab 235b_b "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
+  [ "$(left 200)" -ge 90 ] && ncu_wgrad b 30b
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s40$PART"
