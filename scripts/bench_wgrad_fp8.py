@@ -64,6 +64,9 @@ def main(argv=None) -> int:
                    help="only the Gluon kernel with the op's default config (with --ncu: nothing else launched)")
     p.add_argument("--ablate", action="store_true")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_wgrad_fp8: needs a CUDA GPU (the Gluon kernels run on sm_90 only)", file=sys.stderr)
+        return 2
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     dense = None if args.ncu else _dense_fp8_tflops(bench)
     rec = dict(device=torch.cuda.get_device_name(), git_rev=os.environ.get("TITAN_MEGAMOE_GIT_REV", "unknown"),
