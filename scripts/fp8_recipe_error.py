@@ -13,7 +13,7 @@ the kernels' 128x1 groups are): the exact fp32 dw2 = dout^T (s h), dh = s (dout 
 gate_up, dw1 = dgate^T x, dw3 = dup^T x; and the same through the recipe of ``ops/fp8_backend.fp8_experts_bwd``
 (``ops/fp8_reference.py``'s quantizers: dout 1x128 for the dgrad and 128x1 for dw2, w2 128x128, s h and dgate_up
 128x1, x 128x1; dgate_up rounded to bf16 as the dgrad stores it); and a bf16-operand baseline (fp32 accumulation) for
-scale. Reports per-expert relative Frobenius errors: min / median / max over experts and the worst experts' loads.
+scale, and the FP8 dgrads with bf16 weight gradients (``TITAN_MEGAMOE_FP8_WGRAD=bf16``). Reports per-expert relative Frobenius errors: min / median / max over experts and the worst experts' loads.
 """
 
 from __future__ import annotations
@@ -106,8 +106,11 @@ def expert_errors(D: int, F: int, E: int, K: int, T: int, routing: str, dout_kin
         # bf16 operands, fp32 accumulation (the bf16 path's rounding) for scale
         dgb, dub = grads(dh, True)
         bf = dict(dw2=de.T @ (se * h).bfloat16().float(), dw1=dgb.T @ xe, dw3=dub.T @ xe)
+        # FP8 dgrads, bf16 weight gradients (TITAN_MEGAMOE_FP8_WGRAD=bf16: the dgrad's dgate_up and s h as bf16)
+        hw = dict(dw2=de.T @ (se * h).bfloat16().float(), dw1=dg8.T @ xe, dw3=du8.T @ xe)
         for k in ("dw1", "dw2", "dw3"):
             res[f"fp8_{k}"], res[f"bf16_{k}"] = _rel(f8[k], ex[k]), _rel(bf[k], ex[k])
+            res[f"fp8_bf16wgrad_{k}"] = _rel(hw[k], ex[k])
         out.append(res)
     return out
 
@@ -115,7 +118,8 @@ def expert_errors(D: int, F: int, E: int, K: int, T: int, routing: str, dout_kin
 def summarize(rows: list[dict]) -> dict:
     """min / median / max over experts of each error, and the three worst experts (by fp8 dw1) with their loads."""
     s = {}
-    for k in ("fp8_dw1", "fp8_dw2", "fp8_dw3", "bf16_dw1", "bf16_dw2", "bf16_dw3"):
+    for k in ("fp8_dw1", "fp8_dw2", "fp8_dw3", "fp8_bf16wgrad_dw1", "fp8_bf16wgrad_dw2", "fp8_bf16wgrad_dw3",
+              "bf16_dw1", "bf16_dw2", "bf16_dw3"):
         v = [r[k] for r in rows]
         s[k] = dict(min=min(v), median=statistics.median(v), max=max(v))
     worst = sorted(rows, key=lambda r: -r["fp8_dw1"])[:3]
