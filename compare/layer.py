@@ -454,11 +454,13 @@ def _fill_measurements(rec: dict, results: list[dict], shape: LayerShape, T: int
     rec["notes"] = rec["notes"] or results[0]["notes"]
     errs = [r["numerics"] for r in results if r.get("numerics")]
     if errs:  # a switch row against its default row, worst over ranks (nan first)
-        rec["numerics_vs_default"] = {k: max((e[k] for e in errs), key=lambda v: math.inf if math.isnan(v) else v)
-                                      for k in errs[0]}
+        rec["numerics_vs_default"] = numerics.worst(errs)
         rec["numerics_flag"] = numerics.flag(rec["numerics_vs_default"])
         if rec["numerics_flag"]:
             rec["notes"] = list(rec["notes"]) + [rec["numerics_flag"]]
+    errs = [r["numerics_bf16"] for r in results if r.get("numerics_bf16")]
+    if errs:  # an FP8 row against the same implementation's bf16 row: the recipe's error (reported, not flagged)
+        rec["numerics_vs_bf16"] = numerics.worst(errs)
     fl = flop_model.phase_flops(T, shape.top_k, shape.dim, shape.hidden)
     rec["flops"] = fl
     rec["tflops"] = flop_model.tflops(fl["fwdbwd"], rec["fwdbwd_ms"])
@@ -589,6 +591,9 @@ def _run_all(plan: Plan, args, rank: int, mesh, ws: int, T: int, rates, sampler,
                             fp, key = local.pop("fingerprint", None), (shape.name, rspec.name, impl, precision)
                             if fp is not None and not sw:
                                 defaults[key] = fp
+                                bf16 = defaults.get((shape.name, rspec.name, impl, "bf16"))
+                                if precision != "bf16" and bf16 is not None:  # FP8's error, same weights and x
+                                    local["numerics_bf16"] = numerics.rel_errs(fp, bf16)
                             elif fp is not None and key in defaults:
                                 local["numerics"] = numerics.rel_errs(fp, defaults[key])
                             _fill_measurements(rec, _gather(local, ws), shape, T, rates, plan.cooldown_ms)
@@ -608,6 +613,10 @@ def _report(args, plan: Plan, run: dict, records: list[dict], rates, ws: int, de
     print(markdown_table(records))
     if plan.device_time or plan.cooldown_ms > 0:
         print("\n" + device_time_table(records))
+    acc = numerics.table(records)
+    if acc:
+        print("\nFP8 rows against the same implementation's bf16 row (same weights, input and routing; relative "
+              "errors of strided samples, compare/numerics.py):\n" + acc)
     if any(r.get("power") for r in records):
         print("\n" + power_table(records))
     rate_txt = ", ".join(f"{k} {v:.4g}" if v else f"{k} n/a" for k, v in rates.items())

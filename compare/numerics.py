@@ -5,6 +5,10 @@ keeps a fingerprint of one fwd + bwd step of each default megamoe row (strided s
 weight gradient) and compares each switch row's with it. A row whose relative error passes
 :data:`FLAG_REL_ERR` is flagged in its record, its notes and the table. Session 38's first fused-quantization epilogue
 wrote wrong h scales and its rows still read "ok": the timing was of wrong numerics.
+
+The same fingerprints give each FP8 row's error against the same implementation's bf16 row (same weights, input and
+routing): the recipe's accuracy at the benchmarked shape, measured in the run that times it (``numerics_vs_bf16``,
+:func:`table`; reported, not flagged).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["FLAG_REL_ERR", "fingerprint", "flag", "rel_errs"]
+__all__ = ["FLAG_REL_ERR", "fingerprint", "flag", "rel_errs", "worst", "table"]
 
 #: Relative error (||a - b|| / ||b|| over the sampled elements) above which a switch row is flagged. Rounding-level
 #: differences (a different bf16 summation order, an fp32 accumulation of a router gradient) stay far below it;
@@ -61,3 +65,26 @@ def flag(errs: dict[str, float], limit: float = FLAG_REL_ERR) -> str | None:
         return None
     name = max(bad, key=lambda k: math.inf if math.isnan(bad[k]) else bad[k])
     return f"differs from the default row: {name} rel err {bad[name]:.3g} (> {limit:g})"
+
+
+def worst(errs: list[dict[str, float]]) -> dict[str, float]:
+    """Per name, the largest error over ranks' ``rel_errs`` results (nan counts as largest)."""
+    return {k: max((e[k] for e in errs), key=lambda v: math.inf if math.isnan(v) else v) for k in errs[0]}
+
+
+def table(records: list[dict]) -> str:
+    """Markdown rows of each record's ``numerics_vs_bf16``: output, dx, and the largest weight-gradient error with its
+    parameter; "" when no record has one."""
+    rows = [r for r in records if r.get("numerics_vs_bf16")]
+    if not rows:
+        return ""
+    lines = ["| shape | implementation | precision | out rel err | dx rel err | worst weight grad rel err |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        e = r["numerics_vs_bf16"]
+        grads = {k[len("grad "):]: v for k, v in e.items() if k.startswith("grad ")}
+        g = max(grads, key=lambda k: math.inf if math.isnan(grads[k]) else grads[k]) if grads else None
+        shape = r["shape"]["name"] if isinstance(r.get("shape"), dict) else r.get("shape")
+        lines.append(f"| {shape} | {r['implementation']} | {r['precision']} | {e.get('out', math.nan):.3g} | "
+                     f"{e.get('dx', math.nan):.3g} | " + (f"{grads[g]:.3g} ({g}) |" if g else "- |"))
+    return "\n".join(lines)

@@ -116,7 +116,7 @@ def new_record(*, implementation: str, family: str, backend: str | None, compile
     rec.update(peak_gib=None, kernel_configs=None, flops=None, tflops=None, tflops_fwd=None, tflops_bwd=None,
                floor_ms=None, floor_fwd_ms=None, floor_ratio=None, floor_ratio_fwd=None,
                speedup_vs={}, status="pending", reason=None, notes=[], numerics_vs_default=None,
-               numerics_flag=None)
+               numerics_flag=None, numerics_vs_bf16=None)
     return rec
 
 

@@ -591,3 +591,33 @@ def test_parse_impls_names_the_unknown_and_the_allowed():
     assert parse_impls(" tt-eager, ,megamoe-triton ") == ["tt-eager", "megamoe-triton"]
     with pytest.raises(ValueError, match=r"\['tt-fast'\].*megamoe-reference"):
         parse_impls("tt-eager,tt-fast")
+
+
+def test_fp8_rows_are_compared_with_the_bf16_row(tmp_path, capsys, monkeypatch):
+    """An FP8 row's output, dx and weight gradients are compared with the same implementation's bf16 row (same
+    weights, input and routing): its record carries the relative errors (not a flag: the recipe's error is expected)
+    and the report prints them. On the CPU machine the triton backend is skipped, so the fp8 row here is the
+    reference backend's bf16 step with its output sample scaled by 1.03, as a 3 % output error would read."""
+    import compare.layer as cl
+
+    real = cl._run_one
+
+    def spy(impl, precision, *a, **kw):
+        local = real(impl, "bf16", *a, **kw)
+        if precision == "fp8":
+            local["fingerprint"]["out"] = local["fingerprint"]["out"] * 1.03
+        return local
+
+    monkeypatch.setattr(cl, "_run_one", spy)
+    monkeypatch.setattr(cl, "skip_reason", lambda *a: None)
+    out = tmp_path / "layer.json"
+    assert cl.main(["--tiny", "--out", str(out), "--routings", "random", "--impls", "megamoe-reference",
+                    "--precisions", "bf16,fp8", "--no-plot"]) == 0
+    bf16, fp8 = json.loads(out.read_text())["records"]
+    assert bf16["numerics_vs_bf16"] is None
+    e = fp8["numerics_vs_bf16"]
+    assert e["out"] == pytest.approx(0.03, rel=1e-3) and e["dx"] == 0.0 and fp8["numerics_flag"] is None, e
+    assert any(k.startswith("grad ") for k in e) and fp8["status"] == "ok"
+    stdout = capsys.readouterr().out
+    assert "FP8 rows against the same implementation's bf16 row" in stdout
+    assert "| megamoe-reference | fp8 | 0.03 | 0 |" in stdout
