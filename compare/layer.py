@@ -411,6 +411,10 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank, sample
             torch.cuda.empty_cache()
 
 
+#: Precisions whose rows are compared with the same implementation's bf16 row (``numerics_vs_bf16``).
+FP8_PRECISIONS = ("fp8", "fp8_bwd")
+
+
 def _gather(obj, ws: int) -> list:
     if ws == 1:
         return [obj]
@@ -534,6 +538,11 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
     records: list[dict] = []
     n_impl_rows = sum(len(plan.variants) if IMPLS[i].family == "megamoe" else 1 for i in plan.impls)
     total = len(plan.shapes) * len(plan.routings) * n_impl_rows * len(plan.precisions)
+    late = [p for p in plan.precisions if p in FP8_PRECISIONS and "bf16" in plan.precisions
+            and plan.precisions.index(p) < plan.precisions.index("bf16")]
+    if late:
+        say(f"note: {', '.join(late)} come before bf16 in --precisions: their numerics_vs_bf16 (the FP8 error against "
+            "our bf16 row) needs bf16 first and is left out")
     bar = tqdm(total=total, disable=rank != 0, file=sys.stderr, desc="compare.layer", dynamic_ncols=True)
     with sampler if sampler is not None else contextlib.nullcontext():
         _run_all(plan, args, rank, mesh, ws, T, rates, sampler, records, bar, say)
@@ -592,7 +601,7 @@ def _run_all(plan: Plan, args, rank: int, mesh, ws: int, T: int, rates, sampler,
                             if fp is not None and not sw:
                                 defaults[key] = fp
                                 bf16 = defaults.get((shape.name, rspec.name, impl, "bf16"))
-                                if precision != "bf16" and bf16 is not None:  # FP8's error, same weights and x
+                                if precision in FP8_PRECISIONS and bf16 is not None:  # same weights, x, routing
                                     local["numerics_bf16"] = numerics.rel_errs(fp, bf16)
                             elif fp is not None and key in defaults:
                                 local["numerics"] = numerics.rel_errs(fp, defaults[key])

@@ -150,8 +150,9 @@ def _max_grad_norm(run: dict) -> list | None:
     rows = [r for r in (run.get("steps") or []) if r.get("grad_norm") is not None]
     if not rows:
         return None
-    top = max(rows, key=lambda r: r["grad_norm"])
-    return [float(top["grad_norm"]), int(top["step"])]
+    top = max(rows, key=lambda r: r["grad_norm"] if math.isfinite(r["grad_norm"]) else math.inf)  # NaN: the worst
+    g = float(top["grad_norm"])
+    return [g if math.isfinite(g) else str(g), int(top["step"])]  # strict JSON has no NaN
 
 
 def collect_runs(records: list[tuple[str, dict]], window: int, group_by: str) -> tuple[list[dict], list[str]]:
@@ -265,7 +266,7 @@ def spread(runs: list[dict], reference: str, rel_tolerance: float,
 # ------------------------------------------------------------------------------------ output
 
 def _gn(m: list | None) -> str:
-    return "-" if not m else f"{m[0]:.3g} ({m[1]})"
+    return "-" if not m else (f"{m[0]} ({m[1]})" if isinstance(m[0], str) else f"{m[0]:.3g} ({m[1]})")
 
 
 def _f(x, spec=".4f"):

@@ -155,6 +155,8 @@ def _worst(w: dict | None) -> str:
     """Table cell of ``worst_step_vs_first``: "step 61: 8.842 vs 5.938 (+48.9 %), grad norm 19.5 vs 0.56"."""
     if not w:
         return "-"
+    if isinstance(w["rel"], str):  # a non-finite loss: the run diverged there
+        return f"step {w['step']}: loss {w['loss']} (diverged), grad norm {w['grad_norm']:.3g}"
     return (f"step {w['step']}: {w['loss']:.4g} vs {w['ref_loss']:.4g} ({100 * w['rel']:+.1f} %), "
             f"grad norm {w['grad_norm']:.3g} vs {w['ref_grad_norm']:.3g}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -65,9 +66,18 @@ def summarize(rows: list[dict], skip: int = 5) -> dict:
         peak_memory_gib=max(r["memory_gib"] for r in rows),
         median_mfu_pct=statistics.median(r["mfu_pct"] for r in steady),
         skipped_warmup_steps=skip,
-        max_grad_norm=max(r["grad_norm"] for r in rows),
-        max_grad_norm_step=max(rows, key=lambda r: r["grad_norm"])["step"],
+        max_grad_norm=_nan_last(max(rows, key=lambda r: _nan_high(r["grad_norm"]))["grad_norm"]),
+        max_grad_norm_step=max(rows, key=lambda r: _nan_high(r["grad_norm"]))["step"],
     )
+
+
+def _nan_high(v: float) -> float:
+    """Sort key: a non-finite value ranks above every finite one (a NaN grad norm is the worst step, not skipped)."""
+    return v if math.isfinite(v) else math.inf
+
+
+def _nan_last(v: float):
+    return v if math.isfinite(v) else str(v)  # "nan" / "inf": strict JSON has no NaN
 
 
 def worst_step_vs(rows: list[dict], ref_rows: list[dict]) -> dict | None:
@@ -80,7 +90,8 @@ def worst_step_vs(rows: list[dict], ref_rows: list[dict]) -> dict | None:
 
     Returns:
         {step, loss, ref_loss, rel (loss / ref_loss - 1), grad_norm, ref_grad_norm} of that step, or None when the
-        runs share no step with a positive reference loss.
+        runs share no step with a positive reference loss. The run's first non-finite loss (a divergence) is the worst
+        step: its loss and rel are then the strings "nan" / "inf" (strict JSON has no NaN).
     """
     ref = {r["step"]: r for r in ref_rows}
     best = None
@@ -88,10 +99,14 @@ def worst_step_vs(rows: list[dict], ref_rows: list[dict]) -> dict | None:
         q = ref.get(r["step"])
         if q is None or not q["loss"] > 0:
             continue
-        rel = r["loss"] / q["loss"] - 1
+        rel = r["loss"] / q["loss"] - 1 if math.isfinite(r["loss"]) else math.inf
         if best is None or rel > best["rel"]:
             best = dict(step=r["step"], loss=r["loss"], ref_loss=q["loss"], rel=rel, grad_norm=r["grad_norm"],
                         ref_grad_norm=q["grad_norm"])
+        if rel == math.inf:
+            break
+    if best is not None and not math.isfinite(best["rel"]):
+        best.update(loss=str(best["loss"]), rel=str(best["loss"]))
     return best
 
 

@@ -7,7 +7,8 @@ of ``kernels/ws_wgrad_fp8.py`` per config, in one process (GPU only).
 gathered 128x1, s * h and dgate_up random bf16 rows through the dual pass). For each shape: the dense e4m3 rate of
 this GPU (``torch._scaled_mm`` rowwise 8192^3, the ceiling), then ``triton.testing.do_bench`` medians (warm-up 25 ms,
 100 ms of repeats) per kernel, TF/s = 2 * P * MA * NC / time over the live rows P, the ratio to the dense rate, and
-each result compared bitwise with the first Gluon config's and with the Triton kernel's (a mismatch with the Gluon
+each result compared bitwise with the first Gluon config's (``bitwise_first_gluon``: the default config since
+session 39; ``bitwise_gluon_v1`` in earlier records, when v1 came first) and with the Triton kernel's (a mismatch with the Gluon
 reference exits 1: every config computes the same partials in the same order). ``--ncu``: each kernel runs twice,
 untimed (for ``ncu -k regex:_wgrad``); with ``--default-only`` only the Gluon kernel as the op launches it (its default
 config: two output staging tiles for dw2), no Triton launch: ``ncu -k regex:_wgrad_fp8_ws_kernel --launch-skip 1
@@ -108,8 +109,8 @@ def main(argv=None) -> int:
                 row = dict(kernel=name, variant=label, ms=round(ms, 4), tflops=round(flop / ms / 1e9, 1),
                            of_dense=round(flop / ms / 1e9 / dense, 3),
                            bitwise_triton=None if tri is None else bool(torch.equal(out, tri)),
-                           bitwise_gluon_v1=None if label == "triton" else bool(torch.equal(out, ref)))
-                bad += row["bitwise_gluon_v1"] is False
+                           bitwise_first_gluon=None if label == "triton" else bool(torch.equal(out, ref)))
+                bad += row["bitwise_first_gluon"] is False
                 rows.append(row)
                 print(shape, row)
             if args.ablate and not args.ncu:

@@ -67,8 +67,9 @@ def expert_errors(D: int, F: int, E: int, K: int, T: int, routing: str, dout_kin
     else:
         ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
     s = torch.rand(T, K, generator=g) / K
-    if dout_kind == "student":  # heavy tails: a few tokens carry most of the gradient
-        dout = (torch.distributions.StudentT(2.0).sample((T, D)) * 1e-3).bfloat16()
+    if dout_kind == "student":  # heavy tails (Student-t, 2 degrees of freedom: z / sqrt(-ln u)), from the seed
+        z, u = torch.randn(T, D, generator=g), torch.rand(T, D, generator=g).clamp_min(1e-12)
+        dout = (z / (-u.log()).sqrt() * 1e-3).bfloat16()
     else:
         dout = (torch.randn(T, D, generator=g) * 1e-3).bfloat16()
     w1 = (torch.randn(E, F, D, generator=g) * D ** -0.5).bfloat16()

@@ -114,13 +114,15 @@ wgrad_fp8_tests_ab() {  # TAG: the FP8 wgrad tests, then the A/B of its staging-
 }
 
 debug_train_seed() {  # TAG SEED LABELS...: the debug model 300 steps at --seed SEED, one run per label of
-  # bf16 / fp8 / fp8_bwd (issue 6's accuracy item over seeds; compare.loss_spread combines the records afterwards)
+  # bf16 / fp8 / fp8_bwd (issue 6's accuracy item over seeds; compare.loss_spread combines the records afterwards).
+  # LABEL_SUFFIX (env): appended to the run labels, for a run under a switch (compare.train does not record the
+  # environment; group such runs with compare.loss_spread --group-by label)
   local tag=$1 seed=$2; shift 2
   local cfgs=() labels=()
   for l in "$@"; do
     case $l in bf16) cfgs+=(train_configs/qwen3_debugmoe_1gpu_megamoe_triton_bf16.toml) ;;
       *) cfgs+=("train_configs/qwen3_debugmoe_1gpu_megamoe_$l.toml") ;; esac
-    labels+=("triton-$l")
+    labels+=("triton-$l${LABEL_SUFFIX:-}")
   done
   timeout $(left 420) python3 -m compare.train --ngpu 1 --steps 300 --skip 10 --seed "$seed" --configs "${cfgs[@]}" \
     --labels "${labels[@]}" --out "$OUT/keep/train_debug_fp8_seed${seed}_$tag.json" \

@@ -621,3 +621,17 @@ def test_fp8_rows_are_compared_with_the_bf16_row(tmp_path, capsys, monkeypatch):
     stdout = capsys.readouterr().out
     assert "FP8 rows against the same implementation's bf16 row" in stdout
     assert "| megamoe-reference | fp8 | 0.03 | 0 |" in stdout
+
+
+def test_fp8_before_bf16_in_precisions_says_the_bf16_comparison_is_left_out(tmp_path, capsys, monkeypatch):
+    import compare.layer as cl
+
+    real = cl._run_one
+    monkeypatch.setattr(cl, "_run_one", lambda impl, precision, *a, **kw: real(impl, "bf16", *a, **kw))
+    monkeypatch.setattr(cl, "skip_reason", lambda *a: None)
+    out = tmp_path / "layer.json"
+    assert cl.main(["--tiny", "--out", str(out), "--routings", "random", "--impls", "megamoe-reference",
+                    "--precisions", "fp8,bf16", "--no-plot"]) == 0
+    assert all(r["numerics_vs_bf16"] is None for r in json.loads(out.read_text())["records"])
+    got = capsys.readouterr()
+    assert "note: fp8 come before bf16 in --precisions" in got.out + got.err

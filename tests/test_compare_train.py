@@ -136,6 +136,25 @@ def test_worst_step_vs_skips_steps_the_reference_lacks():
     ref = [dict(step=1, loss=5.0, grad_norm=1.0), dict(step=3, loss=2.0, grad_norm=0.5)]
     assert worst_step_vs(rows, ref) == dict(step=3, loss=4.0, ref_loss=2.0, rel=1.0, grad_norm=1.0, ref_grad_norm=0.5)
     assert worst_step_vs(rows, []) is None
+    # a run that diverges later: its first non-finite loss is the worst step, as strings (strict JSON has no NaN)
+    bad = rows + [dict(step=4, loss=float("nan"), grad_norm=float("nan")), dict(step=5, loss=7.0, grad_norm=1.0)]
+    ref4 = ref + [dict(step=4, loss=2.0, grad_norm=0.5), dict(step=5, loss=2.0, grad_norm=0.5)]
+    w = worst_step_vs(bad, ref4)
+    assert w["step"] == 4 and w["loss"] == "nan" and w["rel"] == "nan", w
+    from compare.train import _worst
+    assert _worst(w) == "step 4: loss nan (diverged), grad norm nan"
+
+
+def test_summary_max_grad_norm_ranks_a_nan_highest():
+    from compare.trainlog import summarize
+
+    rows = [dict(step=s, loss=5.0, grad_norm=g, memory_gib=1.0, tps=100, mfu_pct=1.0)
+            for s, g in ((1, 3.0), (2, float("nan")), (3, 9.0))]
+    s = summarize(rows, skip=0)
+    assert (s["max_grad_norm"], s["max_grad_norm_step"]) == ("nan", 2)
+    rows[1]["grad_norm"] = 1.0
+    s = summarize(rows, skip=0)
+    assert (s["max_grad_norm"], s["max_grad_norm_step"]) == (9.0, 3)
 
 
 def test_failure_reported_others_still_run(tmp_path, fake, capsys, monkeypatch):

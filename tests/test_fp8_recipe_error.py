@@ -25,8 +25,7 @@ def test_recipe_errors_are_e4m3_sized_and_bf16_ones_bf16_sized(routing, dout):
         for k in ("dw1", "dw2", "dw3"):
             assert 0.005 < r[f"fp8_{k}"] < 0.12, (k, r)
             assert r[f"bf16_{k}"] < 0.006, (k, r)
-        assert r["fp8_bf16wgrad_dw2"] == r["bf16_dw2"]
-        assert r["bf16_dw1"] < r["fp8_bf16wgrad_dw1"] < r["fp8_dw1"] * 1.2
-    s = m.summarize(rows)
-    assert s["fp8_dw1"]["min"] <= s["fp8_dw1"]["median"] <= s["fp8_dw1"]["max"]
-    assert s["worst_fp8_dw1"][0]["fp8_dw1"] == s["fp8_dw1"]["max"]
+        assert r["fp8_bf16wgrad_dw2"] < r["fp8_dw2"] / 4  # bf16 wgrads: dw2 sees no FP8 operand at all
+        assert r["bf16_dw1"] < r["fp8_bf16wgrad_dw1"] < r["fp8_dw1"] * 1.2  # dw1 still has the FP8 dgrad's error
+    again = m.expert_errors(128, 128, 4, 2, 512, routing, dout, seed=1, zipf_exponent=2.0)
+    assert again == rows  # the seed fixes everything, the heavy-tailed dout included

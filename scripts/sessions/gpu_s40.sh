@@ -17,7 +17,7 @@ session_start
 if [ "$PART" = a ]; then
   debug_train_seed a 123 bf16 fp8 fp8_bwd
   [ "$(left 200)" -ge 100 ] && debug_train_seed a 7 fp8
-  [ "$(left 200)" -ge 100 ] && TITAN_MEGAMOE_FP8_WGRAD=bf16 debug_train_seed a_wgrad_bf16 42 fp8_bwd
+  [ "$(left 200)" -ge 100 ] && TITAN_MEGAMOE_FP8_WGRAD=bf16 LABEL_SUFFIX=-wgrad_bf16 debug_train_seed a_wgrad_bf16 42 fp8_bwd
 fi
 if [ "$PART" = b ]; then
   gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
