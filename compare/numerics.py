@@ -28,6 +28,11 @@ FLAG_REL_ERR = 0.05
 _MAX_SAMPLES = 1 << 20
 
 
+def _nan_high(v: float) -> float:
+    """Sort key: nan ranks above every number (a sample that went nan is the worst, not skipped)."""
+    return math.inf if math.isnan(v) else v
+
+
 def fingerprint(y: Tensor, x: Tensor, module: torch.nn.Module) -> dict[str, Tensor]:
     """Strided samples (fp32, CPU, at most ~1M elements each) of one step's output ``y``, input gradient ``x.grad``
     and every weight gradient of ``module`` (by parameter name; a DTensor's local shard)."""
@@ -63,13 +68,13 @@ def flag(errs: dict[str, float], limit: float = FLAG_REL_ERR) -> str | None:
     bad = {k: v for k, v in errs.items() if not v <= limit}
     if not bad:
         return None
-    name = max(bad, key=lambda k: math.inf if math.isnan(bad[k]) else bad[k])
+    name = max(bad, key=lambda k: _nan_high(bad[k]))
     return f"differs from the default row: {name} rel err {bad[name]:.3g} (> {limit:g})"
 
 
 def worst(errs: list[dict[str, float]]) -> dict[str, float]:
     """Per name, the largest error over ranks' ``rel_errs`` results (nan counts as largest)."""
-    return {k: max((e[k] for e in errs), key=lambda v: math.inf if math.isnan(v) else v) for k in errs[0]}
+    return {k: max((e[k] for e in errs), key=_nan_high) for k in errs[0]}
 
 
 def table(records: list[dict]) -> str:
@@ -83,7 +88,7 @@ def table(records: list[dict]) -> str:
     for r in rows:
         e = r["numerics_vs_bf16"]
         grads = {k[len("grad "):]: v for k, v in e.items() if k.startswith("grad ")}
-        g = max(grads, key=lambda k: math.inf if math.isnan(grads[k]) else grads[k]) if grads else None
+        g = max(grads, key=lambda k: _nan_high(grads[k])) if grads else None
         shape = r["shape"]["name"] if isinstance(r.get("shape"), dict) else r.get("shape")
         lines.append(f"| {shape} | {r['implementation']} | {r['precision']} | {e.get('out', math.nan):.3g} | "
                      f"{e.get('dx', math.nan):.3g} | " + (f"{grads[g]:.3g} ({g}) |" if g else "- |"))

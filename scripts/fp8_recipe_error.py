@@ -31,10 +31,6 @@ import torch  # noqa: E402
 SHAPES = {"debug": (256, 768, 64, 8), "30b": (2048, 768, 128, 8)}  # D, F, E, top_k
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _pad128(t: torch.Tensor) -> torch.Tensor:
     n = t.shape[0]
     return torch.cat([t, t.new_zeros((-n) % 128, *t.shape[1:])]) if n % 128 else t
@@ -58,6 +54,7 @@ def expert_errors(D: int, F: int, E: int, K: int, T: int, routing: str, dout_kin
                   zipf_exponent: float = 1.0) -> list[dict]:
     """One dict per expert with rows: n (routed rows), and rel errors of dw1, dw2, dw3 for "fp8" and "bf16"."""
     from titan_megamoe.ops import fp8_reference as R
+    from titan_megamoe.testing import rel_err
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=g).bfloat16()
@@ -110,8 +107,8 @@ def expert_errors(D: int, F: int, E: int, K: int, T: int, routing: str, dout_kin
         # FP8 dgrads, bf16 weight gradients (TITAN_MEGAMOE_FP8_WGRAD=bf16: the dgrad's dgate_up and s h as bf16)
         hw = dict(dw2=de.T @ (se * h).bfloat16().float(), dw1=dg8.T @ xe, dw3=du8.T @ xe)
         for k in ("dw1", "dw2", "dw3"):
-            res[f"fp8_{k}"], res[f"bf16_{k}"] = _rel(f8[k], ex[k]), _rel(bf[k], ex[k])
-            res[f"fp8_bf16wgrad_{k}"] = _rel(hw[k], ex[k])
+            res[f"fp8_{k}"], res[f"bf16_{k}"] = rel_err(f8[k], ex[k]), rel_err(bf[k], ex[k])
+            res[f"fp8_bf16wgrad_{k}"] = rel_err(hw[k], ex[k])
         out.append(res)
     return out
 
