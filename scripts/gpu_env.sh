@@ -129,6 +129,11 @@ debug_train_seed() {  # TAG SEED LABELS...: the debug model 300 steps at --seed 
     > "$OUT/keep/train_debug_fp8_seed${seed}_$tag.log" 2>&1
   echo "[t=$((SECONDS - t0))s] train seed $seed rc $?"; grep "^| triton" "$OUT/keep/train_debug_fp8_seed${seed}_$tag.log"
 }
+prof() {  # prof TAG SHAPE PRECISION: compare.profile's kernels per step (megamoe-triton, 5 iterations)
+  timeout $(left 100) python3 -m compare.profile --shape "$2" --impl megamoe-triton --precision "$3" --iters 5 \
+    --top 22 --out "$OUT/keep/profile_$1.json" > "$OUT/keep/profile_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] profile $1 rc $?"; tail -26 "$OUT/keep/profile_$1.log" | cut -c1-150
+}
 ncu_wgrad() {  # TAG SHAPE: Nsight Compute on the FP8 wgrads as the op launches them (dw2's 2nd launch, dw1 | dw3's
   # two; scripts/bench_wgrad_fp8.py --ncu --default-only; never profiled before session 40)
   ncu_run "ncu_wgrad_fp8_$1" "_wgrad_fp8_ws_kernel" 1 3 python3 scripts/bench_wgrad_fp8.py --ncu --default-only \

@@ -21,6 +21,7 @@ if [ "$PART" = a ]; then
 fi
 if [ "$PART" = b ]; then
   gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
+  [ "$(left 100)" -ge 60 ] && prof 30b_fp8_b qwen3-30b-a3b fp8  # where the 30B fp8 step goes now (session 33's is stale)
   [ "$(left 300)" -ge 200 ] && layer_ab 235b_b "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
   [ "$(left 200)" -ge 90 ] && ncu_wgrad b 30b
 fi
