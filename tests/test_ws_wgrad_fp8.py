@@ -15,18 +15,23 @@ from _sm90 import sm90_result  # noqa: E402
 BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 768, torch.bfloat16),
           ("w2_235b", 4096, 1536, None, torch.bfloat16), ("w13_235b", 3072, 4096, 1536, torch.bfloat16),
           ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16),
-          ("w2_30b_epi2", 2048, 768, None, torch.bfloat16), ("w13_235b_epi2", 3072, 4096, 1536, torch.bfloat16)]
+          ("w2_30b_epi2", 2048, 768, None, torch.bfloat16), ("w13_235b_epi2", 3072, 4096, 1536, torch.bfloat16),
+          ("w2_30b_n128", 2048, 768, None, torch.bfloat16), ("w13_30b_n128", 1536, 2048, 768, torch.bfloat16),
+          ("w13_235b_n128", 3072, 4096, 1536, torch.bfloat16)]
 
 
 def _config(label: str):
     """The default config; with the label's suffix ``_v1`` session 20's consumer (scales loaded from global memory
-    every step), with ``_epi2`` two output staging tiles per consumer."""
+    every step), with ``_epi2`` two output staging tiles per consumer, with ``_n128`` one m64n128 MMA chain per
+    consumer."""
     import dataclasses
 
-    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG, FP8_WGRAD_N128_CONFIG
 
     if label.endswith("_v1"):
         return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False)
+    if label.endswith("_n128"):
+        return FP8_WGRAD_N128_CONFIG
     return FP8_WGRAD_EPI2_CONFIG if label.endswith("_epi2") else FP8_WGRAD_CONFIG
 
 
@@ -51,8 +56,11 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     dt = dict((b[0], b[4]) for b in BUILDS)[label]
     cfg = _config(label)
     assert r["target"], "PTX not built for sm_90a"
-    assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
-    assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
+    if label.endswith("_n128"):  # two consumers x 4 k32 steps of m64n128 e4m3, the partial scaled once it completes
+        assert r["wgmma"] == 8 and r["wgmma_waits"] == ["0", "0"], (r["wgmma"], r["wgmma_waits"])
+    else:
+        assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
+        assert r["wgmma_waits"] == ["1", "0", "1", "0"], r["wgmma_waits"]  # the lo partial scaled under the hi MMA
     assert r["tma"] > 0 and r["cp_async"] == 0, "both operands by TMA"
     if label == "w13_30b":  # the same kernel with global scale loads: two TMA copies (the scale rows) fewer
         assert r["tma"] == sm90_result(__file__, "w13_30b_v1")["tma"] + 2, r["tma"]
@@ -131,6 +139,10 @@ def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, split=256)
     with pytest.raises(ValueError, match="out must be 1 contiguous"):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out=(torch.empty(4, 256, 64),))
+    with pytest.raises(ValueError, match="cfg.mma_n must be 64 or 128"):
+        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, cfg=W.Fp8WgradConfig(mma_n=256))
+    with pytest.raises(ValueError, match="234496 bytes of shared memory with torch.float32 outputs.*fewer stages"):
+        W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out_dtype=torch.float32, cfg=W.FP8_WGRAD_N128_CONFIG)
 
 
 def test_default_wgrad_config_has_two_staging_tiles_only_for_unsplit_bf16_launches(monkeypatch):
@@ -187,6 +199,8 @@ def test_fp8_backward_takes_the_gluon_wgrad_only_when_switched_on(monkeypatch):
     (16384, 128, 8, 2048, 768, "uniform", torch.bfloat16),
 ], ids=["uniform", "top1-odd-T-fp32", "zero-expert", "one-expert-fp32", "30b"])
 def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
+    import dataclasses
+
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     from titan_megamoe.kernels.grouped_gemm_fp8_bwd import wgrad_fp8
@@ -218,6 +232,12 @@ def test_ws_wgrad_fp8_matches_triton_and_fp32_on_gpu(case):
                 epi = tuple(torch.full_like(o, float("nan")) for o in out)
                 ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=epi, cfg=_config(label))
                 assert all(torch.equal(g, o) for g, o in zip(got, epi)), f"{name}: {label} differs"
+        n128 = _config("_n128") if dt == torch.bfloat16 else dataclasses.replace(_config("_n128"), stages=4)
+        wide = tuple(torch.full_like(o, float("nan")) for o in out)
+        ws_wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt, out=wide, cfg=n128)
+        print(f"{name} {case[5]} {dt}: m64n128 consumer bitwise {all(torch.equal(g, o) for g, o in zip(got, wide))}, "
+              f"rel err {rel_err(torch.cat(wide, 1).float(), torch.cat(got, 1).float()):.2e}")
+        assert all(torch.equal(g, o) for g, o in zip(got, wide)), f"{name}: the m64n128 consumer differs"
         tri = wgrad_fp8(*aT, *bT, lay, split=split, out_dtype=dt)
         got, tri = torch.cat(got, 1).float(), torch.cat(tri, 1).float()
         assert not torch.isnan(got).any(), f"{name}: output tiles left unwritten"

@@ -8,10 +8,11 @@
 #   if they vanish with bf16 wgrads, the FP8 wgrads are where to look (scripts/fp8_recipe_error.py: bf16 wgrads take dw2's
 #   error from 3.3 % to 0.17 % but dw1 / dw3's only from 5.0 % to 3.7 %, the FP8 dgrad's share).
 # PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged), the fused FP8 node against the
-#   modular op at the 30B dims (new: training runs the node; its gradients had only a finite check on the GPU), and
-#   the 235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B fp8
-#   rows predate it); then Nsight Compute on the FP8 wgrads at 30B (the largest FP8 cost, never profiled).
-# Call as: REV=<hash> PART=a|b [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh   (carry .whl; see scripts/gpu_env.sh)
+#   modular op at the 30B dims (new: training runs the node; its gradients had only a finite check on the GPU); the
+#   FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer; compare.profile of the 30B fp8 step.
+# PART c: the 235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B
+#   fp8 rows predate it; the first numerics_vs_bf16 at a real shape); then Nsight Compute on the FP8 wgrads at 30B.
+# Call as: REV=<hash> PART=a|b|c [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
 if [ "$PART" = a ]; then
@@ -21,9 +22,12 @@ if [ "$PART" = a ]; then
 fi
 if [ "$PART" = b ]; then
   gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
+  wgrad_fp8_tests_ab b  # session 40's m64n128 consumer (Fp8WgradConfig.mma_n): bitwise the default, then the A/B
   [ "$(left 100)" -ge 60 ] && prof 30b_fp8_b qwen3-30b-a3b fp8  # where the 30B fp8 step goes now (session 33's is stale)
-  [ "$(left 300)" -ge 200 ] && layer_ab 235b_b "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
-  [ "$(left 200)" -ge 90 ] && ncu_wgrad b 30b
+fi
+if [ "$PART" = c ]; then
+  layer_ab 235b_c "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
+  [ "$(left 200)" -ge 90 ] && ncu_wgrad c 30b
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s40$PART"

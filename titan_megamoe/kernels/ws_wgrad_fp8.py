@@ -45,6 +45,7 @@ from torch import Tensor
 
 from titan_megamoe.kernels.jit import env_choice
 from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.sm90_check import HOPPER_SMEM_BYTES
 from titan_megamoe.kernels.ws_gemm import HAVE_GLUON, _desc, _platform_reason, _programs
 
 if HAVE_GLUON:
@@ -60,8 +61,8 @@ if HAVE_GLUON:
 
     from titan_megamoe.kernels.ws_wgrad import _wg_count, _wg_tile
 
-__all__ = ["FP8_WGRAD_CONFIG", "FP8_WGRAD_EPI2_CONFIG", "Fp8WgradConfig", "sm90_compile_args_wgrad_fp8",
-           "ws_wgrad_fp8", "ws_wgrad_fp8_supported"]
+__all__ = ["FP8_WGRAD_CONFIG", "FP8_WGRAD_EPI2_CONFIG", "FP8_WGRAD_N128_CONFIG", "Fp8WgradConfig",
+           "sm90_compile_args_wgrad_fp8", "ws_wgrad_fp8", "ws_wgrad_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 _G = 128  # scale group = K step = tile edge
@@ -90,11 +91,12 @@ class Fp8WgradConfig:
     consumer_regs: int = 232
     smem_scales: bool = True
     epilogue_buffers: int = 1
+    mma_n: int = 64
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
         """Shared memory of the operand ring (with the scale rows where ``smem_scales``; unused, the compiler drops
         them) and the two consumers' 64 x 64 output staging tiles."""
-        staging = 2 * self.epilogue_buffers * 64 * 64 * torch.empty((), dtype=out_dtype).element_size()
+        staging = 2 * self.epilogue_buffers * 64 * self.mma_n * torch.empty((), dtype=out_dtype).element_size()
         scales = 2 * _G * 4 if self.smem_scales else 0
         return self.stages * (2 * _G * _G + scales) + staging
 
@@ -106,6 +108,9 @@ FP8_WGRAD_CONFIG = Fp8WgradConfig()
 #: 0.509 ms, 235B 2.195 -> 2.093; the split dw1 | dw3 slower, 1.069 -> 1.124 and 4.320 -> 4.459. So the default for
 #: the unsplit (dw2) launches with bf16 outputs only (``ws_wgrad_fp8`` without ``cfg``).
 FP8_WGRAD_EPI2_CONFIG = replace(FP8_WGRAD_CONFIG, epilogue_buffers=2)
+#: One m64n128 MMA chain per consumer (session 40, opt-in until measured): ``Fp8WgradConfig.mma_n``. Five stages and
+#: one 64 x 128 bf16 staging tile per consumer fit; two staging tiles need 4 stages.
+FP8_WGRAD_N128_CONFIG = replace(FP8_WGRAD_CONFIG, mma_n=128)
 
 #: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the scale
 #: rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads). Read at
@@ -165,8 +170,14 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BH, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        sa_rows = sa_bufs  # (unused without SMEM_SCALES)
+        sb_rows = sb_bufs
         if SMEM_SCALES:
-            sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, BMC, BH)
+            sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, BMC, BH if BH == 64 else BH // 2)
+        if BH == 128:  # Fp8WgradConfig.mma_n 128: one m64n128 MMA chain per k32, the staging tile 64 x 128
+            _wg8_consumer_n128(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
+                               c_smem, C, MA, NC, M1, MT, NT, STAGES, sa_rows, sb_rows, SMEM_SCALES)
+            return
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
             e, m, n = _wg_tile(j, MT, NT)
@@ -232,6 +243,59 @@ if HAVE_GLUON:
                     else:
                         tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + half * BH],
                                                         buf)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _wg8_consumer_n128(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
+                           C: gl.constexpr, MA: gl.constexpr, NC: gl.constexpr, M1: gl.constexpr, MT: gl.constexpr,
+                           NT: gl.constexpr, STAGES: gl.constexpr, sa_rows, sb_rows, SMEM_SCALES: gl.constexpr):
+        # Fp8WgradConfig.mma_n 128: consumer C's 64 output rows x the tile's 128 columns as one partial per K step
+        # (m64n128 x 4 k32), scaled once it completes: acc += (partial * a_scale[row]) * b_scale[col], the default
+        # consumer's expression per element
+        BMC: gl.constexpr = out0_desc.block_type.shape[0]
+        BN: gl.constexpr = out0_desc.block_type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        NB: gl.constexpr = c_smem.type.shape[0]
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        dt: gl.constexpr = out0_desc.dtype
+        idx = 0
+        for j in range(_wg_count(E, MT, NT)):
+            e, m, n = _wg_tile(j, MT, NT)
+            start = gl.load(offsets_ptr + e)
+            end = gl.load(offsets_ptr + e + 1)
+            row0 = m * 2 * BMC + C * BMC
+            col0 = n * BN
+            rows = row0 + gl.arange(0, BMC, layout=row_layout)
+            cols = col0 + gl.arange(0, BN, layout=col_layout)
+            acc = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            p = gl.zeros((BMC, BN), dtype=gl.float32, layout=mma_layout)
+            for r0 in range(start, end, BK):
+                s = idx % STAGES
+                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
+                if SMEM_SCALES:
+                    sa = gl.expand_dims(sa_rows.index(s).slice(C * BMC, BMC).load(row_layout), 1)
+                    sb = gl.expand_dims(sb_rows.index(s).load(col_layout), 0)
+                else:
+                    g = r0 // BK
+                    sa = gl.expand_dims(gl.load(as_ptr + g * MA + rows), 1)
+                    sb = gl.expand_dims(gl.load(bs_ptr + g * NC + cols), 0)
+                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
+                p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc += (p * sa) * sb
+                idx += 1
+            buf = c_smem.index(j % NB)
+            tma.store_wait(pendings=NB - 1)  # the store issued NB tiles ago has read buf
+            buf.store(acc.to(dt))
+            fence_async_shared()
+            if row0 < M1:
+                tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0], buf)
+            else:
+                tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0], buf)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -364,6 +428,11 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         if tuple(t.shape) != (n_cap // _G, c) or t.dtype != torch.float32 or not t.is_contiguous() or t.device != dev:
             raise ValueError(f"{fn}: {name} must be a contiguous fp32 tensor of shape {(n_cap // _G, c)} on {dev}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if cfg.mma_n not in (64, 128) or (cfg.mma_n == 128 and _ablate):
+        raise ValueError(f"{fn}: cfg.mma_n must be 64 or 128 (128 without _ablate), got {cfg.mma_n}")
+    if cfg.smem_bytes(out_dtype) > HOPPER_SMEM_BYTES:
+        raise ValueError(f"{fn}: {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory with {out_dtype} "
+                         f"outputs, more than an sm_90 block has ({HOPPER_SMEM_BYTES}); use fewer stages")
     M1 = MA if split is None else split
     if not 0 < M1 <= MA or (split is not None and M1 == MA):
         raise ValueError(f"{fn}: split={split} must be in (0, {MA})")
@@ -380,8 +449,8 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         return (out1,) if split is None else (out1, out2)
     a_desc = _desc(_k_major(aT_q), (MA, aT_q.stride(0)), (_G, _G))
     b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (_G, _G))
-    o1 = _desc(out1, (E * M1, NC), (64, 64))
-    o2 = _desc(out2, (E * (MA - M1), NC), (64, 64)) if split is not None else o1
+    o1 = _desc(out1, (E * M1, NC), (64, cfg.mma_n))  # the staging tile: the wide consumer's when mma_n is 128
+    o2 = _desc(out2, (E * (MA - M1), NC), (64, cfg.mma_n)) if split is not None else o1
     sa_desc = _desc(aT_s, (n_cap // _G, MA), (1, _G))  # one scale row per step
     sb_desc = _desc(bT_s, (n_cap // _G, NC), (1, _G))
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
@@ -399,8 +468,8 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
         return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
     fp8 = desc([_G, _G], gl.float8e4nv, "fp8e4nv")
-    out = (desc([64, 64], gl.bfloat16, "bf16") if out_dtype == torch.bfloat16
-           else desc([64, 64], gl.float32, "fp32"))
+    out = (desc([64, cfg.mma_n], gl.bfloat16, "bf16") if out_dtype == torch.bfloat16
+           else desc([64, cfg.mma_n], gl.float32, "fp32"))
     scale = desc([1, _G], gl.float32, "fp32")
     sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "offsets_ptr": "*i32", "E": "i32", "sa_desc": scale, "sb_desc": scale}
