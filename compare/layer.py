@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: where NVML clock / power samples are taken: a child process (default), a thread "
                         "of the timed process (the protocol before 2026-12-05; it competes for the GIL with the "
                         "thread that launches the kernels), or off")
+    p.add_argument("--fp8-weights-per-step", action="store_true",
+                   help="megamoe FP8 rows: drop the layer's FP8 weight copies before every step, as each optimizer "
+                        "step does in training, so the 128x128 weight quantization is timed in every step (stock "
+                        "TorchTitan's FP8 quantizes its weights in every forward); default: quantized once, "
+                        "the cache serves every timed step")
     p.add_argument("--tiny", action="store_true",
                    help=f"CPU smoke run: defaults {TINY} (explicit options still win)")
     p.add_argument("--switches", nargs="+", default=[], metavar="NAME=V[,NAME=V]",
@@ -150,6 +155,8 @@ class Plan:
     gc_off: bool = True
     #: compare.power.PowerSampler mode (--power-sampler)
     power_sampler: str = "process"
+    #: megamoe FP8 rows: the FP8 weight caches dropped before every step (--fp8-weights-per-step)
+    fp8_weights_per_step: bool = False
 
 
 def _split(s: str) -> list[str]:
@@ -290,7 +297,8 @@ def parse_options(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
             parser.error(f"argument --switches: {err}")
     return args, Plan(shapes, impls, precisions, routings, args.tokens, args.iters, args.warmup,
                       device, ws, args.device_time, args.cooldown_ms if use_cuda else 0.0, variants,
-                      gc_off=args.gc == "titan", power_sampler=args.power_sampler)
+                      gc_off=args.gc == "titan", power_sampler=args.power_sampler,
+                      fp8_weights_per_step=args.fp8_weights_per_step)
 
 
 #: Device sleep queued before each step of the --device-time pass (ms): above the host's enqueue time of
@@ -349,11 +357,16 @@ def _run_one(impl, precision, shape, ids, device, mesh, plan, seed, rank, sample
                 inject_routing(moe, ids, counts)
             params = list(moe.parameters())
             x_in, g = _inputs(shape, plan.tokens, built.dtype, device, seed + 1 + rank)  # own tokens per rank
+            # --fp8-weights-per-step: what MegaMoEConverter.post_optimizer_hook does after each optimizer step
+            caches = ([m.fp8_cache for m in moe.modules() if getattr(m, "fp8_cache", None) is not None]
+                      if plan.fp8_weights_per_step and spec.family == "megamoe" else [])
 
             def before_step():
                 for p in params:
                     p.grad = None
                 x_in.grad = None
+                for c in caches:
+                    c.invalidate()
 
             def fwd():
                 return moe(x_in)
@@ -556,6 +569,7 @@ def _main(args, argv, plan: Plan, rank: int, mesh, backend) -> int:
         run["gemm_rate_method"] = {k: v[1] for k, v in local_rates.items()}
         run["timer"] = timer_name(device)
         run["cpu_threads"] = torch.get_num_threads()
+        run["fp8_weights_per_step"] = plan.fp8_weights_per_step
         run["gc_during_timing"] = ("off (TorchTitan trainer's protocol), collected before each pass" if plan.gc_off
                                    else "python default (automatic)")
         if sampler is not None:

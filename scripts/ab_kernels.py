@@ -377,6 +377,25 @@ def _groups(shape: str):
                                                                                           epilogue_buffers=2,
                                                                                           stages=4)))]
         flops[f"wgrad_{kind}_fp8"] = fl
+    # session 40: the expert weights' FP8 copies, made once per optimizer step in training (not in compare.layer's
+    # default timing): 128x128 quantization then PyTorch's strided copy of the e4m3 tensor for the transposed copy,
+    # against the transposed copy stored by the quantizing kernel (quantize_weight_128x128_t); bitwise the same
+    from titan_megamoe.kernels.fp8_quant import quantize_weight_128x128, quantize_weight_128x128_t
+
+    w2 = (torch.randn(E, D, F, device="cuda", generator=g) / D ** 0.5).bfloat16()
+
+    def wq_torch_t():
+        out = []
+        for w in (w1, w3, w2):
+            q, s = quantize_weight_128x128(w)
+            out += [q, s, q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()]
+        return tuple(out)
+
+    def wq_fused_t():
+        return tuple(t for w in (w1, w3, w2) for t in quantize_weight_128x128_t(w))
+
+    groups["fp8_weight_quant"] = [("quant + torch transpose", wq_torch_t), ("fused transposed", wq_fused_t)]
+    flops["fp8_weight_quant"] = 0
     return groups, flops
 
 

@@ -167,6 +167,12 @@ def _bench_shape(name: str, T: int) -> dict:
         ("quant_weights_fwd_and_t", "fp8", 0, lambda: [quantize_weights(w, transposed=True, forward=True, count=None,
                                                                         name="w") for w in (w1, w3, w2)]),
         ("quant_weights_128x128_only", "fp8", 0, lambda: [quantize_weight_128x128(w) for w in (w1, w3, w2)]),
+        # before session 40: the transposed copy by PyTorch's strided copy of the e4m3 tensor (now in the kernel)
+        ("quant_weights_fwd_then_torch_t", "fp8", 0,
+         lambda: [(q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous())
+                  for q, s in (quantize_weight_128x128(w) for w in (w1, w3, w2))]),
+        ("quant_weights_t_only", "fp8", 0, lambda: [quantize_weights(w, transposed=True, forward=False, count=None,
+                                                                     name="w") for w in (w1, w3, w2)]),
     ]
     cases += _scaled_grouped_mm_cases(x, dout, w1, w3, w2, L, D, F, g1, g2)
 

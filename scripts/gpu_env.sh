@@ -45,9 +45,10 @@ ep_layer() {  # ep_layer TAG SHAPES PRECISIONS ROUTINGS CAP, at EP = $EP_GPUS (g
   echo "[t=$((SECONDS - t0))s] layer ep$EP_GPUS $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_ep${EP_GPUS}_$1.log" | head -16
 }
 layer_ab() {  # layer_ab TAG SWITCHES SHAPE PRECISIONS [IMPLS]: compare.layer rows, default and with each switch set
+  # (LAYER_FLAGS, env: more compare.layer options, e.g. --fp8-weights-per-step)
   local lim=$((${BUDGET:-570} - 5 - SECONDS + t0)); [ "$lim" -lt 10 ] && lim=10
   timeout "$lim" python3 -m compare.layer --shapes "$3" --impls "${5:-megamoe-triton}" --precisions "$4" \
-    --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} \
+    --routings random --iters 10 --warmup 3 --device-time --no-plot ${2:+--switches $2} ${LAYER_FLAGS:-} \
     --out "$OUT/keep/layer_$1.json" > "$OUT/keep/layer_$1.log" 2>&1
   echo "[t=$((SECONDS - t0))s] layer $1 rc $?"; grep "^| qwen3" "$OUT/keep/layer_$1.log" | head -${6:-12}
 }
@@ -104,6 +105,11 @@ tests_ab() {  # NAME TESTFILE CAP GROUPS TAG: TESTFILE's GPU tests (at most CAP 
   timeout $(left 150) python3 scripts/ab_kernels.py --shapes 30b,235b --rounds 8 --groups "$4" \
     --out "$OUT/keep/ab_kernels_$1_$5.json" > "$OUT/keep/ab_kernels_$1_$5.log" 2>&1
   echo "[t=$((SECONDS - t0))s] ab rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_$1_$5.log"
+}
+ab_groups() {  # TAG GROUPS [SHAPES]: scripts/ab_kernels.py's GROUPS alone (8 rotated rounds, bitwise against the first)
+  timeout $(left 150) python3 scripts/ab_kernels.py --shapes "${3:-30b,235b}" --rounds 8 --groups "$2" \
+    --out "$OUT/keep/ab_kernels_$1.json" > "$OUT/keep/ab_kernels_$1.log" 2>&1
+  echo "[t=$((SECONDS - t0))s] ab $1 rc $?"; grep -E "^(30b|235b)" "$OUT/keep/ab_kernels_$1.log"
 }
 fp8_gemm_tests_ab() {  # TAG: the FP8 GEMM1 / dgrad / GEMM2 tests, then the A/B of their tile groups
   tests_ab fp8 tests/test_ws_gemm_fp8.py 220 \

@@ -339,6 +339,38 @@ def test_layer_records_gc_and_power_sampler_choice(tmp_path):
     assert run["gc_during_timing"] == "python default (automatic)"
 
 
+@pytest.mark.parametrize("per_step", [False, True])
+def test_fp8_weights_per_step_drops_the_weight_cache_before_every_step(tmp_path, monkeypatch, per_step):
+    """--fp8-weights-per-step: each step of a megamoe row starts with its layer's FP8 weight copies dropped (as
+    MegaMoEConverter.post_optimizer_hook does after an optimizer step), so the weight quantization is timed; the
+    run's provenance says which. On the CPU machine the reference backend's layer stands in, given a cache."""
+    import compare.layer as cl
+    from titan_megamoe.ops.fp8_backend import Fp8WeightCache
+
+    dropped = []
+
+    class Cache(Fp8WeightCache):
+        def invalidate(self):
+            dropped.append(1)
+            super().invalidate()
+
+    real = cl.build_layer
+
+    def build(*a, **kw):
+        built = real(*a, **kw)
+        built.module.experts.fp8_cache = Cache()
+        return built
+
+    monkeypatch.setattr(cl, "build_layer", build)
+    out = tmp_path / "layer.json"
+    argv = ["--tiny", "--out", str(out), "--routings", "random", "--impls", "megamoe-reference", "--precisions",
+            "bf16", "--no-plot", "--iters", "3", "--warmup", "2"] + (["--fp8-weights-per-step"] if per_step else [])
+    assert cl.main(argv) == 0
+    assert json.loads(out.read_text())["run"]["fp8_weights_per_step"] is per_step
+    # the timed and warm-up steps (and the untimed step that records the kernels) each drop it once
+    assert len(dropped) == (3 + 2 + 1 if per_step else 0), len(dropped)
+
+
 def test_switches_add_same_process_megamoe_rows(tmp_path, capsys, monkeypatch):
     """--switches: one more megamoe row per entry (stock rows once), each run with its switches in force
     (environment and import-time attributes) and restored after; records and tables name them."""

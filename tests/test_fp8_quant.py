@@ -176,6 +176,33 @@ def test_weight_128x128_matches_reference(E, N, Kd, dtype):
     assert_bitwise(_fq().quantize_weight_128x128(w), ref.quantize_weight_128x128(w), f"w {E}x{N}x{Kd}")
 
 
+@pytest.mark.parametrize("forward", [True, False], ids=["fwd-and-t", "t-only"])
+@pytest.mark.parametrize("E,N,Kd,dtype", W_CASES, ids=[f"E{c[0]}-N{c[1]}-K{c[2]}" for c in W_CASES])
+def test_weight_128x128_transposed_in_one_pass_matches_reference(E, N, Kd, dtype, forward):
+    """The fused transposed copy: the transpose of the reference quantization of w, bit for bit, and the reference
+    quantization of w transposed (the FP8 dgrads' K-major operand); a non-finite block counted once (though stored
+    twice) and stored as the untransposed kernel stores it."""
+    fq = _fq()
+    w = _wide_range((E, N, Kd), dtype, seed=N + Kd + 1, dim=1) * 0.02
+    count = fq.new_nonfinite_count(DEV)
+    q, s, qt, st = fq.quantize_weight_128x128_t(w, forward=forward, nonfinite_count=count)
+    rq, rs = ref.quantize_weight_128x128(w)
+    assert qt.shape == (E, Kd, N) and st.shape == (E, Kd // 128, -(-N // 128))
+    assert_bitwise((qt, st), (rq.transpose(1, 2).contiguous(), rs.transpose(1, 2).contiguous()), "transposed")
+    if N % 128 == 0:  # the transposed weight's own reference quantization (its blocks are the same blocks)
+        assert_bitwise((qt, st), ref.quantize_weight_128x128(w.transpose(1, 2).contiguous()))
+    if forward:
+        assert_bitwise((q, s), (rq, rs), "as it lies")
+    else:
+        assert q is None and s is None
+    assert count.item() == 0
+    w[E - 1, N - 1, Kd - 1] = float("inf")
+    q, s, qt, st = fq.quantize_weight_128x128_t(w, forward=forward, nonfinite_count=count)
+    kq, ks = fq.quantize_weight_128x128(w)
+    assert_bitwise((qt, st), (kq.transpose(1, 2).contiguous(), ks.transpose(1, 2).contiguous()), "non-finite block")
+    assert count.item() == 1
+
+
 def test_empty_inputs():
     fq = _fq()
     q, s = fq.quantize_act_1x128(torch.zeros(0, 256, device=DEV))
@@ -501,8 +528,11 @@ COMPILE_CASES = [
     ("act_1x128_fp32", "act", "fp32", dict(D=2048), dict(GATHER=False)),
     ("act_128x1_bf16", "col", "bf16", dict(D=768), dict(HAS_VALID=True)),
     ("act_128x1_fp32", "col", "fp32", dict(D=4096), dict(HAS_VALID=False)),
-    ("weight_128x128_bf16", "weight", "bf16", dict(N=768, Kd=2048), {}),
-    ("weight_128x128_fp32", "weight", "fp32", dict(N=4096, Kd=1536), {}),
+    ("weight_128x128_bf16", "weight", "bf16", dict(N=768, Kd=2048), dict(FORWARD=True, TRANSPOSED=False)),
+    ("weight_128x128_fp32", "weight", "fp32", dict(N=4096, Kd=1536), dict(FORWARD=True, TRANSPOSED=False)),
+    # the transposed copy in the same pass (quantize_weight_128x128_t): "fp8" (both) and "fp8_bwd" (transposed only)
+    ("weight_128x128_t_bf16", "weight", "bf16", dict(N=768, Kd=2048), dict(FORWARD=True, TRANSPOSED=True)),
+    ("weight_128x128_t_only_fp32", "weight", "fp32", dict(N=4096, Kd=1536), dict(FORWARD=False, TRANSPOSED=True)),
 ]
 
 
@@ -543,7 +573,8 @@ def _compile_sm90_all() -> list[dict]:
             warps = fq._COL_WARPS
         else:
             fn = _kernel_variant(fq._quant_weight_128x128_kernel, False)
-            sig = {"w_ptr": f"*{dt}", "y_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "count_ptr": "*i32"}
+            sig = {"w_ptr": f"*{dt}", "y_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "count_ptr": "*i32",
+                   "yt_ptr": "*fp8e4nv", "scale_t_ptr": "*fp32"}
             cx = dict(**dims, **flags, **common)
             warps = fq._W_WARPS
         r = compile_sm90(fn, sig, cx, num_warps=warps, num_stages=1)

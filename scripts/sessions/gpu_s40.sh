@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU calls planned in session 39 for the next session (one GPU).
+# GPU calls planned in sessions 39 and 40 (session 40 was lent no GPU) for the next session (one GPU).
 # PART a: issue 6's accuracy item over three seeds with today's kernels. Session 39 ran seed 42 (bf16 / fp8 / fp8_bwd)
 #   and seed 7 (bf16 / fp8_bwd): fp8_bwd +2.04 % of bf16 (seed 42 +3.7 % after a loss spike at step 61). Here seed
 #   123 in all three precisions, then seed 7 fp8; compare.loss_spread then combines all five records (on any machine).
@@ -9,8 +9,11 @@
 #   error from 3.3 % to 0.17 % but dw1 / dw3's only from 5.0 % to 3.7 %, the FP8 dgrad's share).
 # PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged), the fused FP8 node against the
 #   modular op at the 30B dims (new: training runs the node; its gradients had only a finite check on the GPU); the
-#   FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer; compare.profile of the 30B fp8 step.
-# PART c: the 235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B
+#   FP8 quantizers' tests on CUDA and the A/B of the expert weights' FP8 copies (the transposed copy now stored by the
+#   quantizing kernel); the FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer; compare.profile of the
+#   30B fp8 step.
+# PART c: the 30B layer with the FP8 weight copies made in every step (compare.layer --fp8-weights-per-step); the
+#   235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B
 #   fp8 rows predate it; the first numerics_vs_bf16 at a real shape); then Nsight Compute on the FP8 wgrads at 30B.
 # Call as: REV=<hash> PART=a|b|c [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
@@ -21,11 +24,15 @@ if [ "$PART" = a ]; then
   [ "$(left 200)" -ge 100 ] && TITAN_MEGAMOE_FP8_WGRAD=bf16 LABEL_SUFFIX=-wgrad_bf16 debug_train_seed a_wgrad_bf16 42 fp8_bwd
 fi
 if [ "$PART" = b ]; then
+  gpu_tests quant_b tests/test_fp8_quant.py  # the transposed weight copy stored by the quantizing kernel, on CUDA
+  ab_groups wq_b fp8_weight_quant  # that copy against PyTorch's strided copy (4.1 of 4.7 ms a step at 30B, s22)
   gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
   wgrad_fp8_tests_ab b  # session 40's m64n128 consumer (Fp8WgradConfig.mma_n): bitwise the default, then the A/B
   [ "$(left 100)" -ge 60 ] && prof 30b_fp8_b qwen3-30b-a3b fp8  # where the 30B fp8 step goes now (session 33's is stale)
 fi
 if [ "$PART" = c ]; then
+  # 30B with the FP8 weight copies made in every step, as training makes them (stock's FP8 quantizes every forward)
+  LAYER_FLAGS=--fp8-weights-per-step layer_ab 30b_wq_c "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
   layer_ab 235b_c "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
   [ "$(left 200)" -ge 90 ] && ncu_wgrad c 30b
 fi

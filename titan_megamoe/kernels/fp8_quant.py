@@ -69,6 +69,7 @@ __all__ = [
     "quantize_act_1x128",
     "quantize_act_128x1",
     "quantize_weight_128x128",
+    "quantize_weight_128x128_t",
     "new_nonfinite_count",
     "check_nonfinite_count",
 ]
@@ -289,19 +290,25 @@ def _quant_act_128x1_kernel(
 @triton.jit
 def _quant_weight_128x128_kernel(
     w_ptr,  # (E, N, Kd) fp32 / bf16 / fp16
-    y_ptr,  # (E, N, Kd) fp8e4nv out
-    scale_ptr,  # (E, cdiv(N, 128), Kd // 128) fp32 out
+    y_ptr,  # (E, N, Kd) fp8e4nv out; FORWARD only
+    scale_ptr,  # (E, cdiv(N, 128), Kd // 128) fp32 out; FORWARD only
     count_ptr,  # (1,) int32, += number of non-finite blocks; CHECK only
+    yt_ptr,  # (E, Kd, N) fp8e4nv out: the transposed copy; TRANSPOSED only
+    scale_t_ptr,  # (E, Kd // 128, cdiv(N, 128)) fp32 out; TRANSPOSED only
     N: tl.constexpr,  # rows per expert (any)
     Kd: tl.constexpr,  # reduction dim, a multiple of 128
     CHECK: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     EPS: tl.constexpr,
+    FORWARD: tl.constexpr = True,
+    TRANSPOSED: tl.constexpr = False,
 ):
-    """128x128 quantization of one weight block.
+    """128x128 quantization of one weight block, stored as it lies (FORWARD) and / or transposed (TRANSPOSED: the
+    K-major copy the FP8 dgrads read; a block's amax does not depend on its orientation, so it is the transpose of
+    the FORWARD result bit for bit).
 
     Grid: (cdiv(N, 128), Kd // 128, E); program (bn, bk, e) owns rows [128 bn, 128 bn + 128) (cut at N)
-    x columns [128 bk, 128 bk + 128) of expert e, and scale[e, bn, bk].
+    x columns [128 bk, 128 bk + 128) of expert e, and scale[e, bn, bk] (scale_t[e, bk, bn]).
     """
     G: tl.constexpr = 128
     NB: tl.constexpr = (N + G - 1) // G
@@ -319,9 +326,15 @@ def _quant_weight_128x128_kernel(
     scale_11 = _scale_of(amax_11, EPS)  # (1, 1)
     q = _to_e4m3_rcp(x, scale_11, EXACT_ROUND)
 
-    tl.store(y_ptr + offs, q, mask=row_ok[:, None])
-    s_off = (e * NB + bn) * (Kd // G) + bk
-    tl.store(scale_ptr + s_off + tl.zeros((1, 1), tl.int64), scale_11)
+    if FORWARD:
+        tl.store(y_ptr + offs, q, mask=row_ok[:, None])
+        s_off = (e * NB + bn) * (Kd // G) + bk
+        tl.store(scale_ptr + s_off + tl.zeros((1, 1), tl.int64), scale_11)
+    if TRANSPOSED:  # rows of the transposed block are columns of w: stores contiguous along N
+        offs_t = (e * Kd + cols)[:, None] * N + rows[None, :]
+        tl.store(yt_ptr + offs_t, tl.trans(q), mask=row_ok[None, :])
+        st_off = (e * (Kd // G) + bk) * NB + bn
+        tl.store(scale_t_ptr + st_off + tl.zeros((1, 1), tl.int64), scale_11)
     if CHECK:
         n_bad = tl.sum(tl.sum((~(scale_11 < float("inf"))).to(tl.int32), 1), 0)
         tl.atomic_add(count_ptr, n_bad, mask=n_bad > 0)
@@ -581,10 +594,67 @@ def quantize_weight_128x128(
     interpret = interpret_mode()
     grid = (Nb, Kd // GROUP, E)
     launch(_quant_weight_128x128_kernel, grid,
-        w, out, scale_out, count if check else scale_out,
+        w, out, scale_out, count if check else scale_out, out, scale_out,
         N=N, Kd=Kd, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=_W_WARPS,
     )
     return out, scale_out
+
+
+def quantize_weight_128x128_t(
+    w: Tensor,
+    *,
+    forward: bool = True,
+    nonfinite_count: Tensor | None = None,
+    name: str | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor]:
+    """128x128 FP8 quantization of expert weights and of their transpose, in one pass over ``w``.
+
+    The transposed copy is the K-major B operand of the FP8 dgrads (FP8 wgmma reads K-major operands only). It is
+    stored from the block the program quantized, so it equals ``quantize_weight_128x128(w)`` transposed, and
+    ``fp8_reference.quantize_weight_128x128(w.transpose(1, 2))``, bit for bit (a 128x128 block's amax does not depend
+    on its orientation). Why: ``q.transpose(1, 2).contiguous()`` of a 1-byte tensor was PyTorch's strided copy, 4.1 of
+    the 4.7 ms the three 30B expert weights took per optimizer step on an H100 (``bench_fp8_30b_s22e_1xh100_20261206``,
+    ``quant_weights_fwd_and_t`` against ``quant_weights_128x128_only``).
+
+    Grid: (cdiv(N, 128), Kd // 128, E); one program per block.
+
+    Args:
+        w: (E, N, Kd) fp32 / bf16 / fp16 contiguous; Kd a multiple of 128, any N.
+        forward: also return the block-quantized w as it lies (precision "fp8"'s forward operand); False
+            ("fp8_bwd"): only the transposed copy is written.
+        nonfinite_count, name: as in ``quantize_act_1x128`` (each non-finite block counted once).
+
+    Returns:
+        (w_fp8 (E, N, Kd), scale (E, cdiv(N, 128), Kd // 128)) or (None, None) without ``forward``, then
+        (wT_fp8 (E, Kd, N) float8_e4m3fn, scale_t (E, Kd // 128, cdiv(N, 128)) fp32).
+
+    Raises:
+        ValueError: Kd not a multiple of 128 (use precision = 'bf16'), wrong dtype / shape / device / contiguity.
+
+    Host syncs: none.
+    """
+    fn = "quantize_weight_128x128_t"
+    _check_tensor(fn, name or "w", w, 3, _INPUT_DTYPES)
+    E, N, Kd = w.shape
+    check_group_dim(Kd, "reduction dim Kd (last dim)", fn, name)
+    dev = w.device
+    count, check = _count_arg(fn, nonfinite_count, dev)
+    Nb = cdiv(N, GROUP)
+    wt = torch.empty((E, Kd, N), dtype=FP8_DTYPE, device=dev)
+    st = torch.empty((E, Kd // GROUP, Nb), dtype=torch.float32, device=dev)
+    q = torch.empty((E, N, Kd), dtype=FP8_DTYPE, device=dev) if forward else None
+    s = torch.empty((E, Nb, Kd // GROUP), dtype=torch.float32, device=dev) if forward else None
+    if E == 0 or N == 0:
+        return q, s, wt, st
+    if E > 65535 or Kd // GROUP > 65535:
+        raise ValueError(f"{fn}: E={E} and Kd/128={Kd // GROUP} must be <= 65535 (CUDA grid limit)")
+    grid = (Nb, Kd // GROUP, E)
+    launch(_quant_weight_128x128_kernel, grid,
+        w, wt if q is None else q, st if s is None else s, count if check else st, wt, st,
+        N=N, Kd=Kd, CHECK=check, EXACT_ROUND=interpret_mode(), EPS=AMAX_EPS, FORWARD=forward, TRANSPOSED=True,
+        num_warps=_W_WARPS,
+    )
+    return q, s, wt, st
 
 
 assert FP8_MAX == 448.0  # the kernels spell 448 out as a literal

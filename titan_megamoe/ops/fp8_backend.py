@@ -222,15 +222,15 @@ def quantize_weights(w: Tensor, *, transposed: bool, forward: bool, count: Tenso
     Returns (q, s, qT, sT): q (E, N, Kd) e4m3 + s (E, N/128, Kd/128) fp32 when ``forward``, else None;
     qT (E, Kd, N) e4m3 + sT (E, Kd/128, N/128) when ``transposed``, else None. The transposed copy is
     the transpose of q (a 128x128 block's amax does not depend on the orientation, so it equals the
-    quantization of w.transpose(1, 2) bitwise), made contiguous: the K-major B operand of the dgrad.
+    quantization of w.transpose(1, 2) bitwise), stored transposed by the quantizing kernel itself
+    (``fp8_quant.quantize_weight_128x128_t``): the K-major B operand of the dgrad.
     """
-    from titan_megamoe.kernels.fp8_quant import quantize_weight_128x128
+    from titan_megamoe.kernels.fp8_quant import quantize_weight_128x128, quantize_weight_128x128_t
 
-    q, s = quantize_weight_128x128(w.contiguous(), nonfinite_count=count, name=name)
-    qT = sT = None
     if transposed:
-        qT, sT = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
-    return (q, s, qT, sT) if forward else (None, None, qT, sT)
+        return quantize_weight_128x128_t(w.contiguous(), forward=forward, nonfinite_count=count, name=name)
+    q, s = quantize_weight_128x128(w.contiguous(), nonfinite_count=count, name=name)
+    return (q, s, None, None) if forward else (None, None, None, None)
 
 
 class Fp8WeightCache:
