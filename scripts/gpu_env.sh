@@ -116,7 +116,7 @@ fp8_gemm_tests_ab() {  # TAG: the FP8 GEMM1 / dgrad / GEMM2 tests, then the A/B 
     gemm1_fwd_fp8_quant_h,gemm1_fwd_fp8_wide,gemm1_dgrad_fp8_wide,gemm2_fwd_fp8_wide "$1"
 }
 wgrad_fp8_tests_ab() {  # TAG: the FP8 wgrad tests, then the A/B of its staging-tile rows
-  tests_ab wgrad_fp8 tests/test_ws_wgrad_fp8.py 120 wgrad_w13_fp8,wgrad_w2_fp8 "$1"
+  tests_ab wgrad_fp8 tests/test_ws_wgrad_fp8.py 240 wgrad_w13_fp8,wgrad_w2_fp8 "$1"  # 240: each config x shape compiles
 }
 
 debug_train_seed() {  # TAG SEED LABELS...: the debug model 300 steps at --seed SEED, one run per label of
