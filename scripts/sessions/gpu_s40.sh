@@ -7,15 +7,16 @@
 #   spikes (12.7 / 19.5 / 11.7 at steps 30 / 61 / 63, seed 42; 21.3 at step 33, seed 7) where bf16 peaked at 5.4;
 #   if they vanish with bf16 wgrads, the FP8 wgrads are where to look (scripts/fp8_recipe_error.py: bf16 wgrads take dw2's
 #   error from 3.3 % to 0.17 % but dw1 / dw3's only from 5.0 % to 3.7 %, the FP8 dgrad's share).
-# PART b: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged), the fused FP8 node against the
-#   modular op at the 30B dims (new: training runs the node; its gradients had only a finite check on the GPU); the
-#   FP8 quantizers' tests on CUDA and the A/B of the expert weights' FP8 copies (the transposed copy now stored by the
-#   quantizing kernel); the FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer; compare.profile of the
-#   30B fp8 step.
-# PART c: the 30B layer with the FP8 weight copies made in every step (compare.layer --fp8-weights-per-step); the
-#   235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's 235B
-#   fp8 rows predate it; the first numerics_vs_bf16 at a real shape); then Nsight Compute on the FP8 wgrads at 30B.
-# Call as: REV=<hash> PART=a|b|c [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh (carry .whl; see scripts/gpu_env.sh)
+# PART b: the FP8 quantizers' tests on CUDA and the A/B of the expert weights' FP8 copies (the transposed copy now
+#   stored by the quantizing kernel: PyTorch's strided copy of the e4m3 tensor took 4.1 of 4.7 ms a step at 30B);
+#   the FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer and 128 x 256 tiles.
+# PART c: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged) and the fused FP8 node against
+#   the modular op at the 30B dims (training runs the node; its gradients had only a finite check on the GPU); the
+#   30B layer with the FP8 weight copies made in every step (compare.layer --fp8-weights-per-step, as training
+#   makes them); compare.profile of the 30B fp8 step.
+# PART d: the 235B layer in every precision beside stock compiled with h quantized in GEMM1 at every D (README's
+#   235B fp8 rows predate it; the first numerics_vs_bf16 at a real shape); Nsight Compute on the FP8 wgrads at 30B.
+# Call as: REV=<hash> PART=a|b|c|d [BUDGET=seconds] bash scripts/sessions/gpu_s40.sh (carry .whl; see scripts/gpu_env.sh)
 source scripts/gpu_env.sh
 session_start
 if [ "$PART" = a ]; then
@@ -25,16 +26,17 @@ if [ "$PART" = a ]; then
 fi
 if [ "$PART" = b ]; then
   gpu_tests quant_b tests/test_fp8_quant.py  # the transposed weight copy stored by the quantizing kernel, on CUDA
-  ab_groups wq_b fp8_weight_quant  # that copy against PyTorch's strided copy (4.1 of 4.7 ms a step at 30B, s22)
-  gpu_tests fp8_b tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
-  wgrad_fp8_tests_ab b  # session 40's m64n128 consumer (Fp8WgradConfig.mma_n): bitwise the default, then the A/B
-  [ "$(left 100)" -ge 60 ] && prof 30b_fp8_b qwen3-30b-a3b fp8  # where the 30B fp8 step goes now (session 33's is stale)
+  ab_groups wq_b fp8_weight_quant  # that copy against PyTorch's strided copy
+  wgrad_fp8_tests_ab b  # the m64n128 consumer and 128 x 256 tiles: bitwise the default, then the A/B
 fi
 if [ "$PART" = c ]; then
-  # 30B with the FP8 weight copies made in every step, as training makes them (stock's FP8 quantizes every forward)
+  gpu_tests fp8_c tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
   LAYER_FLAGS=--fp8-weights-per-step layer_ab 30b_wq_c "" qwen3-30b-a3b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
-  layer_ab 235b_c "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
-  [ "$(left 200)" -ge 90 ] && ncu_wgrad c 30b
+  [ "$(left 100)" -ge 60 ] && prof 30b_fp8_c qwen3-30b-a3b fp8  # where the 30B fp8 step goes now (session 33's is stale)
+fi
+if [ "$PART" = d ]; then
+  layer_ab 235b_d "" qwen3-235b-a22b bf16,fp8,fp8_bwd tt-compile,megamoe-triton 12
+  [ "$(left 200)" -ge 90 ] && ncu_wgrad d 30b
 fi
 (cd "$OUT/keep" && tar czf "logs_keep_$PART.tgz" *.log 2>/dev/null && rm -f *.log)  # few files come back
 session_pack "s40$PART"
