@@ -365,19 +365,17 @@ def _groups(shape: str):
                 t.fill_(float("nan"))
         return ws_wgrad_fp8(*w8_state[kind], lay, split=F if kind == "w13" else None, out=out, cfg=cfg)
 
-    from titan_megamoe.kernels.ws_wgrad_fp8 import (FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG, FP8_WGRAD_N128_CONFIG,
-                                                    FP8_WGRAD_WIDE_CONFIG)
+    from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG, FP8_WGRAD_N128_CONFIG
 
-    # session 40: one m64n128 MMA chain per consumer (Fp8WgradConfig.mma_n); 128 x 256 tiles (Fp8WgradConfig.wide)
+    # session 40: one m64n128 MMA chain per consumer (Fp8WgradConfig.mma_n), with one or two staging tiles
     for kind, fl in (("w13", 4 * T * K * D * F), ("w2", 2 * T * K * D * F)):
         groups[f"wgrad_{kind}_fp8"] = [
             ("default", lambda kind=kind: w8(kind, FP8_WGRAD_CONFIG)),
             ("2 staging tiles", lambda kind=kind: w8(kind, FP8_WGRAD_EPI2_CONFIG)),
             ("n128", lambda kind=kind: w8(kind, FP8_WGRAD_N128_CONFIG)),
-            ("wide 128x256", lambda kind=kind: w8(kind, FP8_WGRAD_WIDE_CONFIG)),
-            ("wide 2 staging 3 stages", lambda kind=kind: w8(kind, dataclasses.replace(FP8_WGRAD_WIDE_CONFIG,
+            ("n128 2 staging 4 stages", lambda kind=kind: w8(kind, dataclasses.replace(FP8_WGRAD_N128_CONFIG,
                                                                                           epilogue_buffers=2,
-                                                                                          stages=3)))]
+                                                                                          stages=4)))]
         flops[f"wgrad_{kind}_fp8"] = fl
     # session 40: the expert weights' FP8 copies, made once per optimizer step in training (not in compare.layer's
     # default timing): 128x128 quantization then PyTorch's strided copy of the e4m3 tensor for the transposed copy,

@@ -61,8 +61,8 @@ if HAVE_GLUON:
 
     from titan_megamoe.kernels.ws_wgrad import _wg_count, _wg_tile
 
-__all__ = ["FP8_WGRAD_CONFIG", "FP8_WGRAD_EPI2_CONFIG", "FP8_WGRAD_N128_CONFIG", "FP8_WGRAD_WIDE_CONFIG",
-           "Fp8WgradConfig", "sm90_compile_args_wgrad_fp8", "ws_wgrad_fp8", "ws_wgrad_fp8_supported"]
+__all__ = ["FP8_WGRAD_CONFIG", "FP8_WGRAD_EPI2_CONFIG", "FP8_WGRAD_N128_CONFIG", "Fp8WgradConfig",
+           "sm90_compile_args_wgrad_fp8", "ws_wgrad_fp8", "ws_wgrad_fp8_supported"]
 
 FP8 = torch.float8_e4m3fn
 _G = 128  # scale group = K step = tile edge
@@ -83,19 +83,6 @@ class Fp8WgradConfig:
         epilogue_buffers: output staging tiles per consumer (1 or 2). With 2 the tile's second half is written
             while the first half's TMA store still reads its buffer (``store_wait(1)``, not 0): at ~8 K steps per
             tile the epilogue is a tenth of the kernel (session 24's ablation), and this is its wait. The same bits.
-        mma_n: the N of each consumer's wgmma. 64 (the default): the tile's two 64-column halves in flight, the first
-            scaled under the second's MMA. 128 (session 40, opt-in): one m64n128 MMA per k32 over the tile's 128
-            columns, the partial scaled after it completes (the other consumer's MMAs run meanwhile, as in
-            DeepGEMM's FP8 GEMM): each k32 reads the consumer's 64 x 32 A tile from shared memory once instead of
-            twice (24 KiB of operand reads a K step instead of 32); staging tiles 64 x 128. The same bits expected
-            (each element's K order is the same).
-        wide: 128 x 256 output tiles (session 40, opt-in; the FP8 GEMM1 dgrad's wide tiles took 19 % off it): a
-            stage's 128 A rows (16 KiB) feed 256 columns (a 256-row B tile, 32 KiB), a quarter fewer L2 -> SM bytes
-            per FLOP than 128 x 128, and half the tiles (the per-tile epilogue and K-loop start amortized over twice
-            the MMAs); per consumer four 64 x 64 accumulators and two partials (192 registers). Needs NC % 256 == 0,
-            mma_n 64 and smem_scales. The same bits. sm_90a at 232 consumer registers: the split dw1 | dw3 launch
-            has no spill; the unsplit dw2 spills ~18 accumulator registers in its K loop (128 bytes of stack,
-            whatever the register split or ring depth tried), to be weighed in its A/B.
     """
 
     stages: int = 5
@@ -105,15 +92,13 @@ class Fp8WgradConfig:
     smem_scales: bool = True
     epilogue_buffers: int = 1
     mma_n: int = 64
-    wide: bool = False
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
         """Shared memory of the operand ring (with the scale rows where ``smem_scales``; unused, the compiler drops
-        them) and the two consumers' 64 x ``mma_n`` output staging tiles."""
+        them) and the two consumers' 64 x 64 output staging tiles."""
         staging = 2 * self.epilogue_buffers * 64 * self.mma_n * torch.empty((), dtype=out_dtype).element_size()
-        bw = 2 * _G if self.wide else _G  # the tile's columns
-        scales = (_G + bw) * 4 if self.smem_scales else 0
-        return self.stages * ((_G + bw) * _G + scales) + staging
+        scales = 2 * _G * 4 if self.smem_scales else 0
+        return self.stages * (2 * _G * _G + scales) + staging
 
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
@@ -126,9 +111,6 @@ FP8_WGRAD_EPI2_CONFIG = replace(FP8_WGRAD_CONFIG, epilogue_buffers=2)
 #: One m64n128 MMA chain per consumer (session 40, opt-in until measured): ``Fp8WgradConfig.mma_n``. Five stages and
 #: one 64 x 128 bf16 staging tile per consumer fit; two staging tiles need 4 stages.
 FP8_WGRAD_N128_CONFIG = replace(FP8_WGRAD_CONFIG, mma_n=128)
-#: 128 x 256 tiles (session 40, opt-in until measured): ``Fp8WgradConfig.wide``. Four stages (49.5 KiB each with the
-#: scale rows) and one 64 x 64 bf16 staging tile per consumer fit.
-FP8_WGRAD_WIDE_CONFIG = replace(FP8_WGRAD_CONFIG, wide=True, stages=4)
 
 #: ``TITAN_MEGAMOE_FP8_WGRAD_CONSUMER`` (default ``smem``): the consumer of a launch without ``cfg``: ``smem``, the scale
 #: rows through shared memory (FP8_WGRAD_CONFIG); ``v1``, session 20's consumer (per-step global scale loads). Read at
@@ -188,18 +170,13 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BH, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        BW: gl.constexpr = b_bufs.type.shape[1]  # the tile's columns: 128, or 256 (Fp8WgradConfig.wide)
         sa_rows = sa_bufs  # (unused without SMEM_SCALES)
         sb_rows = sb_bufs
         if SMEM_SCALES:
-            sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, 2 * BMC, BW)
+            sa_rows, sb_rows = _wg8_scale_rows(sa_bufs, sb_bufs, STAGES, BMC, BH if BH == 64 else BH // 2)
         if BH == 128:  # Fp8WgradConfig.mma_n 128: one m64n128 MMA chain per k32, the staging tile 64 x 128
             _wg8_consumer_n128(out0_desc, out1_desc, as_ptr, bs_ptr, offsets_ptr, E, a_bufs, b_bufs, ready, empty,
                                c_smem, C, MA, NC, M1, MT, NT, STAGES, sa_rows, sb_rows, SMEM_SCALES)
-            return
-        if BW == 256:  # Fp8WgradConfig.wide: 128 x 256 tiles, four 64-column chunks per consumer
-            _wg8_consumer_wide(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem, C, MA,
-                               M1, MT, NT, STAGES, sa_rows, sb_rows)
             return
         idx = 0
         for j in range(_wg_count(E, MT, NT)):
@@ -330,88 +307,12 @@ if HAVE_GLUON:
         return sa, sb_lo, sb_hi
 
     @gluon.jit
-    def _wg8_scale_rows(sa_bufs, sb_bufs, STAGES: gl.constexpr, WA: gl.constexpr, WB: gl.constexpr):
-        """The [STAGES, 1, WA] / [STAGES, 1, WB] (unswizzled) scale-row buffers (WA: the tile's rows, WB: its columns)
-        as [STAGES, WA] / [STAGES, WB]: one row per stage, a 1-D view to slice."""
+    def _wg8_scale_rows(sa_bufs, sb_bufs, STAGES: gl.constexpr, BMC: gl.constexpr, BH: gl.constexpr):
+        """The [STAGES, 1, 2 BMC] / [STAGES, 1, 2 BH] (unswizzled) scale-row buffers as [STAGES, 2 BMC] / [STAGES,
+        2 BH]: one row per stage, a 1-D view to slice."""
         flat: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        return (sa_bufs._reinterpret(gl.float32, [STAGES, WA], flat),
-                sb_bufs._reinterpret(gl.float32, [STAGES, WB], flat))
-
-    @gluon.jit
-    def _wg8_consumer_wide(out0_desc, out1_desc, offsets_ptr, E, a_bufs, b_bufs, ready, empty, c_smem,
-                           C: gl.constexpr, MA: gl.constexpr, M1: gl.constexpr, MT: gl.constexpr, NT: gl.constexpr,
-                           STAGES: gl.constexpr, sa_rows, sb_rows):
-        # Fp8WgradConfig.wide: consumer C's 64 output rows x the tile's 256 columns as four 64-column chunks (four
-        # accumulators, two partials): per K step chunks 0 and 1 issued, each partial scaled under the next chunk's
-        # MMA (chunks 2 and 3 issued as 0 and 1 are consumed), as the FP8 GEMM1 dgrad's wide tiles. Each element sums
-        # the same partials in the same order, scaled by the same expression, as the 128-column consumer's
-        BMC: gl.constexpr = out0_desc.block_type.shape[0]
-        BH: gl.constexpr = out0_desc.block_type.shape[1]
-        NB: gl.constexpr = c_smem.type.shape[0]
-        BK: gl.constexpr = a_bufs.type.shape[2]
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BH, 32])
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        dt: gl.constexpr = out0_desc.dtype
-        idx = 0
-        for j in range(_wg_count(E, MT, NT)):
-            e, m, n = _wg_tile(j, MT, NT)
-            start = gl.load(offsets_ptr + e)
-            end = gl.load(offsets_ptr + e + 1)
-            row0 = m * 2 * BMC + C * BMC
-            col0 = n * 4 * BH
-            acc0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc2 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            acc3 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            p0 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            p1 = gl.zeros((BMC, BH), dtype=gl.float32, layout=mma_layout)
-            for r0 in range(start, end, BK):
-                s = idx % STAGES
-                mbarrier.wait(ready.index(s), (idx // STAGES) & 1)
-                sa = gl.expand_dims(sa_rows.index(s).slice(C * BMC, BMC).load(row_layout), 1)
-                sbr = sb_rows.index(s)
-                a = a_bufs.index(s).slice(C * BMC, BMC, dim=0)
-                b = b_bufs.index(s)
-                p0 = warpgroup_mma(a, b.slice(0, BH, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
-                p1 = warpgroup_mma(a, b.slice(BH, BH, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
-                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                acc0 += (p0 * sa) * gl.expand_dims(sbr.slice(0, BH).load(col_layout), 0)  # under chunk 1's MMA
-                p0 = warpgroup_mma(a, b.slice(2 * BH, BH, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
-                p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
-                acc1 += (p1 * sa) * gl.expand_dims(sbr.slice(BH, BH).load(col_layout), 0)  # under chunk 2's
-                p1 = warpgroup_mma(a, b.slice(3 * BH, BH, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
-                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                acc2 += (p0 * sa) * gl.expand_dims(sbr.slice(2 * BH, BH).load(col_layout), 0)  # under chunk 3's
-                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-                sb3 = gl.expand_dims(sbr.slice(3 * BH, BH).load(col_layout), 0)  # read before the stage is freed
-                mbarrier.arrive(empty.index(s), count=1)  # the step's four MMAs done: its buffers may be refilled
-                acc3 += (p1 * sa) * sb3
-                idx += 1
-            # epilogue: the four chunks through this consumer's staging tile(s), TMA stores into dW[e] (or the second
-            # output past row M1)
-            for q in gl.static_range(4):
-                if q == 0:
-                    acc = acc0
-                elif q == 1:
-                    acc = acc1
-                elif q == 2:
-                    acc = acc2
-                else:
-                    acc = acc3
-                buf = c_smem.index(q % NB)
-                tma.store_wait(pendings=NB - 1)  # the store issued NB stores ago has read buf
-                buf.store(acc.to(dt))
-                fence_async_shared()
-                if M1 == MA:  # one output (dw2): no runtime branch (with it ptxas spilled in the K loop)
-                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + q * BH], buf)
-                elif row0 < M1:
-                    tma.async_copy_shared_to_global(out0_desc, [e * M1 + row0, col0 + q * BH], buf)
-                else:
-                    tma.async_copy_shared_to_global(out1_desc, [e * (MA - M1) + row0 - M1, col0 + q * BH], buf)
-        tma.store_wait(pendings=0)
-
+        return (sa_bufs._reinterpret(gl.float32, [STAGES, 2 * BMC], flat),
+                sb_bufs._reinterpret(gl.float32, [STAGES, 2 * BH], flat))
 
     @gluon.jit
     def _wg8_smem_scales(sa_rows, sb_rows, s, C: gl.constexpr, BMC: gl.constexpr, BH: gl.constexpr,
@@ -529,9 +430,6 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if cfg.mma_n not in (64, 128) or (cfg.mma_n == 128 and _ablate):
         raise ValueError(f"{fn}: cfg.mma_n must be 64 or 128 (128 without _ablate), got {cfg.mma_n}")
-    if cfg.wide and (cfg.mma_n != 64 or _ablate or not cfg.smem_scales or NC % (2 * _G)):
-        raise ValueError(f"{fn}: cfg.wide needs mma_n 64, smem_scales, no _ablate and NC a multiple of {2 * _G} "
-                         f"(NC={NC}, mma_n={cfg.mma_n}, smem_scales={cfg.smem_scales})")
     if cfg.smem_bytes(out_dtype) > HOPPER_SMEM_BYTES:
         raise ValueError(f"{fn}: {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory with {out_dtype} "
                          f"outputs, more than an sm_90 block has ({HOPPER_SMEM_BYTES}); use fewer stages")
@@ -546,16 +444,15 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
         raise ValueError(f"{fn}: out must be {len(shapes)} contiguous {out_dtype} tensor(s) of shape(s) {shapes} on "
                          f"{dev}, got {[(o.dtype, tuple(o.shape)) for o in out]}")
     out1, out2 = out[0], out[-1]
-    bw = 2 * _G if cfg.wide else _G  # the tile's columns (B rows per stage)
-    tiles = E * (MA // _G) * (NC // bw)
+    tiles = E * (MA // _G) * (NC // _G)
     if tiles == 0:
         return (out1,) if split is None else (out1, out2)
     a_desc = _desc(_k_major(aT_q), (MA, aT_q.stride(0)), (_G, _G))
-    b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (bw, _G))
+    b_desc = _desc(_k_major(bT_q), (NC, bT_q.stride(0)), (_G, _G))
     o1 = _desc(out1, (E * M1, NC), (64, cfg.mma_n))  # the staging tile: the wide consumer's when mma_n is 128
     o2 = _desc(out2, (E * (MA - M1), NC), (64, cfg.mma_n)) if split is not None else o1
     sa_desc = _desc(aT_s, (n_cap // _G, MA), (1, _G))  # one scale row per step
-    sb_desc = _desc(bT_s, (n_cap // _G, NC), (1, bw))
+    sb_desc = _desc(bT_s, (n_cap // _G, NC), (1, _G))
     launch(_wgrad_fp8_ws_kernel, (_programs(dev, tiles, programs),),
            a_desc, b_desc, o1, o2, aT_s, bT_s, layout.offsets, E, sa_desc, sb_desc, MA, NC, M1, cfg.stages,
            cfg.producer_regs,
@@ -570,14 +467,12 @@ def sm90_compile_args_wgrad_fp8(MA: int, NC: int, M1: int, out_dtype: torch.dtyp
         layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
-    bw = 2 * _G if cfg.wide else _G
     fp8 = desc([_G, _G], gl.float8e4nv, "fp8e4nv")
     out = (desc([64, cfg.mma_n], gl.bfloat16, "bf16") if out_dtype == torch.bfloat16
            else desc([64, cfg.mma_n], gl.float32, "fp32"))
     scale = desc([1, _G], gl.float32, "fp32")
-    sig = {"a_desc": fp8, "b_desc": desc([bw, _G], gl.float8e4nv, "fp8e4nv"), "out0_desc": out, "out1_desc": out,
-           "as_ptr": "*fp32", "bs_ptr": "*fp32", "offsets_ptr": "*i32", "E": "i32", "sa_desc": scale,
-           "sb_desc": desc([1, bw], gl.float32, "fp32")}
+    sig = {"a_desc": fp8, "b_desc": fp8, "out0_desc": out, "out1_desc": out, "as_ptr": "*fp32", "bs_ptr": "*fp32",
+           "offsets_ptr": "*i32", "E": "i32", "sa_desc": scale, "sb_desc": scale}
     cx = dict(MA=MA, NC=NC, M1=M1, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
               CONSUMER_REGS=cfg.consumer_regs, ABLATE=0, SMEM_SCALES=cfg.smem_scales, EPI_BUFFERS=cfg.epilogue_buffers)
     return sig, cx
