@@ -83,6 +83,13 @@ class Fp8WgradConfig:
         epilogue_buffers: output staging tiles per consumer (1 or 2). With 2 the tile's second half is written
             while the first half's TMA store still reads its buffer (``store_wait(1)``, not 0): at ~8 K steps per
             tile the epilogue is a tenth of the kernel (session 24's ablation), and this is its wait. The same bits.
+        mma_n: the N of each consumer's wgmma. 64 (the default): the tile's two 64-column halves in flight, the first
+            scaled under the second's MMA. 128 (session 40, opt-in until measured): one m64n128 MMA per k32 over the
+            tile's 128 columns, the partial scaled after it completes (the other consumer's MMAs run meanwhile, as in
+            DeepGEMM's FP8 GEMM): each k32 reads the consumer's 64 x 32 A tile from shared memory once instead of
+            twice (24 KiB of operand reads a K step instead of 32); staging tiles 64 x 128. The same bits expected
+            (each element's K order is the same). Prior evidence is mixed: the bf16 GEMM2 dgrad's m64n128 consumer
+            was 2 % faster than two m64n64 (session 28), the FP8 GEMM1's "cat" m64n128 variant slower (session 19).
     """
 
     stages: int = 5
