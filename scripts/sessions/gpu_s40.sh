@@ -9,7 +9,7 @@
 #   error from 3.3 % to 0.17 % but dw1 / dw3's only from 5.0 % to 3.7 %, the FP8 dgrad's share).
 # PART b: the FP8 quantizers' tests on CUDA and the A/B of the expert weights' FP8 copies (the transposed copy now
 #   stored by the quantizing kernel: PyTorch's strided copy of the e4m3 tensor took 4.1 of 4.7 ms a step at 30B);
-#   the FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer and 128 x 256 tiles.
+#   the FP8 wgrad's GPU tests and A/B with session 40's m64n128 consumer (Fp8WgradConfig.mma_n).
 # PART c: the FP8 GEMM GPU tests after the scale prefetch's removal (PTX unchanged) and the fused FP8 node against
 #   the modular op at the 30B dims (training runs the node; its gradients had only a finite check on the GPU); the
 #   30B layer with the FP8 weight copies made in every step (compare.layer --fp8-weights-per-step, as training
@@ -27,7 +27,7 @@ fi
 if [ "$PART" = b ]; then
   gpu_tests quant_b tests/test_fp8_quant.py  # the transposed weight copy stored by the quantizing kernel, on CUDA
   ab_groups wq_b fp8_weight_quant  # that copy against PyTorch's strided copy
-  wgrad_fp8_tests_ab b  # the m64n128 consumer and 128 x 256 tiles: bitwise the default, then the A/B
+  wgrad_fp8_tests_ab b  # the m64n128 consumer: bitwise the default, then the A/B
 fi
 if [ "$PART" = c ]; then
   gpu_tests fp8_c tests/test_ws_gemm_fp8.py tests/test_eager_layer.py -k gpu
