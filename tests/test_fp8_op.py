@@ -108,6 +108,25 @@ def test_wgrad_diagnosis_switch(monkeypatch):
         _fwd_bwd("fp8_bwd", *inputs)
 
 
+@pytest.mark.parametrize("forward", [True, False], ids=["fp8", "fp8_bwd"])
+def test_weight_copies_switch_keeps_the_bits(monkeypatch, forward):
+    """``FP8_WEIGHT_T_KERNEL``: the transposed copy stored by the quantizing kernel (default) or by PyTorch's strided
+    copy after it (the path before session 40): the same four tensors, bit for bit, for "fp8" and "fp8_bwd"."""
+    from titan_megamoe.ops import fp8_backend
+    from titan_megamoe.ops.fp8_backend import quantize_weights
+
+    w = (torch.randn(3, 200, 256, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16().to(DEV)
+    got = quantize_weights(w, transposed=True, forward=forward, count=None, name="w")
+    monkeypatch.setattr(fp8_backend, "FP8_WEIGHT_T_KERNEL", False)
+    before = quantize_weights(w, transposed=True, forward=forward, count=None, name="w")
+    assert (got[0] is None) == (before[0] is None) == (not forward)
+    for a, b in zip(got, before):
+        if a is not None:
+            assert a.shape == b.shape and a.is_contiguous()
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
 def test_weight_cache_hits_until_the_weight_changes():
     from titan_megamoe.ops import fp8_reference as R
 

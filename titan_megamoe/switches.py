@@ -95,6 +95,8 @@ SWITCHES: dict[str, Switch] = {s.env: s for s in (
     Switch("TITAN_MEGAMOE_WS_GEMM2_DGRAD_FP8", "auto", values=("auto", "0", "1", "pingpong"),
            attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_DGRAD_FP8"),)),
     Switch("TITAN_MEGAMOE_WS_GEMM2_FP8", "1", attrs=(("titan_megamoe.ops.fp8_backend", "WS_GEMM2_FP8"),)),
+    Switch("TITAN_MEGAMOE_FP8_WEIGHT_T_KERNEL", "1",
+           attrs=(("titan_megamoe.ops.fp8_backend", "FP8_WEIGHT_T_KERNEL"),)),
     Switch("TITAN_MEGAMOE_FP8_ORDERED_MMA", "0", attrs=(("titan_megamoe.kernels.ws_gemm_fp8", "ORDERED_MMA"),)),
     Switch("TITAN_MEGAMOE_GEMM2_DGRAD_FP8_2CTA", "auto", values=("auto", "1", "0"),
            attrs=(("titan_megamoe.kernels.grouped_gemm_fp8_bwd", "GEMM2_DGRAD_FP8_2CTA"),),

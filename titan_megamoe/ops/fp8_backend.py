@@ -112,6 +112,12 @@ GEMM2_DGRAD_FP8_COOP_DIM = 4096
 #: (one H100, 30B: kernel 0.706 -> 0.598 ms, 235B 2.456 -> 2.032; same process, fp8 fwd+bwd 8.47 -> 8.25 ms, forward
 #: 2.69 -> 2.48); ``TITAN_MEGAMOE_WS_GEMM2_FP8=0`` turns it off. Read at import; a same-process switch.
 WS_GEMM2_FP8 = env_flag("TITAN_MEGAMOE_WS_GEMM2_FP8", True)
+
+#: The expert weights' transposed FP8 copy (the dgrads' K-major operand) stored by the quantizing kernel
+#: (``fp8_quant.quantize_weight_128x128_t``, session 40); ``TITAN_MEGAMOE_FP8_WEIGHT_T_KERNEL=0``: the 128x128
+#: quantization, then PyTorch's strided copy of the e4m3 tensor (the path before; 4.1 of the 4.7 ms the 30B copies
+#: took a layer step on an H100). The same bits. Read at import; a same-process switch.
+FP8_WEIGHT_T_KERNEL = env_flag("TITAN_MEGAMOE_FP8_WEIGHT_T_KERNEL", True)
 #: Smallest CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 MIN_FP8_CAPABILITY = (8, 9)
 #: The weight gradients of the FP8 backward (default "fp8": the FP8 wgrad kernels). "bf16": dw1 / dw2 / dw3 from
@@ -227,10 +233,13 @@ def quantize_weights(w: Tensor, *, transposed: bool, forward: bool, count: Tenso
     """
     from titan_megamoe.kernels.fp8_quant import quantize_weight_128x128, quantize_weight_128x128_t
 
-    if transposed:
+    if transposed and FP8_WEIGHT_T_KERNEL:
         return quantize_weight_128x128_t(w.contiguous(), forward=forward, nonfinite_count=count, name=name)
     q, s = quantize_weight_128x128(w.contiguous(), nonfinite_count=count, name=name)
-    return (q, s, None, None) if forward else (None, None, None, None)
+    qT = sT = None
+    if transposed:
+        qT, sT = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+    return (q, s, qT, sT) if forward else (None, None, qT, sT)
 
 
 class Fp8WeightCache:
