@@ -579,25 +579,39 @@ def quantize_weight_128x128(
     Host syncs: none.
     """
     fn = "quantize_weight_128x128"
+    E, N, Kd, count = _weight_args(fn, w, nonfinite_count, name)
+    out = _out_buffer(fn, "out", out, (E, N, Kd), FP8_DTYPE, w.device)
+    scale_out = _out_buffer(fn, "scale_out", scale_out, (E, cdiv(N, GROUP), Kd // GROUP), torch.float32, w.device)
+    _launch_weight(w, out, scale_out, None, None, count)
+    return out, scale_out
+
+
+def _weight_args(fn: str, w: Tensor, nonfinite_count: Tensor | None, name: str | None):
+    """The weight quantizers' checks: (E, N, Kd, the count or None). Raises ValueError naming ``fn``."""
     _check_tensor(fn, name or "w", w, 3, _INPUT_DTYPES)
     E, N, Kd = w.shape
     check_group_dim(Kd, "reduction dim Kd (last dim)", fn, name)
-    dev = w.device
-    count, check = _count_arg(fn, nonfinite_count, dev)
-    Nb = cdiv(N, GROUP)
-    out = _out_buffer(fn, "out", out, (E, N, Kd), FP8_DTYPE, dev)
-    scale_out = _out_buffer(fn, "scale_out", scale_out, (E, Nb, Kd // GROUP), torch.float32, dev)
-    if E == 0 or N == 0:
-        return out, scale_out
+    count, _ = _count_arg(fn, nonfinite_count, w.device)
     if E > 65535 or Kd // GROUP > 65535:
         raise ValueError(f"{fn}: E={E} and Kd/128={Kd // GROUP} must be <= 65535 (CUDA grid limit)")
-    interpret = interpret_mode()
-    grid = (Nb, Kd // GROUP, E)
-    launch(_quant_weight_128x128_kernel, grid,
-        w, out, scale_out, count if check else scale_out, out, scale_out,
-        N=N, Kd=Kd, CHECK=check, EXACT_ROUND=interpret, EPS=AMAX_EPS, num_warps=_W_WARPS,
+    return E, N, Kd, count
+
+
+def _launch_weight(w: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor | None, st: Tensor | None,
+                   count: Tensor | None) -> None:
+    """One program per 128x128 block of w (E, N, Kd): q / s as it lies and / or qt / st transposed (None: not
+    stored; an unused pointer gets another output tensor, never written)."""
+    E, N, Kd = w.shape
+    if E == 0 or N == 0:
+        return
+    some = q if q is not None else qt
+    some_s = s if s is not None else st
+    launch(_quant_weight_128x128_kernel, (cdiv(N, GROUP), Kd // GROUP, E),
+        w, some, some_s, some_s if count is None else count, qt if qt is not None else some,
+        st if st is not None else some_s,
+        N=N, Kd=Kd, CHECK=count is not None, EXACT_ROUND=interpret_mode(), EPS=AMAX_EPS, FORWARD=q is not None,
+        TRANSPOSED=qt is not None, num_warps=_W_WARPS,
     )
-    return out, scale_out
 
 
 def quantize_weight_128x128_t(
@@ -634,18 +648,14 @@ def quantize_weight_128x128_t(
     Host syncs: none.
     """
     fn = "quantize_weight_128x128_t"
-    _check_tensor(fn, name or "w", w, 3, _INPUT_DTYPES)
-    E, N, Kd = w.shape
-    check_group_dim(Kd, "reduction dim Kd (last dim)", fn, name)
-    dev = w.device
-    count, check = _count_arg(fn, nonfinite_count, dev)
-    Nb = cdiv(N, GROUP)
+    E, N, Kd, count = _weight_args(fn, w, nonfinite_count, name)
+    dev, Nb = w.device, cdiv(N, GROUP)
     wt = torch.empty((E, Kd, N), dtype=FP8_DTYPE, device=dev)
     st = torch.empty((E, Kd // GROUP, Nb), dtype=torch.float32, device=dev)
     q = torch.empty((E, N, Kd), dtype=FP8_DTYPE, device=dev) if forward else None
     s = torch.empty((E, Nb, Kd // GROUP), dtype=torch.float32, device=dev) if forward else None
-    if E == 0 or N == 0:
-        return q, s, wt, st
+    _launch_weight(w, q, s, wt, st, count)
+    return q, s, wt, st
     if E > 65535 or Kd // GROUP > 65535:
         raise ValueError(f"{fn}: E={E} and Kd/128={Kd // GROUP} must be <= 65535 (CUDA grid limit)")
     grid = (Nb, Kd // GROUP, E)
