@@ -656,15 +656,6 @@ def quantize_weight_128x128_t(
     s = torch.empty((E, Nb, Kd // GROUP), dtype=torch.float32, device=dev) if forward else None
     _launch_weight(w, q, s, wt, st, count)
     return q, s, wt, st
-    if E > 65535 or Kd // GROUP > 65535:
-        raise ValueError(f"{fn}: E={E} and Kd/128={Kd // GROUP} must be <= 65535 (CUDA grid limit)")
-    grid = (Nb, Kd // GROUP, E)
-    launch(_quant_weight_128x128_kernel, grid,
-        w, wt if q is None else q, st if s is None else s, count if check else st, wt, st,
-        N=N, Kd=Kd, CHECK=check, EXACT_ROUND=interpret_mode(), EPS=AMAX_EPS, FORWARD=forward, TRANSPOSED=True,
-        num_warps=_W_WARPS,
-    )
-    return q, s, wt, st
 
 
 assert FP8_MAX == 448.0  # the kernels spell 448 out as a literal
