@@ -427,7 +427,8 @@ def main(argv=None) -> int:
         for group in wanted:
             variants = groups[group]
             first = [t.clone() for t in _as_tuple(variants[0][1]())]
-            same = {name: all(torch.equal(u, v) for u, v in zip(_as_tuple(fn()), first)) for name, fn in variants}
+            same = {name: all(torch.equal(_bits(u), _bits(v)) for u, v in zip(_as_tuple(fn()), first))
+                    for name, fn in variants}
             times = {name: [] for name, _ in variants}
             for r in range(a.rounds):
                 k = r % len(variants)
@@ -458,6 +459,12 @@ def _write(a, rows: list[dict]) -> None:
 
 def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
+
+
+def _bits(t):
+    """t as its raw bits (torch.equal on floats compares values: +0 == -0, NaN != NaN)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) \
+        if t.is_floating_point() else t
 
 
 if __name__ == "__main__":

@@ -17,19 +17,25 @@ BUILDS = [("w2_30b", 2048, 768, None, torch.bfloat16), ("w13_30b", 1536, 2048, 7
           ("w2_30b_fp32", 2048, 768, None, torch.float32), ("w13_30b_v1", 1536, 2048, 768, torch.bfloat16),
           ("w2_30b_epi2", 2048, 768, None, torch.bfloat16), ("w13_235b_epi2", 3072, 4096, 1536, torch.bfloat16),
           ("w2_30b_n128", 2048, 768, None, torch.bfloat16), ("w13_30b_n128", 1536, 2048, 768, torch.bfloat16),
-          ("w13_235b_n128", 3072, 4096, 1536, torch.bfloat16)]
+          ("w13_235b_n128", 3072, 4096, 1536, torch.bfloat16), ("w2_30b_n128_2buf", 2048, 768, None, torch.bfloat16),
+          ("w2_30b_fp32_n128_4st", 2048, 768, None, torch.float32)]
 
 
 def _config(label: str):
     """The default config; with the label's suffix ``_v1`` session 20's consumer (scales loaded from global memory
     every step), with ``_epi2`` two output staging tiles per consumer, with ``_n128`` one m64n128 MMA chain per
-    consumer."""
+    consumer (``_n128_2buf``: with two staging tiles and 4 stages, the A/B's row; ``_n128_4st``: 4 stages, as fp32
+    outputs need)."""
     import dataclasses
 
     from titan_megamoe.kernels.ws_wgrad_fp8 import FP8_WGRAD_CONFIG, FP8_WGRAD_EPI2_CONFIG, FP8_WGRAD_N128_CONFIG
 
     if label.endswith("_v1"):
         return dataclasses.replace(FP8_WGRAD_CONFIG, smem_scales=False)
+    if label.endswith("_n128_2buf"):
+        return dataclasses.replace(FP8_WGRAD_N128_CONFIG, epilogue_buffers=2, stages=4)
+    if label.endswith("_n128_4st"):
+        return dataclasses.replace(FP8_WGRAD_N128_CONFIG, stages=4)
     if label.endswith("_n128"):
         return FP8_WGRAD_N128_CONFIG
     return FP8_WGRAD_EPI2_CONFIG if label.endswith("_epi2") else FP8_WGRAD_CONFIG
@@ -56,7 +62,7 @@ def test_ws_wgrad_fp8_builds_for_sm90a_without_spills_or_wgmma_serialization(lab
     dt = dict((b[0], b[4]) for b in BUILDS)[label]
     cfg = _config(label)
     assert r["target"], "PTX not built for sm_90a"
-    if label.endswith("_n128"):  # two consumers x 4 k32 steps of m64n128 e4m3, the partial scaled once it completes
+    if "_n128" in label:  # two consumers x 4 k32 steps of m64n128 e4m3, the partial scaled once it completes
         assert r["wgmma"] == 8 and r["wgmma_waits"] == ["0", "0"], (r["wgmma"], r["wgmma_waits"])
     else:
         assert r["wgmma"] == 16, r  # two consumers x (lo, hi) halves x 4 k32 steps of m64n64 e4m3
@@ -141,7 +147,8 @@ def test_ws_wgrad_fp8_refuses_what_it_cannot_take(monkeypatch):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out=(torch.empty(4, 256, 64),))
     with pytest.raises(ValueError, match="cfg.mma_n must be 64 or 128"):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, cfg=W.Fp8WgradConfig(mma_n=256))
-    with pytest.raises(ValueError, match="234496 bytes of shared memory with torch.float32 outputs.*fewer stages"):
+    with pytest.raises(ValueError, match=r"234576 bytes of shared memory with torch.float32 outputs "
+                                         r"\(\+ alignment\).*fewer stages"):
         W.ws_wgrad_fp8(doT, doTs, hsT, hsTs, lay, out_dtype=torch.float32, cfg=W.FP8_WGRAD_N128_CONFIG)
 
 

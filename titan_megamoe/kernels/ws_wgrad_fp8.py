@@ -102,11 +102,16 @@ class Fp8WgradConfig:
 
     def smem_bytes(self, out_dtype: torch.dtype = torch.bfloat16) -> int:
         """Shared memory of the operand ring (with the scale rows where ``smem_scales``; unused, the compiler drops
-        them) and the two consumers' 64 x 64 output staging tiles."""
+        them), its two mbarriers per stage and the two consumers' 64 x ``mma_n`` output staging tiles; the compiled
+        kernel adds a few hundred bytes of alignment (``ws_wgrad_fp8`` leaves :data:`SMEM_SLACK` for them)."""
         staging = 2 * self.epilogue_buffers * 64 * self.mma_n * torch.empty((), dtype=out_dtype).element_size()
         scales = 2 * _G * 4 if self.smem_scales else 0
-        return self.stages * (2 * _G * _G + scales) + staging
+        return self.stages * (2 * _G * _G + scales + 2 * 8) + staging
 
+
+#: Bytes the shared-memory check leaves for what ``Fp8WgradConfig.smem_bytes`` does not count (alignment: 250-290 bytes
+#: in the sm_90a builds, session 40's review).
+SMEM_SLACK = 1024
 
 #: Default config (sm_90a builds at both Qwen3 shapes: tests/test_ws_wgrad_fp8.py).
 FP8_WGRAD_CONFIG = Fp8WgradConfig()
@@ -437,9 +442,10 @@ def ws_wgrad_fp8(aT_q: Tensor, aT_s: Tensor, bT_q: Tensor, bT_s: Tensor, layout,
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if cfg.mma_n not in (64, 128) or (cfg.mma_n == 128 and _ablate):
         raise ValueError(f"{fn}: cfg.mma_n must be 64 or 128 (128 without _ablate), got {cfg.mma_n}")
-    if cfg.smem_bytes(out_dtype) > HOPPER_SMEM_BYTES:
+    if cfg.smem_bytes(out_dtype) > HOPPER_SMEM_BYTES - SMEM_SLACK:
         raise ValueError(f"{fn}: {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory with {out_dtype} "
-                         f"outputs, more than an sm_90 block has ({HOPPER_SMEM_BYTES}); use fewer stages")
+                         f"outputs (+ alignment), more than an sm_90 block has ({HOPPER_SMEM_BYTES}); use fewer "
+                         f"stages or one staging tile")
     M1 = MA if split is None else split
     if not 0 < M1 <= MA or (split is not None and M1 == MA):
         raise ValueError(f"{fn}: split={split} must be in (0, {MA})")
