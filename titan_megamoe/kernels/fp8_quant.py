@@ -626,9 +626,9 @@ def quantize_weight_128x128_t(
     The transposed copy is the K-major B operand of the FP8 dgrads (FP8 wgmma reads K-major operands only). It is
     stored from the block the program quantized, so it equals ``quantize_weight_128x128(w)`` transposed and, where N
     is a multiple of 128, ``fp8_reference.quantize_weight_128x128(w.transpose(1, 2))``, bit for bit (a 128x128
-    block's amax does not depend on its orientation). Why: ``q.transpose(1, 2).contiguous()`` of a 1-byte tensor was PyTorch's strided copy, 4.1 of
-    the 4.7 ms the three 30B expert weights took per optimizer step on an H100 (``bench_fp8_30b_s22e_1xh100_20261206``,
-    ``quant_weights_fwd_and_t`` against ``quant_weights_128x128_only``).
+    block's amax does not depend on its orientation). Why: ``q.transpose(1, 2).contiguous()`` of a 1-byte tensor was
+    PyTorch's strided copy, 4.1 of the 4.7 ms the three 30B expert weights took per optimizer step on an H100
+    (``bench_fp8_30b_s22e_1xh100_20261206``, ``quant_weights_fwd_and_t`` against ``quant_weights_128x128_only``).
 
     Grid: (cdiv(N, 128), Kd // 128, E); one program per block.
 
